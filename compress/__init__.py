@@ -1,0 +1,1 @@
+"""Tensor codecs for model updates: quantizers, sparsifiers, low-rank, error feedback, wire."""

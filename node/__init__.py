@@ -1,0 +1,1 @@
+"""The geotrain node daemon: config, identity, secure transport, trainer and the `geotrain` CLI."""

@@ -1,0 +1,58 @@
+# Logging setup for the whole process. Invariant: configured once, by the CLI, before any command
+# runs; library code only calls structlog.get_logger() and never configures anything itself.
+from __future__ import annotations
+
+import logging
+import sys
+from typing import Literal, TextIO
+
+import structlog
+
+LogFormat = Literal["auto", "console", "json"]
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+LOG_FORMATS: tuple[LogFormat, ...] = ("auto", "console", "json")
+
+
+def configure_logging(level: str, fmt: LogFormat, stream: TextIO | None = None) -> str:
+    """Configure structlog for this process.
+
+    Args:
+        level: one of LOG_LEVELS.
+        fmt: "console" (human readable), "json" (one JSON object per line) or "auto" (console when
+            `stream` is a terminal, JSON lines otherwise).
+        stream: where log lines go; standard error by default, so that standard output stays free
+            for a command's own result.
+
+    Returns:
+        The format actually chosen ("console" or "json").
+
+    Raises:
+        ValueError: unknown level or format.
+    """
+    if level not in LOG_LEVELS:
+        raise ValueError(f"log level {level!r}: expected one of {', '.join(LOG_LEVELS)}")
+    if fmt not in LOG_FORMATS:
+        raise ValueError(f"log format {fmt!r}: expected one of {', '.join(LOG_FORMATS)}")
+    out = stream if stream is not None else sys.stderr
+    chosen = fmt
+    if fmt == "auto":
+        chosen = "console" if out.isatty() else "json"
+    renderer: structlog.types.Processor
+    if chosen == "console":
+        renderer = structlog.dev.ConsoleRenderer(colors=out.isatty())
+    else:
+        renderer = structlog.processors.JSONRenderer()
+    structlog.configure(
+        processors=[
+            structlog.contextvars.merge_contextvars,
+            structlog.processors.add_log_level,
+            structlog.processors.TimeStamper(fmt="iso", utc=True),
+            structlog.processors.StackInfoRenderer(),
+            structlog.processors.format_exc_info,
+            renderer,
+        ],
+        wrapper_class=structlog.make_filtering_bound_logger(getattr(logging, level.upper())),
+        logger_factory=structlog.PrintLoggerFactory(file=out),
+        cache_logger_on_first_use=False,
+    )
+    return chosen

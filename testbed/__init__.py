@@ -1,0 +1,1 @@
+"""Many local geotrain nodes behind emulated WAN links, with faults and an all-reduce baseline."""
