@@ -1,0 +1,95 @@
+# Averaging rules: how a node checks and mixes a model received from a peer. Invariants: pure
+# tensor arithmetic, no I/O; a check that fails raises RejectedUpdate before anything is changed;
+# mixing keeps the local progress made since the snapshot that was sent (AD-PSGD's
+# x <- x + w * (x_peer - x_snapshot)), so training never has to pause for an exchange.
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+
+import torch
+
+from ._errors import RemoteProtocolError
+
+Params = Mapping[str, torch.Tensor]
+
+
+class RejectedUpdate(RemoteProtocolError):
+    """A peer's model or update failed a check. `reason` is a short code for counters.
+
+    Codes: "names" (parameter names differ), "shape", "dtype", "nonfinite", "norm".
+    """
+
+    def __init__(self, reason: str, detail: str) -> None:
+        super().__init__(f"{reason}: {detail}")
+        self.reason = reason
+
+
+def params_norm(params: Params) -> float:
+    """The L2 norm of all tensors together."""
+    total = sum(float(t.detach().double().pow(2).sum()) for t in params.values())
+    return math.sqrt(total)
+
+
+def check_update(local: Params, remote: Params, *, max_norm_ratio: float) -> None:
+    """Check a peer's tensors against ours before they are mixed in.
+
+    Args:
+        local: this node's tensors (the reference for names, shapes and scale).
+        remote: what the peer sent, already decoded.
+        max_norm_ratio: refuse when ||remote|| > max_norm_ratio * ||local|| + 1 (the +1 lets a
+            near-zero local model, e.g. a zero pseudo-gradient, accept a normal update).
+
+    Raises:
+        RejectedUpdate: names, shapes or dtypes differ, a value is NaN/inf, or the norm is too big.
+    """
+    if set(local) != set(remote):
+        missing, extra = sorted(set(local) - set(remote)), sorted(set(remote) - set(local))
+        raise RejectedUpdate("names", f"missing {missing[:3]}, unexpected {extra[:3]}")
+    for name, mine in local.items():
+        theirs = remote[name]
+        if theirs.shape != mine.shape:
+            raise RejectedUpdate("shape", f"{name}: {tuple(theirs.shape)} != {tuple(mine.shape)}")
+        if not theirs.is_floating_point():
+            raise RejectedUpdate("dtype", f"{name}: {theirs.dtype} is not floating point")
+        if not bool(torch.isfinite(theirs).all()):
+            raise RejectedUpdate("nonfinite", f"{name} holds NaN or inf")
+    theirs_norm, mine_norm = params_norm(remote), params_norm(local)
+    if theirs_norm > max_norm_ratio * mine_norm + 1.0:
+        raise RejectedUpdate(
+            "norm", f"norm {theirs_norm:.3g} > {max_norm_ratio} x local {mine_norm:.3g} + 1"
+        )
+
+
+def pairwise_mix(
+    live: Params,
+    snapshot: Params,
+    remote: Params,
+    *,
+    weight: float = 0.5,
+    clip: float | None = None,
+) -> float:
+    """Mix a peer's model into ours, in place: live += weight * clip(remote - snapshot).
+
+    Args:
+        live: this node's parameters now (changed in place; may have moved on since `snapshot`).
+        snapshot: this node's parameters when the exchange started (what the peer received).
+        remote: the peer's parameters (what it sent).
+        weight: the peer's share; 0.5 is a plain pairwise average.
+        clip: when set, the difference (remote - snapshot) is scaled down to at most this L2 norm,
+            so a bad but finite peer moves us by a bounded amount (clipped gossip).
+
+    Returns:
+        The L2 norm of (remote - snapshot) before clipping: the two models' distance.
+    """
+    if not 0.0 < weight <= 1.0:
+        raise ValueError(f"weight={weight}: expected 0 < weight <= 1")
+    diffs = {name: remote[name].to(live[name].dtype) - snapshot[name] for name in live}
+    distance = params_norm(diffs)
+    scale = weight
+    if clip is not None and distance > clip:
+        scale = weight * clip / distance
+    with torch.no_grad():
+        for name, tensor in live.items():
+            tensor.add_(diffs[name], alpha=scale)
+    return distance

@@ -1,0 +1,69 @@
+"""Checkpoints: atomic files, verified loading, fallback to the previous one."""
+
+from __future__ import annotations
+
+import torch
+
+from node._checkpoint import Checkpoint, CheckpointStore, decode_checkpoint, encode_checkpoint
+
+
+def _ckpt(step: int) -> Checkpoint:
+    return Checkpoint(
+        step=step,
+        algorithm="adpsgd",
+        tensors={"model/w": torch.full((3, 2), float(step)), "ef/w": torch.zeros(4)},
+        meta={"links": {"peer-a": {"rtt": 0.1}}},
+    )
+
+
+def test_round_trip_keeps_everything():
+    back = decode_checkpoint(encode_checkpoint(_ckpt(7)))
+    assert back.step == 7 and back.algorithm == "adpsgd"
+    assert torch.equal(back.tensors["model/w"], torch.full((3, 2), 7.0))
+    assert back.meta == {"links": {"peer-a": {"rtt": 0.1}}}
+
+
+def test_latest_is_loaded_and_old_ones_pruned(tmp_path):
+    store = CheckpointStore(tmp_path, keep=2)
+    for step in (10, 20, 30):
+        store.save(_ckpt(step))
+    assert [p.name for p in store.paths()] == [
+        "ckpt-0000000030.safetensors",
+        "ckpt-0000000020.safetensors",
+    ]
+    latest, skipped = store.load_latest()
+    assert latest is not None and latest.step == 30 and skipped == []
+
+
+def test_truncated_checkpoint_falls_back_to_previous(tmp_path):
+    store = CheckpointStore(tmp_path)
+    store.save(_ckpt(10))
+    newest = store.save(_ckpt(20))
+    newest.write_bytes(newest.read_bytes()[:-5])
+    latest, skipped = store.load_latest()
+    assert latest is not None and latest.step == 10
+    assert len(skipped) == 1 and "ckpt-0000000020" in skipped[0]
+
+
+def test_flipped_byte_is_detected(tmp_path):
+    store = CheckpointStore(tmp_path)
+    store.save(_ckpt(10))
+    newest = store.save(_ckpt(20))
+    data = bytearray(newest.read_bytes())
+    data[-3] ^= 0x40  # inside the tensor bytes
+    newest.write_bytes(bytes(data))
+    latest, skipped = store.load_latest()
+    assert latest is not None and latest.step == 10 and "SHA-256" in skipped[0]
+
+
+def test_no_checkpoint_and_garbage(tmp_path):
+    store = CheckpointStore(tmp_path)
+    assert store.load_latest() == (None, [])
+    (tmp_path / "ckpt-0000000001.safetensors").write_bytes(b"\xff" * 40)
+    latest, skipped = store.load_latest()
+    assert latest is None and len(skipped) == 1
+
+
+def test_no_temp_files_are_left(tmp_path):
+    CheckpointStore(tmp_path).save(_ckpt(1))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt-0000000001.safetensors"]

@@ -1,0 +1,113 @@
+"""Built-in tasks, task resolution and data sharding."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from node._task_builtin import load_digits
+from node._tasks import TaskContext, resolve_task, shard_indices
+
+
+def test_shipped_digits_are_the_full_set():
+    images, labels = load_digits()
+    assert images.shape == (1797, 64) and labels.shape == (1797,)
+    assert 0.0 <= images.min() and images.max() == 1.0
+    assert sorted(np.bincount(labels)) == sorted([178, 182, 177, 183, 181, 182, 181, 179, 174, 180])
+
+
+@pytest.mark.parametrize("partition", ["iid", "dirichlet"])
+def test_shards_are_disjoint_and_cover_everything(partition):
+    labels = np.random.default_rng(0).integers(0, 10, size=1000)
+    shards = [
+        shard_indices(labels, TaskContext(shard_index=i, num_shards=4, seed=3, partition=partition))
+        for i in range(4)
+    ]
+    together = np.concatenate(shards)
+    assert len(together) == 1000 and len(np.unique(together)) == 1000
+
+
+def test_dirichlet_skews_labels_and_iid_does_not():
+    labels = np.repeat(np.arange(10), 100)
+
+    def label_share(partition, alpha):
+        ctx = TaskContext(shard_index=0, num_shards=4, seed=1, partition=partition, alpha=alpha)
+        counts = np.bincount(labels[shard_indices(labels, ctx)], minlength=10)
+        return counts.max() / max(counts.sum(), 1)
+
+    assert label_share("iid", 0.5) < 0.2  # about 1/10 each
+    assert label_share("dirichlet", 0.1) > 0.3  # a few labels dominate
+
+
+def test_same_seed_gives_same_initial_model_on_every_node():
+    a = resolve_task("digits-mlp")(TaskContext(shard_index=0, num_shards=2, seed=5))
+    b = resolve_task("digits-mlp")(TaskContext(shard_index=1, num_shards=2, seed=5))
+    for (na, pa), (nb, pb) in zip(
+        a.model.named_parameters(), b.model.named_parameters(), strict=True
+    ):
+        assert na == nb and torch.equal(pa, pb)
+    xa, _ = next(a.batches)
+    xb, _ = next(b.batches)
+    assert not torch.equal(xa, xb)  # different shards
+
+
+def test_digits_mlp_learns_alone():
+    task = resolve_task("digits-mlp")(TaskContext(seed=0))
+    opt = torch.optim.SGD(task.model.parameters(), lr=task.lr, momentum=0.9)
+    before = task.evaluate(task.model)
+    for _ in range(300):
+        opt.zero_grad()
+        task.loss(task.model, next(task.batches)).backward()
+        opt.step()
+    assert before < 0.3 and task.evaluate(task.model) > 0.9
+
+
+def test_wide_digits_mlp_has_over_a_million_parameters():
+    task = resolve_task("digits-mlp")(TaskContext(params={"hidden": 1024, "layers": 2}))
+    assert sum(p.numel() for p in task.model.parameters()) > 1_000_000
+
+
+def test_charlm_runs_on_a_small_corpus(tmp_path):
+    (tmp_path / "a.py").write_text("def f(x):\n    return x + 1\n" * 800)
+    ctx = TaskContext(params={"corpus": str(tmp_path), "d_model": 32, "layers": 1, "heads": 2})
+    task = resolve_task("charlm")(ctx)
+    loss = task.loss(task.model, next(task.batches))
+    assert loss.item() == pytest.approx(np.log(256), rel=0.2)
+    assert 0.0 <= task.evaluate(task.model) <= 1.0
+
+
+@pytest.mark.parametrize(
+    ("name", "message"),
+    [
+        ("nope", "expected one of"),
+        ("no_such_module_xyz:f", "cannot import module"),
+        ("json:no_such_function", "has no function"),
+    ],
+)
+def test_bad_task_names_say_what_is_wrong(name, message):
+    with pytest.raises(ValueError, match=message):
+        resolve_task(name)
+
+
+def test_bad_task_param_names_the_field():
+    with pytest.raises(ValueError, match=r"task.params.hidden='wide': expected int"):
+        resolve_task("digits-mlp")(TaskContext(params={"hidden": "wide"}))
+
+
+def test_user_task_by_module_and_function():
+    task_fn = resolve_task("node._task_builtin:synthetic_linreg")
+    assert task_fn(TaskContext()).metric == "mse"
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"shard_index": 4, "num_shards": 4}, "shard_index=4"),
+        ({"partition": "zipf"}, "partition='zipf'"),
+        ({"alpha": 0.0}, "alpha=0.0"),
+    ],
+)
+def test_bad_context_is_refused(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        TaskContext(**kwargs)

@@ -1,0 +1,92 @@
+"""The trainer: steps, slowdown, mixing with checks, checkpoint state."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gossip._averaging import RejectedUpdate
+from node._tasks import TaskContext, resolve_task
+from node._trainer import Trainer
+
+
+def _trainer(**kwargs) -> Trainer:
+    return Trainer(resolve_task("synthetic-linreg")(TaskContext(seed=2)), **kwargs)
+
+
+def test_training_lowers_the_error():
+    trainer = _trainer()
+    before = trainer.evaluate()
+    for _ in range(300):
+        trainer.train_step()
+    assert trainer.step == 300 and trainer.evaluate() < before / 10
+
+
+def test_slowdown_waits_in_proportion_to_compute():
+    waits: list[float] = []
+    trainer = _trainer(slowdown=4.0, sleep=waits.append)
+    trainer.train_step()
+    assert len(waits) == 1 and waits[0] > 0
+
+
+def test_mix_averages_and_keeps_local_progress():
+    trainer = _trainer()
+    snap = trainer.snapshot()
+    trainer.train_step()  # local progress after the snapshot
+    progressed = trainer.snapshot()
+    remote = {k: v + 2.0 for k, v in snap.items()}
+    trainer.mix(snap, remote, max_norm_ratio=1e9)
+    for name, now in trainer.params().items():
+        torch.testing.assert_close(now, progressed[name] + 1.0)
+
+
+@pytest.mark.parametrize(
+    ("mutate", "reason"),
+    [
+        (lambda r: r.update(weight=torch.full_like(r["weight"], float("nan"))), "nonfinite"),
+        (lambda r: r.update(weight=r["weight"] * 1e6), "norm"),
+        (lambda r: r.pop("bias"), "names"),
+        (lambda r: r.update(bias=torch.zeros(3)), "shape"),
+    ],
+)
+def test_bad_peer_params_are_rejected_and_change_nothing(mutate, reason):
+    trainer = _trainer()
+    for _ in range(20):
+        trainer.train_step()
+    snap = trainer.snapshot()
+    remote = {k: v.clone() + 0.1 for k, v in snap.items()}
+    mutate(remote)
+    with pytest.raises(RejectedUpdate) as info:
+        trainer.mix(snap, remote)
+    assert info.value.reason == reason
+    for name, now in trainer.params().items():
+        assert torch.equal(now, snap[name])
+
+
+def test_clip_bounds_how_far_a_peer_moves_us():
+    trainer = _trainer()
+    snap = trainer.snapshot()
+    remote = {k: v + 5.0 for k, v in snap.items()}
+    distance = trainer.mix(snap, remote, clip=0.5, max_norm_ratio=1e9)
+    moved = sum(float((trainer.params()[k] - snap[k]).pow(2).sum()) for k in snap) ** 0.5
+    assert distance > 10 and moved == pytest.approx(0.25, rel=1e-4)  # weight 0.5 x clip 0.5
+
+
+def test_state_restores_model_optimizer_and_step():
+    a = _trainer()
+    for _ in range(30):
+        a.train_step()
+    tensors, meta = a.state_tensors()
+    b = _trainer()
+    b.restore(tensors, meta, step=a.step)
+    assert b.step == 30
+    a.train_step()
+    b.train_step()  # the same next batch is not guaranteed, but momentum state must match shape
+    assert set(b.optimizer.state_dict()["state"]) == set(a.optimizer.state_dict()["state"])
+
+
+def test_bad_trainer_settings_are_refused():
+    with pytest.raises(ValueError, match="optimizer='lamb'"):
+        _trainer(optimizer="lamb")
+    with pytest.raises(ValueError, match="slowdown=0.5"):
+        _trainer(slowdown=0.5)
