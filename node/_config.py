@@ -1,0 +1,333 @@
+# Node configuration. Invariants: one frozen dataclass per component, each validated in
+# __post_init__; a bad value raises ConfigError naming the field (section.key), the value and what
+# was expected, before anything starts; relative paths are resolved against the config's folder.
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+ALGORITHMS = ("adpsgd",)
+POLICIES = ("uniform", "ring", "exponential", "bandwidth")
+PARTITIONS = ("iid", "dirichlet")
+
+
+class ConfigError(ValueError):
+    """A config value is wrong; the message names the field, the value and what was expected."""
+
+
+def _fail(name: str, value: Any, expected: str) -> typing.NoReturn:
+    raise ConfigError(f"{name} = {value!r}: expected {expected}")
+
+
+def _check(ok: bool, name: str, value: Any, expected: str) -> None:
+    if not ok:
+        _fail(name, value, expected)
+
+
+@dataclass(frozen=True)
+class IdentityConfig:
+    """Who this node is and who it lets in.
+
+    key: this node's Ed25519 identity key file (`geotrain keygen`).
+    certificate: this node's membership certificate (`geotrain swarm admit`), shown to peers.
+    swarm: the swarm's public file (swarm ID + authority key) that peers' certificates must match.
+    allow: instead of a swarm authority, an explicit list of admitted peer IDs.
+    open_swarm: admit anyone. Only for experiments on a closed network; never the default.
+    """
+
+    key: Path = Path("identity.key")
+    certificate: Path | None = None
+    swarm: Path | None = None
+    allow: tuple[str, ...] = ()
+    open_swarm: bool = False
+
+    def __post_init__(self) -> None:
+        modes = sum([self.swarm is not None, bool(self.allow), self.open_swarm])
+        _check(
+            modes == 1,
+            "identity.swarm / identity.allow / identity.open_swarm",
+            f"{modes} set",
+            "exactly one way to admit peers: a swarm file, an allow-list, or open_swarm = true",
+        )
+        if self.swarm is not None:
+            _check(
+                self.certificate is not None,
+                "identity.certificate",
+                None,
+                "a certificate file when identity.swarm is set (peers refuse a node without one)",
+            )
+
+
+@dataclass(frozen=True)
+class NetworkConfig:
+    """Where this node listens and whom it first contacts.
+
+    listen: the address to bind, e.g. "tcp://0.0.0.0:7000" (port 0 picks a free one).
+    advertise: the address peers should dial; defaults to `listen` (fine on loopback).
+    bootstrap: addresses of peers already in the swarm; empty for the first node.
+    max_message_mb: the largest message accepted from a peer; bigger ones are refused unread.
+    handshake_timeout_s: a peer that has not finished the handshake by then is dropped.
+    """
+
+    listen: str = "tcp://127.0.0.1:0"
+    advertise: str | None = None
+    bootstrap: tuple[str, ...] = ()
+    max_message_mb: int = 256
+    handshake_timeout_s: float = 10.0
+
+    def __post_init__(self) -> None:
+        for name, addr in [("network.listen", self.listen), ("network.advertise", self.advertise)]:
+            if addr is not None:
+                _check(addr.startswith("tcp://"), name, addr, "an address like tcp://HOST:PORT")
+        for addr in self.bootstrap:
+            _check(addr.startswith("tcp://"), "network.bootstrap", addr, "tcp://HOST:PORT items")
+        _check(
+            0 < self.max_message_mb <= 4096,
+            "network.max_message_mb",
+            self.max_message_mb,
+            "1..4096",
+        )
+        _check(
+            self.handshake_timeout_s > 0,
+            "network.handshake_timeout_s",
+            self.handshake_timeout_s,
+            "> 0 seconds",
+        )
+
+
+@dataclass(frozen=True)
+class TrainingConfig:
+    """What and how this node trains.
+
+    task: a built-in task ("digits-mlp", "charlm", "synthetic-linreg") or "module:function".
+    params: task-specific settings (the [training.params] table).
+    device: "auto" (CUDA when present, else CPU), "cpu", "cuda" or "cuda:N".
+    optimizer / lr: "sgd" or "adam" and its rate; unset takes the task's defaults.
+    seed: the swarm-wide seed (same model initialisation and evaluation set everywhere).
+    shard_index / num_shards: which part of the training data this node holds.
+    partition / alpha: "iid" shards, or "dirichlet" label skew with concentration alpha.
+    max_steps: stop after this many local steps (0: run until stopped).
+    eval_every: evaluate the held-out metric every this many steps.
+    slowdown: emulate a slower machine (the testbed's stragglers); 1.0 is full speed.
+    threads: torch CPU threads (0 leaves torch's default).
+    """
+
+    task: str = "digits-mlp"
+    params: dict[str, Any] = field(default_factory=dict)
+    device: str = "auto"
+    optimizer: str | None = None
+    lr: float | None = None
+    seed: int = 0
+    shard_index: int = 0
+    num_shards: int = 1
+    partition: str = "iid"
+    alpha: float = 0.5
+    max_steps: int = 0
+    eval_every: int = 50
+    slowdown: float = 1.0
+    threads: int = 0
+
+    def __post_init__(self) -> None:
+        _check(
+            self.optimizer in (None, "sgd", "adam"),
+            "training.optimizer",
+            self.optimizer,
+            "sgd or adam",
+        )
+        _check(self.lr is None or self.lr > 0, "training.lr", self.lr, "> 0")
+        _check(self.num_shards >= 1, "training.num_shards", self.num_shards, ">= 1")
+        _check(
+            0 <= self.shard_index < self.num_shards,
+            "training.shard_index",
+            self.shard_index,
+            f"0..{self.num_shards - 1} (training.num_shards = {self.num_shards})",
+        )
+        _check(
+            self.partition in PARTITIONS,
+            "training.partition",
+            self.partition,
+            " or ".join(PARTITIONS),
+        )
+        _check(self.alpha > 0, "training.alpha", self.alpha, "> 0")
+        _check(self.max_steps >= 0, "training.max_steps", self.max_steps, ">= 0")
+        _check(self.eval_every >= 1, "training.eval_every", self.eval_every, ">= 1")
+        _check(self.slowdown >= 1.0, "training.slowdown", self.slowdown, ">= 1.0")
+        _check(self.threads >= 0, "training.threads", self.threads, ">= 0")
+        for key, value in self.params.items():
+            _check(
+                isinstance(value, int | float | str | bool),
+                f"training.params.{key}",
+                value,
+                "a number, string or boolean",
+            )
+
+
+@dataclass(frozen=True)
+class GossipConfig:
+    """How this node averages with the swarm.
+
+    algorithm: "adpsgd" (asynchronous pairwise averaging).
+    exchange_every: local steps between two exchanges this node starts.
+    policy: partner choice: "bandwidth" (measured links), "uniform", "ring" or "exponential".
+    codec: "auto" picks per link from its measured bandwidth; or a fixed compress/ spec.
+    max_norm_ratio: refuse a peer's model whose norm exceeds this multiple of ours (+1).
+    clip: bound the L2 distance a single exchange may move us (clipped gossip); unset = no bound.
+    state_sync: a node with no checkpoint first fetches the current model from a peer.
+    """
+
+    algorithm: str = "adpsgd"
+    exchange_every: int = 4
+    policy: str = "bandwidth"
+    codec: str = "auto"
+    max_norm_ratio: float = 10.0
+    clip: float | None = None
+    state_sync: bool = True
+
+    def __post_init__(self) -> None:
+        _check(
+            self.algorithm in ALGORITHMS,
+            "gossip.algorithm",
+            self.algorithm,
+            " or ".join(ALGORITHMS),
+        )
+        _check(self.exchange_every >= 1, "gossip.exchange_every", self.exchange_every, ">= 1")
+        _check(self.policy in POLICIES, "gossip.policy", self.policy, " or ".join(POLICIES))
+        _check(self.max_norm_ratio > 1, "gossip.max_norm_ratio", self.max_norm_ratio, "> 1")
+        _check(self.clip is None or self.clip > 0, "gossip.clip", self.clip, "> 0")
+
+
+@dataclass(frozen=True)
+class StateConfig:
+    """Where this node keeps its state.
+
+    dir: the state directory (checkpoints, metrics.jsonl, status.json).
+    checkpoint_every: write a checkpoint every this many steps (and always on shutdown).
+    keep: how many checkpoints to keep.
+    status_every_s: how often status.json and a metrics line are written.
+    """
+
+    dir: Path = Path("state")
+    checkpoint_every: int = 200
+    keep: int = 3
+    status_every_s: float = 1.0
+
+    def __post_init__(self) -> None:
+        _check(self.checkpoint_every >= 1, "state.checkpoint_every", self.checkpoint_every, ">= 1")
+        _check(self.keep >= 1, "state.keep", self.keep, ">= 1")
+        _check(self.status_every_s > 0, "state.status_every_s", self.status_every_s, "> 0")
+
+
+@dataclass(frozen=True)
+class NodeConfig:
+    identity: IdentityConfig = field(default_factory=IdentityConfig)
+    network: NetworkConfig = field(default_factory=NetworkConfig)
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    gossip: GossipConfig = field(default_factory=GossipConfig)
+    state: StateConfig = field(default_factory=StateConfig)
+
+
+def _coerce(name: str, value: Any, hint: Any, base: Path) -> Any:
+    """Check one TOML value against a field's type hint and convert it (paths, tuples)."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (types.UnionType, typing.Union):
+        if value is None or (isinstance(value, str) and value == "" and type(None) in args):
+            return None
+        (inner,) = [a for a in args if a is not type(None)]
+        return _coerce(name, value, inner, base)
+    if hint is Path:
+        _check(isinstance(value, str) and value != "", name, value, "a path")
+        path = Path(value).expanduser()
+        return path if path.is_absolute() else base / path
+    if origin is tuple:
+        _check(
+            isinstance(value, list) and all(isinstance(v, str) for v in value),
+            name,
+            value,
+            "a list of strings",
+        )
+        return tuple(value)
+    if origin is dict:
+        _check(isinstance(value, dict), name, value, "a table")
+        return dict(value)
+    if hint is float:
+        _check(
+            isinstance(value, int | float) and not isinstance(value, bool), name, value, "a number"
+        )
+        return float(value)
+    if hint is int:
+        _check(isinstance(value, int) and not isinstance(value, bool), name, value, "an integer")
+        return value
+    if hint is bool:
+        _check(isinstance(value, bool), name, value, "true or false")
+        return value
+    _check(isinstance(value, str), name, value, "a string")
+    return value
+
+
+def _section(cls: type, table: Any, section: str, base: Path) -> Any:
+    _check(isinstance(table, dict), section, table, "a table")
+    hints = typing.get_type_hints(cls)
+    known = {f.name for f in dataclasses.fields(cls)}
+    for key in table:
+        if key not in known:
+            _fail(f"{section}.{key}", table[key], f"one of the keys {sorted(known)}")
+    values = {k: _coerce(f"{section}.{k}", v, hints[k], base) for k, v in table.items()}
+    return cls(**values)
+
+
+def _parse_override(item: str) -> tuple[list[str], Any]:
+    key, sep, raw = item.partition("=")
+    if not sep or "." not in key:
+        raise ConfigError(f"--set {item!r}: expected section.key=value")
+    try:
+        value = tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = raw  # a bare word is taken as a string
+    return key.strip().split("."), value
+
+
+def config_from_toml(text: str, *, base: Path, overrides: typing.Sequence[str] = ()) -> NodeConfig:
+    """Build a NodeConfig from TOML text plus `section.key=value` overrides.
+
+    Args:
+        text: the TOML document.
+        base: the folder relative paths are resolved against (the config file's).
+        overrides: `--set` items; values are TOML (`lr=0.1`, `bootstrap=["tcp://a:1"]`) or a bare
+            string.
+
+    Raises:
+        ConfigError: bad TOML, an unknown section or key, or a bad value.
+    """
+    try:
+        doc = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"config is not valid TOML: {exc}") from exc
+    for item in overrides:
+        path, value = _parse_override(item)
+        table = doc
+        for part in path[:-1]:
+            table = table.setdefault(part, {})
+            if not isinstance(table, dict):
+                raise ConfigError(f"--set {item!r}: {part} is not a table")
+        table[path[-1]] = value
+    sections = {f.name: f for f in dataclasses.fields(NodeConfig)}
+    for name in doc:
+        if name not in sections:
+            _fail(name, doc[name], f"one of the sections {sorted(sections)}")
+    hints = typing.get_type_hints(NodeConfig)
+    built = {name: _section(hints[name], doc[name], name, base) for name in doc}
+    return NodeConfig(**built)
+
+
+def load_config(path: Path, overrides: typing.Sequence[str] = ()) -> NodeConfig:
+    """Read a TOML config file (see config_from_toml)."""
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise ConfigError(f"config file {str(path)!r}: {exc.strerror}") from exc
+    return config_from_toml(text, base=path.resolve().parent, overrides=overrides)
