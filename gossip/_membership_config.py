@@ -1,0 +1,118 @@
+# Configuration of SWIM-style membership. Invariant: every timer the state machine uses is derived
+# from these fields and the current swarm size, so a config fully states the timing behaviour.
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from ._messages import MAX_MEMBERS, MAX_UPDATES
+
+
+def _require(ok: bool, field: str, value: object, expected: str) -> None:
+    if not ok:
+        raise ValueError(f"MembershipConfig.{field} = {value!r}: expected {expected}")
+
+
+@dataclass(frozen=True)
+class MembershipConfig:
+    """Timers and fan-outs of membership and failure detection, set for WAN links.
+
+    Attributes:
+        probe_interval_s: one protocol period: each node probes one member per period. 2 s leaves
+            room for the worst measured WAN round trip (Sydney–Frankfurt, 0.53 s) plus helpers.
+        probe_timeout_s: wait this long for a direct Ack before asking helpers; above a WAN RTT.
+        indirect_probes: helpers asked to probe a silent target (SWIM's k); also the number of
+            independent suspicions after which suspicion runs for its minimum time (Lifeguard).
+        suspicion_mult: Lifeguard's alpha: the shortest suspicion lasts
+            suspicion_mult * max(1, log10(n)) * probe_interval_s.
+        suspicion_max_mult: Lifeguard's beta: the longest suspicion (no confirmations) is this
+            multiple of the shortest; confirmations shrink it logarithmically.
+        retransmit_mult: each membership update is piggybacked retransmit_mult * ceil(log10(n+1))
+            times (memberlist's default), enough to reach every member with high probability.
+        max_piggyback: most updates on one message (bounded by the wire limit).
+        peer_exchange_interval_s: how often a node swaps member samples with a random member, so
+            it learns the swarm beyond its bootstrap list.
+        peer_exchange_size: members per peer-exchange message (bounded by the wire limit).
+        join_retry_s: resend Join to the bootstrap addresses this often until someone answers.
+        reconnect_interval_s: how often a node contacts a dead member (or a bootstrap address when
+            it knows nobody alive), so that a partitioned swarm re-merges after healing.
+        dead_retention_s: dead and left members are remembered (and tried for re-merge) this long.
+        leave_fanout: members told directly of a graceful leave; they spread it further.
+    """
+
+    probe_interval_s: float = 2.0
+    probe_timeout_s: float = 0.8
+    indirect_probes: int = 3
+    suspicion_mult: float = 4.0
+    suspicion_max_mult: float = 6.0
+    retransmit_mult: float = 4.0
+    max_piggyback: int = 16
+    peer_exchange_interval_s: float = 10.0
+    peer_exchange_size: int = 64
+    join_retry_s: float = 5.0
+    reconnect_interval_s: float = 15.0
+    dead_retention_s: float = 900.0
+    leave_fanout: int = 8
+
+    def __post_init__(self) -> None:
+        _require(self.probe_interval_s > 0, "probe_interval_s", self.probe_interval_s, "> 0")
+        _require(
+            0 < self.probe_timeout_s < self.probe_interval_s,
+            "probe_timeout_s",
+            self.probe_timeout_s,
+            f"in (0, probe_interval_s={self.probe_interval_s})",
+        )
+        _require(self.indirect_probes >= 0, "indirect_probes", self.indirect_probes, ">= 0")
+        _require(self.suspicion_mult > 0, "suspicion_mult", self.suspicion_mult, "> 0")
+        _require(
+            self.suspicion_max_mult >= 1, "suspicion_max_mult", self.suspicion_max_mult, ">= 1"
+        )
+        _require(self.retransmit_mult > 0, "retransmit_mult", self.retransmit_mult, "> 0")
+        _require(
+            1 <= self.max_piggyback <= MAX_UPDATES,
+            "max_piggyback",
+            self.max_piggyback,
+            f"in [1, {MAX_UPDATES}]",
+        )
+        _require(
+            1 <= self.peer_exchange_size <= MAX_MEMBERS,
+            "peer_exchange_size",
+            self.peer_exchange_size,
+            f"in [1, {MAX_MEMBERS}]",
+        )
+        for name in (
+            "peer_exchange_interval_s",
+            "join_retry_s",
+            "reconnect_interval_s",
+            "dead_retention_s",
+        ):
+            _require(getattr(self, name) > 0, name, getattr(self, name), "> 0")
+        _require(self.leave_fanout >= 1, "leave_fanout", self.leave_fanout, ">= 1")
+
+    def suspicion_timeouts(self, n_members: int) -> tuple[float, float]:
+        """(shortest, longest) suspicion in seconds for a swarm of `n_members` (Lifeguard)."""
+        shortest = self.suspicion_mult * max(1.0, math.log10(max(1, n_members)))
+        shortest *= self.probe_interval_s
+        return shortest, shortest * self.suspicion_max_mult
+
+    def suspicion_timeout(self, n_members: int, confirmations: int) -> float:
+        """Suspicion length after `confirmations` independent suspicions beyond the first."""
+        shortest, longest = self.suspicion_timeouts(n_members)
+        expected = max(1, self.indirect_probes)
+        frac = math.log(confirmations + 1) / math.log(expected + 1)
+        return max(shortest, longest - (longest - shortest) * frac)
+
+    def retransmits(self, n_members: int) -> int:
+        """How many times one update is piggybacked in a swarm of `n_members`."""
+        return max(1, math.ceil(self.retransmit_mult * math.ceil(math.log10(n_members + 1))))
+
+    def detection_bound_s(self, n_members: int) -> float:
+        """Worst case, without message loss, from a crash to every live member declaring it dead.
+
+        A member is probed at least once per two shuffled round-robin cycles of any prober
+        (2 * (n - 1) periods), the failed probe takes one period, the suspicion at most its longest
+        timeout, and the dead rumour reaches everyone within retransmits(n) periods.
+        """
+        n = max(2, n_members)
+        periods = 2 * (n - 1) + 1 + self.retransmits(n)
+        return periods * self.probe_interval_s + self.suspicion_timeouts(n)[1]
