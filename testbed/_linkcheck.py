@@ -1,0 +1,243 @@
+# Measures what an emulated link really delivers: round-trip time and bulk TCP throughput between
+# two peer namespaces, for summary.json's `measured_rtt_ms` / `measured_mbit`. Invariants: both
+# ends run as separate processes inside their namespaces (`ip netns exec`), started from this file
+# by path so they import only the standard library (fast to start, whatever the testbed package
+# imports); a transfer is bounded (its byte count is fixed before it starts); every wait has a
+# timeout; nothing is sent to an address outside the namespaces.
+from __future__ import annotations
+
+import argparse
+import json
+import socket
+import statistics
+import struct
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from ._namespaces import NamespaceSet
+
+PORT = 47_000
+CHUNK = 1 << 20
+TIMEOUT_S = 60.0
+
+
+@dataclass(frozen=True)
+class LinkMeasurement:
+    """What one check of a link measured.
+
+    Attributes:
+        measured_rtt_ms: median round trip of 1-byte ping-pongs over one TCP connection.
+        connect_rtt_ms: median TCP connect time (SYN to SYN-ACK), one round trip too.
+        measured_mbit: receiver-side goodput of the bulk transfer, Mbit/s (10**6 bit/s), over its
+            last two thirds (TCP's start-up is not the link's doing).
+        bulk_bytes: size of that transfer.
+    """
+
+    measured_rtt_ms: float
+    connect_rtt_ms: float
+    measured_mbit: float
+    bulk_bytes: int
+
+
+def bulk_bytes_for(rate_mbit: float | None, seconds: float = 2.0) -> int:
+    """A transfer size that takes about `seconds` at `rate_mbit` (unshaped: 256 MiB)."""
+    if rate_mbit is None:
+        return 256 << 20
+    return max(1 << 20, int(rate_mbit * 1e6 / 8 * seconds))
+
+
+def _serve_bulk(conn: socket.socket) -> None:
+    """Receive a bulk transfer; report goodput over its last two thirds.
+
+    The first third is left out (like iperf's --omit) so that TCP's start-up (slow start, BBR's
+    startup, receive-window growth) is not charged to the link.
+    """
+    (total,) = struct.unpack("!Q", _recv_exact(conn, 8))
+    buf = bytearray(CHUNK)
+    got, mark, t_mark = 0, None, 0.0
+    while got < total:
+        n = conn.recv_into(buf, min(CHUNK, total - got))
+        if n == 0:
+            raise ConnectionError(f"peer closed after {got} of {total} bytes")
+        got += n
+        if mark is None and got >= total // 3:
+            mark, t_mark = got, time.perf_counter()
+    elapsed = time.perf_counter() - t_mark
+    conn.sendall(json.dumps({"bytes": total - mark, "seconds": elapsed}).encode() + b"\n")
+
+
+def _recv_exact(conn: socket.socket, n: int) -> bytes:
+    data = b""
+    while len(data) < n:
+        chunk = conn.recv(n - len(data))
+        if not chunk:
+            raise ConnectionError(f"peer closed after {len(data)} of {n} bytes")
+        data += chunk
+    return data
+
+
+def serve(host: str, port: int, connections: int) -> None:
+    """Answer `connections` probe connections, then exit. Prints "ready" once listening.
+
+    A connection starts with one byte: b"p" = echo every byte back until the peer closes;
+    b"b" = bulk: an 8-byte length, that many bytes in, then a JSON line with the receiver's timing;
+    b"c" = connect-time probe, closed at once.
+    """
+    with socket.create_server((host, port), backlog=16) as listener:
+        listener.settimeout(TIMEOUT_S)
+        print("ready", flush=True)
+        for _ in range(connections):
+            conn, _ = listener.accept()
+            with conn:
+                conn.settimeout(TIMEOUT_S)
+                conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                mode = conn.recv(1)
+                if mode == b"p":
+                    while data := conn.recv(4096):
+                        conn.sendall(data)
+                elif mode == b"b":
+                    _serve_bulk(conn)
+
+
+def probe(host: str, port: int, pings: int, bulk: int) -> dict[str, float]:
+    """The client side: connect-time probes, ping-pongs, then a bulk transfer of `bulk` bytes."""
+    connects = []
+    for _ in range(pings):
+        start = time.perf_counter()
+        with socket.create_connection((host, port), timeout=TIMEOUT_S) as conn:
+            connects.append(time.perf_counter() - start)
+            conn.sendall(b"c")
+    rtts = []
+    with socket.create_connection((host, port), timeout=TIMEOUT_S) as conn:
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        conn.sendall(b"p")
+        for _ in range(pings + 1):
+            start = time.perf_counter()
+            conn.sendall(b"x")
+            _recv_exact(conn, 1)
+            rtts.append(time.perf_counter() - start)
+    with socket.create_connection((host, port), timeout=TIMEOUT_S) as conn:
+        conn.sendall(b"b" + struct.pack("!Q", bulk))
+        block = memoryview(bytes(CHUNK))
+        sent = 0
+        while sent < bulk:
+            n = min(CHUNK, bulk - sent)
+            conn.sendall(block[:n])
+            sent += n
+        result = json.loads(conn.makefile("rb").readline())
+    return {
+        "rtt_ms": statistics.median(rtts[1:]) * 1000,  # the first ping may wait for a delayed ACK
+        "connect_ms": statistics.median(connects) * 1000,
+        "mbit": result["bytes"] * 8 / result["seconds"] / 1e6,
+        "bytes": bulk,
+    }
+
+
+def _worker_argv(*args: object) -> list[str]:
+    return [sys.executable, "-P", __file__, *map(str, args)]
+
+
+def measure_link(
+    namespaces: NamespaceSet,
+    src: int,
+    dst: int,
+    *,
+    bulk_bytes: int,
+    pings: int = 7,
+    port: int = PORT,
+) -> LinkMeasurement:
+    """Measure the link from peer `src` to peer `dst` (throughput src -> dst; RTT both ways).
+
+    Args:
+        namespaces: the peers' namespaces, with links already emulated between them.
+        src: index of the sending peer.
+        dst: index of the receiving peer (runs the server).
+        bulk_bytes: size of the bulk transfer; see `bulk_bytes_for`.
+        pings: number of connect probes and of ping-pongs (medians are reported).
+        port: TCP port of the server inside `dst`'s namespace.
+
+    Raises:
+        RuntimeError: a side failed; the message holds its stderr.
+    """
+    connections = pings + 2
+    server = namespaces.popen(
+        dst,
+        _worker_argv("serve", namespaces[dst].address, port, connections),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        if server.stdout is None or server.stdout.readline().strip() != "ready":
+            raise RuntimeError(f"link check server failed: {server.communicate()[1].strip()}")
+        client = namespaces.run(
+            src,
+            _worker_argv("probe", namespaces[dst].address, port, pings, bulk_bytes),
+            capture_output=True,
+            text=True,
+            timeout=TIMEOUT_S * 2,
+        )
+        if client.returncode != 0:
+            raise RuntimeError(f"link check client failed: {client.stderr.strip()}")
+        result = json.loads(client.stdout)
+        server.wait(timeout=TIMEOUT_S)
+    finally:
+        if server.poll() is None:
+            server.kill()
+        server.wait()
+        for stream in (server.stdout, server.stderr):
+            if stream is not None:
+                stream.close()
+    return LinkMeasurement(result["rtt_ms"], result["connect_ms"], result["mbit"], bulk_bytes)
+
+
+def _bench(delay_ms: float, rate_mbit: float | None, jitter_ms: float) -> dict:
+    """Two namespaces behind the userspace emulator: spec vs measured, plus unshaped headroom."""
+    from testbed._linkspec import LinkMatrix, LinkSpec
+    from testbed._namespaces import NamespaceSet
+    from testbed._userspace import UserspaceLinks
+
+    spec = LinkSpec(delay_ms=delay_ms, jitter_ms=jitter_ms, rate_mbit=rate_mbit)
+    out: dict = {"spec": spec.to_json(), "spec_rtt_ms": 2 * delay_ms}
+    with NamespaceSet(2) as nss:
+        with UserspaceLinks(nss, LinkMatrix.uniform(2, spec)):
+            m = measure_link(nss, 0, 1, bulk_bytes=bulk_bytes_for(rate_mbit))
+            out["shaped"] = m.__dict__
+        with UserspaceLinks(nss, LinkMatrix.uniform(2, LinkSpec())):
+            m = measure_link(nss, 0, 1, bulk_bytes=bulk_bytes_for(None))
+            out["unshaped"] = m.__dict__
+    return out
+
+
+def _main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(description="geotrain link check (testbed internals)")
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("serve")
+    p.add_argument("host")
+    p.add_argument("port", type=int)
+    p.add_argument("connections", type=int)
+    p = sub.add_parser("probe")
+    p.add_argument("host")
+    p.add_argument("port", type=int)
+    p.add_argument("pings", type=int)
+    p.add_argument("bulk", type=int)
+    p = sub.add_parser("bench", help="spec vs measured on two namespaces (root, /dev/net/tun)")
+    p.add_argument("--delay-ms", type=float, default=25.0)
+    p.add_argument("--jitter-ms", type=float, default=0.0)
+    p.add_argument("--rate-mbit", type=float, default=100.0)
+    args = parser.parse_args(argv)
+    if args.command == "serve":
+        serve(args.host, args.port, args.connections)
+    elif args.command == "probe":
+        print(json.dumps(probe(args.host, args.port, args.pings, args.bulk)))
+    else:
+        print(json.dumps(_bench(args.delay_ms, args.rate_mbit, args.jitter_ms), indent=2))
+    return 0
+
+
+if __name__ == "__main__":  # worker entry point; the user-facing command lives in the CLI
+    sys.exit(_main(sys.argv[1:]))

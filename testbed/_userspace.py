@@ -1,0 +1,394 @@
+# Userspace WAN emulation for kernels without sch_netem. Invariants: every IPv4 packet a peer sends
+# into its TUN device is either dropped (loss draw, queue overflow, unknown destination; each
+# counted) or written to the destination peer's TUN device at
+# max(serialized + delay ± jitter, previous delivery of that link), so one link never reorders;
+# a link is a (source peer, destination region) pair with its own serialization clock and a
+# bounded queue. The emulator runs in its own process (no GIL contention with the orchestrator)
+# and exits when told to or when its control pipe closes (the parent died), which closes the TUN
+# fds and so deletes the devices.
+from __future__ import annotations
+
+import contextlib
+import heapq
+import json
+import os
+import random
+import subprocess
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from ._linkspec import LinkMatrix, LinkSpec
+from ._namespaces import NamespaceSet
+from ._tun import TUN_MTU, attach_tun
+
+
+@dataclass(frozen=True)
+class UserspaceConfig:
+    """Settings of the userspace emulator.
+
+    Attributes:
+        seed: seeds the loss and jitter draws, so a run's drop pattern is reproducible.
+        queue_bdp_factor: a shaped link queues at most this many bandwidth-delay products (of the
+            round trip, 2 x delay) before it drops, like a router buffer. 2 keeps TCP at full rate.
+        queue_min_bytes: floor of that buffer, so links with tiny delay still hold a few 64 KB
+            packets (the TUN MTU makes packets large).
+        mtu: MTU of the TUN devices; 65000 means ~45x fewer packets than 1500 for bulk TCP.
+    """
+
+    seed: int = 0
+    queue_bdp_factor: float = 2.0
+    queue_min_bytes: int = 4 * 65536
+    mtu: int = TUN_MTU
+
+    def __post_init__(self) -> None:
+        if self.queue_bdp_factor <= 0:
+            raise ValueError(
+                f"UserspaceConfig.queue_bdp_factor={self.queue_bdp_factor!r}: expected > 0"
+            )
+        if self.queue_min_bytes < self.mtu:
+            raise ValueError(
+                f"UserspaceConfig.queue_min_bytes={self.queue_min_bytes!r}: expected at least one "
+                f"packet (mtu={self.mtu})"
+            )
+        if not 1280 <= self.mtu <= 65535:
+            raise ValueError(f"UserspaceConfig.mtu={self.mtu!r}: expected 1280..65535")
+
+
+class EgressLink:
+    """Serialization clock, delay line and counters of one (source peer, dest. region) link."""
+
+    __slots__ = (
+        "spec",
+        "free_at",
+        "last_delivery",
+        "limit",
+        "_bps",
+        "_delay",
+        "_jitter",
+        "packets",
+        "bytes",
+        "lost",
+        "overflowed",
+    )
+
+    def __init__(self, spec: LinkSpec, config: UserspaceConfig) -> None:
+        self.free_at = 0.0  # when the last admitted packet has fully left (shaped links)
+        self.last_delivery = 0.0
+        self.packets = self.bytes = self.lost = self.overflowed = 0
+        self.set_spec(spec, config)
+
+    def set_spec(self, spec: LinkSpec, config: UserspaceConfig) -> None:
+        """Change the spec; packets already admitted keep their delivery time."""
+        self.spec = spec
+        self._bps = None if spec.rate_mbit is None else spec.rate_mbit * 1e6 / 8  # bytes/s
+        self._delay = spec.delay_ms / 1000
+        self._jitter = spec.jitter_ms / 1000
+        bdp = 0.0 if self._bps is None else self._bps * 2 * self._delay
+        self.limit = max(config.queue_min_bytes, config.queue_bdp_factor * bdp)
+
+    def admit(self, size: int, now: float, rng: random.Random) -> float | None:
+        """Delivery time of a packet of `size` bytes sent at `now`, or None if it is dropped."""
+        if self.spec.loss and rng.random() < self.spec.loss:
+            self.lost += 1
+            return None
+        sent = now
+        if self._bps is not None:
+            start = max(now, self.free_at)
+            if round((start - now) * self._bps) + size > self.limit:  # bytes queued + this
+                self.overflowed += 1
+                return None
+            self.free_at = sent = start + size / self._bps
+        delay = self._delay
+        if self._jitter:
+            delay = max(0.0, delay + rng.uniform(-self._jitter, self._jitter))
+        at = max(sent + delay, self.last_delivery)
+        self.last_delivery = at
+        self.packets += 1
+        self.bytes += size
+        return at
+
+
+@dataclass(frozen=True)
+class LinkStatistics:
+    """Counters of one link: packets/bytes admitted for delivery, drops by cause."""
+
+    src_peer: int
+    dst_region: str
+    packets: int
+    bytes: int
+    lost: int
+    overflowed: int
+
+
+@dataclass(frozen=True)
+class EmulatorStatistics:
+    """Counters of the whole emulator.
+
+    `unroutable` counts packets to no known peer (or not IPv4); `write_errors` counts deliveries
+    the destination device refused.
+    """
+
+    links: tuple[LinkStatistics, ...]
+    unroutable: int
+    write_errors: int
+
+    @classmethod
+    def from_json(cls, data: dict) -> EmulatorStatistics:
+        links = tuple(LinkStatistics(**link) for link in data["links"])
+        return cls(links, data["unroutable"], data["write_errors"])
+
+
+class PacketScheduler:
+    """The emulator's decisions, free of I/O: packets in with a time, (peer, packet) out when due.
+
+    Args:
+        addresses: IPv4 address of each peer, as 4 raw bytes, indexed by peer.
+        matrix: link specs and each peer's region.
+        config: queue and seed settings.
+    """
+
+    def __init__(self, addresses: Sequence[bytes], matrix: LinkMatrix, config: UserspaceConfig):
+        if len(addresses) != matrix.n_peers:
+            raise ValueError(f"{len(addresses)} addresses for {matrix.n_peers} peers")
+        self._config = config
+        self._rng = random.Random(config.seed)
+        self._peer_by_address = {a: i for i, a in enumerate(addresses)}
+        self._region_index = {r: i for i, r in enumerate(matrix.regions)}
+        self._peer_region = [self._region_index[r] for r in matrix.peer_regions]
+        self._links = [
+            [EgressLink(matrix.spec(src, dst), config) for dst in matrix.regions]
+            for src in matrix.peer_regions
+        ]
+        self._matrix = matrix
+        self._heap: list[tuple[float, int, int, bytes]] = []
+        self._seq = 0
+        self.unroutable = 0
+        self.write_errors = 0
+
+    def set_matrix(self, matrix: LinkMatrix) -> None:
+        """Apply new link specs at run time (same regions and peer placement)."""
+        if (
+            matrix.regions != self._matrix.regions
+            or matrix.peer_regions != self._matrix.peer_regions
+        ):
+            raise ValueError("set_matrix: regions and peer placement cannot change at run time")
+        for src, src_region in enumerate(matrix.peer_regions):
+            for j, dst_region in enumerate(matrix.regions):
+                self._links[src][j].set_spec(matrix.spec(src_region, dst_region), self._config)
+        self._matrix = matrix
+
+    def send(self, src: int, packet: bytes, now: float) -> None:
+        """Peer `src` sent `packet` (a raw IP packet) at `now`."""
+        if len(packet) < 20 or packet[0] >> 4 != 4:
+            self.unroutable += 1
+            return
+        dst = self._peer_by_address.get(packet[16:20])
+        if dst is None:
+            self.unroutable += 1
+            return
+        at = self._links[src][self._peer_region[dst]].admit(len(packet), now, self._rng)
+        if at is not None:
+            self._seq += 1
+            heapq.heappush(self._heap, (at, self._seq, dst, packet))
+
+    def next_due(self) -> float | None:
+        """Time of the earliest pending delivery, or None when nothing is in flight."""
+        return self._heap[0][0] if self._heap else None
+
+    def pop_due(self, now: float) -> list[tuple[int, bytes]]:
+        """(destination peer, packet) of every delivery due at or before `now`, in time order."""
+        out = []
+        heap = self._heap
+        while heap and heap[0][0] <= now:
+            _, _, dst, packet = heapq.heappop(heap)
+            out.append((dst, packet))
+        return out
+
+    def write_failed(self, dst: int) -> None:
+        """Writing a packet into peer `dst`'s device failed."""
+        self.write_errors += 1
+
+    def statistics(self) -> EmulatorStatistics:
+        links = tuple(
+            LinkStatistics(src, region, link.packets, link.bytes, link.lost, link.overflowed)
+            for src, row in enumerate(self._links)
+            for region, link in zip(self._matrix.regions, row, strict=True)
+        )
+        return EmulatorStatistics(links, self.unroutable, self.write_errors)
+
+
+def matrix_to_json(matrix: LinkMatrix) -> dict:
+    return {
+        "regions": list(matrix.regions),
+        "peer_regions": list(matrix.peer_regions),
+        "links": [[a, b, spec.to_json()] for (a, b), spec in matrix.links.items()],
+    }
+
+
+def matrix_from_json(data: dict) -> LinkMatrix:
+    links = {(a, b): LinkSpec.from_json(spec) for a, b, spec in data["links"]}
+    return LinkMatrix(tuple(data["regions"]), tuple(data["peer_regions"]), links)
+
+
+class EmulatorError(RuntimeError):
+    """The emulator process failed to start or stopped answering; the message says how."""
+
+
+class UserspaceLinks:
+    """Emulated links between the namespaces of a NamespaceSet, run by a separate process.
+
+    Use as a context manager inside the NamespaceSet's `with` block. Entering creates one TUN
+    device per namespace and starts the emulator process, which owns the devices' fds; leaving
+    stops it, which removes the devices. If this process dies, the emulator sees its control pipe
+    close and exits too.
+
+    Args:
+        namespaces: the peers' namespaces (already created).
+        matrix: link specs; `matrix.n_peers` must equal the number of namespaces.
+        config: emulator settings.
+    """
+
+    def __init__(
+        self, namespaces: NamespaceSet, matrix: LinkMatrix, config: UserspaceConfig | None = None
+    ) -> None:
+        if matrix.n_peers != len(namespaces):
+            raise ValueError(f"matrix has {matrix.n_peers} peers for {len(namespaces)} namespaces")
+        self._namespaces = namespaces
+        self._config = config or UserspaceConfig()
+        self.matrix = matrix
+        self._proc: subprocess.Popen | None = None
+
+    def start(self) -> None:
+        """Create the TUN devices and start the emulator process."""
+        fds: list[int] = []
+        try:
+            for ns in self._namespaces:
+                fds.append(attach_tun(ns, mtu=self._config.mtu))
+            self._proc = subprocess.Popen(
+                [sys.executable, "-m", "testbed._userspace"],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                pass_fds=fds,
+            )
+        finally:
+            for fd in fds:  # the emulator holds its own copies now; the devices live with it
+                os.close(fd)
+        self._request(
+            {
+                "fds": fds,
+                "addresses": [str(ns.address) for ns in self._namespaces],
+                "matrix": matrix_to_json(self.matrix),
+                "config": {
+                    "seed": self._config.seed,
+                    "queue_bdp_factor": self._config.queue_bdp_factor,
+                    "queue_min_bytes": self._config.queue_min_bytes,
+                    "mtu": self._config.mtu,
+                },
+            }
+        )
+
+    def _request(self, message: dict) -> dict:
+        proc = self._proc
+        if proc is None or proc.stdin is None or proc.stdout is None:
+            raise EmulatorError("the emulator is not running")
+        try:
+            proc.stdin.write(json.dumps(message).encode() + b"\n")
+            proc.stdin.flush()
+            line = proc.stdout.readline()
+        except BrokenPipeError as exc:
+            raise EmulatorError(f"the emulator exited (status {proc.poll()})") from exc
+        if not line:
+            raise EmulatorError(f"the emulator exited (status {proc.wait()})")
+        reply = json.loads(line)
+        if "error" in reply:
+            raise EmulatorError(
+                f"the emulator refused {message.get('op', 'start')}: {reply['error']}"
+            )
+        return reply
+
+    def set_matrix(self, matrix: LinkMatrix) -> None:
+        """Change link specs at run time; in effect for every packet sent after this returns."""
+        self._request({"op": "set_matrix", "matrix": matrix_to_json(matrix)})
+        self.matrix = matrix
+
+    def statistics(self) -> EmulatorStatistics:
+        """Packet counters of every link so far."""
+        return EmulatorStatistics.from_json(self._request({"op": "statistics"}))
+
+    def close(self) -> None:
+        """Stop the emulator (its devices disappear with it). Idempotent."""
+        proc, self._proc = self._proc, None
+        if proc is None:
+            return
+        with contextlib.suppress(OSError, ValueError):  # ValueError: pipe already closed
+            proc.stdin.write(b'{"op": "stop"}\n')  # type: ignore[union-attr]
+            proc.stdin.close()  # type: ignore[union-attr]
+        try:
+            proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        proc.stdout.close()  # type: ignore[union-attr]
+
+    def __enter__(self) -> UserspaceLinks:
+        try:
+            self.start()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+
+def _serve(stdin: int, stdout: int) -> int:
+    """The emulator process: read the setup line, then pump packets until stopped."""
+    import ipaddress
+    import signal
+
+    from ._tun import pump_packets
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the owner's to handle
+    setup = b""
+    while not setup.endswith(b"\n"):
+        chunk = os.read(stdin, 65536)
+        if not chunk:
+            return 1
+        setup += chunk
+    message = json.loads(setup)
+    scheduler = PacketScheduler(
+        [ipaddress.IPv4Address(a).packed for a in message["addresses"]],
+        matrix_from_json(message["matrix"]),
+        UserspaceConfig(**message["config"]),
+    )
+
+    def reply(data: dict) -> None:
+        os.write(stdout, json.dumps(data).encode() + b"\n")
+
+    def on_control(line: bytes) -> bool:
+        command = json.loads(line)
+        op = command.get("op")
+        if op == "stop":
+            return False
+        try:
+            if op == "set_matrix":
+                scheduler.set_matrix(matrix_from_json(command["matrix"]))
+                reply({"ok": True})
+            elif op == "statistics":
+                stats = scheduler.statistics()
+                reply({**stats.__dict__, "links": [s.__dict__ for s in stats.links]})
+            else:
+                reply({"error": f"unknown op {op!r}"})
+        except (ValueError, KeyError, TypeError) as exc:
+            reply({"error": str(exc)})
+        return True
+
+    reply({"ready": True})
+    pump_packets(message["fds"], scheduler, stdin, on_control)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_serve(sys.stdin.fileno(), sys.stdout.fileno()))
