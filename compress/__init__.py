@@ -1,1 +1,22 @@
 """Tensor codecs for model updates: quantizers, sparsifiers, low-rank, error feedback, wire."""
+
+from ._base import Codec as Codec
+from ._base import CodecState as CodecState
+from ._base import decode as decode
+from ._cast import BF16 as BF16
+from ._cast import FP16 as FP16
+from ._cast import NoneCodec as NoneCodec
+from ._errors import DecodeError as DecodeError
+from ._feedback import ErrorFeedback as ErrorFeedback
+from ._named import decode_named as decode_named
+from ._named import encode_named as encode_named
+from ._named import expected_nbytes_named as expected_nbytes_named
+from ._powersgd import PowerSGD as PowerSGD
+from ._quant import QSGD as QSGD
+from ._quant import Int4 as Int4
+from ._quant import Int8 as Int8
+from ._quant import Sign as Sign
+from ._sparse import RandK as RandK
+from ._sparse import TopK as TopK
+from ._spec import codec_names as codec_names
+from ._spec import get_codec as get_codec

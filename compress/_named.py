@@ -1,0 +1,121 @@
+# Invariants: a named payload is MAGIC, version, count, then per tensor (name length u16, UTF-8
+# name, payload length u64, single-tensor payload); names are unique; decoding spends one
+# max_numel budget over all tensors and checks every length before slicing.
+"""One payload for many named tensors (a whole model's parameters or updates)."""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Sequence
+
+import torch
+
+from ._base import Codec, CodecState, decode
+from ._errors import DecodeError
+from ._feedback import ErrorFeedback
+from ._wire import Reader
+
+MAGIC = b"GN"
+VERSION = 1
+_HEAD = struct.Struct("<2sBI")  # magic, version, count
+_MIN_ENTRY = 2 + 8 + 14  # name length, payload length, smallest single-tensor payload
+_GOLDEN = 0x9E3779B97F4A7C15
+
+
+def tensor_seed(seed: int, index: int) -> int:
+    """The seed used for the `index`-th tensor of a named payload made with `seed`."""
+    return (seed + (index + 1) * _GOLDEN) % 2**64
+
+
+def encode_named(
+    tensors: Sequence[tuple[str, torch.Tensor]],
+    codec: Codec,
+    *,
+    error_feedback: ErrorFeedback | None = None,
+    seed: int = 0,
+    state: CodecState | None = None,
+) -> bytes:
+    """Encode named tensors into one payload.
+
+    Each tensor is coded by `codec` or by its fallback for that shape (e.g. PowerSGD on a bias).
+
+    Args:
+        tensors: (name, tensor) pairs; names must be unique.
+        codec: the codec for all tensors.
+        error_feedback: if given, residuals are added and kept per name.
+        seed: base seed; each tensor gets `tensor_seed(seed, i)`.
+        state: warm-start state of stateful codecs, keyed by name.
+
+    Returns:
+        The payload; `len()` of it is the wire size.
+    """
+    names = [name for name, _ in tensors]
+    if len(set(names)) != len(names):
+        raise ValueError(f"encode_named: tensor names must be unique, got {names}")
+    parts = [_HEAD.pack(MAGIC, VERSION, len(tensors))]
+    for i, (name, t) in enumerate(tensors):
+        raw_name = name.encode("utf-8")
+        if len(raw_name) > 0xFFFF:
+            raise ValueError(f"encode_named: name {name[:40]!r}... is over 65535 bytes")
+        s = tensor_seed(seed, i)
+        if error_feedback is not None:
+            data = error_feedback.encode(t, name=name, seed=s, codec=codec, state=state)
+        else:
+            data = codec.encode(t, seed=s, state=state, name=name)
+        parts += [struct.pack("<H", len(raw_name)), raw_name, struct.pack("<Q", len(data)), data]
+    return b"".join(parts)
+
+
+def expected_nbytes_named(shapes: Sequence[tuple[str, tuple[int, ...]]], codec: Codec) -> int:
+    """`len(encode_named(...))` for tensors of these names and shapes (estimate for topk)."""
+    total = _HEAD.size
+    for name, shape in shapes:
+        numel = 1
+        for d in shape:
+            numel *= d
+        total += 10 + len(name.encode("utf-8")) + codec.expected_nbytes(numel, shape=tuple(shape))
+    return total
+
+
+def decode_named(
+    data: bytes | bytearray | memoryview, *, max_numel: int, device: torch.device | str = "cpu"
+) -> list[tuple[str, torch.Tensor]]:
+    """Decode a payload made by `encode_named`.
+
+    Args:
+        data: untrusted bytes.
+        max_numel: the most elements accepted over all tensors together.
+        device: where the tensors are placed.
+
+    Raises:
+        DecodeError: for any malformed, truncated, inconsistent or over-budget input.
+    """
+    reader = Reader(data)
+    magic, version, count = reader.unpack(_HEAD.format[1:], "named header")
+    if magic != MAGIC:
+        raise DecodeError(f"bad named-payload magic {bytes(magic)!r}, expected {MAGIC!r}")
+    if version != VERSION:
+        raise DecodeError(f"unsupported named-payload version {version}, expected {VERSION}")
+    if count * _MIN_ENTRY > reader.remaining:
+        raise DecodeError(f"named payload claims {count} tensors in {reader.remaining} bytes")
+    out: list[tuple[str, torch.Tensor]] = []
+    seen: set[str] = set()
+    budget = max_numel
+    for i in range(count):
+        (name_len,) = reader.unpack("H", f"name length of tensor {i}")
+        try:
+            name = str(reader.take(name_len, f"name of tensor {i}"), "utf-8")
+        except UnicodeDecodeError:
+            raise DecodeError(f"name of tensor {i} is not valid UTF-8") from None
+        if name in seen:
+            raise DecodeError(f"tensor name {name!r} appears twice")
+        seen.add(name)
+        (length,) = reader.unpack("Q", f"payload length of {name!r}")
+        try:
+            t = decode(reader.take(length, f"payload of {name!r}"), max_numel=budget, device=device)
+        except DecodeError as exc:
+            raise DecodeError(f"tensor {name!r}: {exc}") from None
+        budget -= t.numel()
+        out.append((name, t))
+    reader.finish("named payload")
+    return out

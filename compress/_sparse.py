@@ -1,0 +1,242 @@
+# Invariants: a sparse payload carries k, the indices (or, for randk, only the seed they derive
+# from) and the k values as a nested dense payload of an allowed value codec; decoded indices are
+# checked to be strictly increasing and < numel before use. topk keeps exactly the `count` largest
+# magnitudes (ties aside) with count within `tol` of the requested k.
+"""Sparsifiers: `topk` (sampled threshold, exact fallback) and `randk` (seeded subset)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import ClassVar
+
+import numpy as np
+import torch
+
+from ._base import Codec, dataclass, decode, decode_error, field_error, register
+from ._bits import pack_bits, unpack_bits
+from ._cast import NoneCodec
+from ._errors import DecodeError
+from ._wire import Header, Reader, as_buffer
+
+VALUE_CODECS = ("none", "fp16", "bf16", "int8")
+_SAMPLE_HITS = 4000  # expected sample elements above the threshold: count error ~ 1/sqrt(this)
+_CHUNK = 1 << 18
+
+
+def _check_fraction(cls, fraction) -> None:
+    if not isinstance(fraction, float | int) or not 0 < fraction <= 1:
+        raise field_error(cls, "fraction", fraction, "a number in (0, 1]")
+
+
+def _check_inner(cls, inner) -> None:
+    if not isinstance(inner, Codec) or inner.name not in VALUE_CODECS:
+        raise field_error(cls, "inner", inner, f"a value codec, one of {VALUE_CODECS}")
+
+
+def _values_part(values: torch.Tensor, inner: Codec, seed: int) -> list:
+    payload = inner.encode(values, seed=seed)
+    return [len(payload).to_bytes(8, "little"), payload]
+
+
+def _read_values(reader: Reader, count: int, device, what: str) -> torch.Tensor:
+    (length,) = reader.unpack("Q", f"{what} values length")
+    values = decode(
+        reader.take(length, f"{what} values"), max_numel=count, device=device, allowed=VALUE_CODECS
+    )
+    if tuple(values.shape) != (count,):
+        raise DecodeError(f"{what} values have shape {tuple(values.shape)}, expected ({count},)")
+    return values.float()
+
+
+def _width(max_gap: int) -> int:
+    return next(w for w in (1, 2, 4, 8) if max_gap < 256**w)
+
+
+@register
+@dataclass
+class TopK(Codec):
+    """Keep the k = round(fraction * n) largest magnitudes, within +-`tol` of k.
+
+    The threshold is estimated from a seeded random sample of |x| (Deep Gradient Compression's
+    trick); if the count it selects is off by more than `tol`, an exact top-k over the candidates
+    (or, when too few were selected, over the whole tensor) fixes it. Indices travel as gaps of
+    the smallest fitting width or as a bitmap, whichever is smaller; values through `inner`.
+    Tensors too small to gain from sparsity are sent dense with `inner`.
+    """
+
+    fraction: float = 0.01
+    tol: float = 0.1
+    inner: Codec = dataclasses.field(default_factory=NoneCodec)
+    name: ClassVar[str] = "topk"
+    codec_id: ClassVar[int] = 6
+    params: ClassVar[dict[str, type]] = {"fraction": float, "tol": float}
+
+    def __post_init__(self) -> None:
+        _check_fraction(type(self), self.fraction)
+        if not isinstance(self.tol, float | int) or not 0 <= self.tol < 1:
+            raise field_error(type(self), "tol", self.tol, "a number in [0, 1)")
+        _check_inner(type(self), self.inner)
+
+    def k_for(self, numel: int) -> int:
+        """The requested number of kept elements for a tensor of `numel`."""
+        return min(numel, max(1, round(self.fraction * numel)))
+
+    def fallback_for(self, shape) -> Codec | None:
+        n = math.prod(shape)
+        if n == 0 or self._body_nbytes(n, shape) >= self.inner._body_nbytes(n, (n,)):
+            return self.inner
+        return None
+
+    def select(self, x: torch.Tensor, seed: int) -> torch.Tensor:
+        """Sorted int64 indices of the kept elements of 1-D `x`."""
+        n, k = x.numel(), self.k_for(x.numel())
+        m = min(n, math.ceil(_SAMPLE_HITS / self.fraction))
+        if 2 * m >= n:
+            return _exact_topk(x, k)
+        gen = torch.Generator(device=x.device)
+        gen.manual_seed(seed)
+        sample = x[torch.randint(n, (m,), generator=gen, device=x.device)].abs().float()
+        rank = min(m, max(1, m - round(k * m / n)))
+        threshold = sample.kthvalue(rank).values
+        idx = _at_least(x, threshold)
+        lo, hi = math.floor(k * (1 - self.tol)), math.ceil(k * (1 + self.tol))
+        if idx.numel() > hi:  # too many candidates: the exact top-k among them
+            best = torch.topk(x[idx].abs(), k, sorted=False).indices
+            return idx[best].sort().values
+        if idx.numel() < lo:  # threshold too high: exact, over everything (rare)
+            return _exact_topk(x, k)
+        return idx
+
+    def _encode_body(self, x, shape, seed, state, name) -> list:
+        n = x.numel()
+        idx = self.select(x, seed)
+        gaps = (torch.diff(idx, prepend=idx.new_full((1,), -1)) - 1).cpu().numpy()
+        width = _width(int(gaps.max()))
+        if idx.numel() * width <= (n + 7) // 8:
+            index = [bytes([0, width]), memoryview(gaps.astype(f"<u{width}")).cast("B")]
+        else:
+            mask = torch.zeros(n, dtype=torch.bool, device=x.device)
+            mask[idx] = True
+            index = [bytes([1, 0]), as_buffer(pack_bits(mask))]
+        k_bytes = idx.numel().to_bytes(8, "little")
+        return [k_bytes, *index, *_values_part(x[idx], self.inner, seed)]
+
+    def _body_nbytes(self, numel: int, shape) -> int:
+        k = self.k_for(numel)
+        index = min(k * _width(8 * numel // k), (numel + 7) // 8)
+        return 10 + index + 8 + self.inner.expected_nbytes(k)
+
+    @classmethod
+    def _decode_body(cls, reader, header: Header, device, max_numel) -> torch.Tensor:
+        n = header.numel
+        k, mode, width = reader.unpack("QBB", "topk params")
+        if k > n:
+            raise decode_error("topk k", k, f"<= numel {n}")
+        if mode == 0:
+            idx = _read_gaps(reader, k, width, n)
+        elif mode == 1 and width == 0:
+            packed = reader.tensor((n + 7) // 8, torch.uint8, "topk bitmap", "cpu")
+            if n % 8 and int(packed[-1]) >> (n % 8):
+                raise DecodeError("topk bitmap: padding bits are not zero")
+            idx = unpack_bits(packed, n).nonzero().squeeze(1)
+            if idx.numel() != k:
+                raise DecodeError(f"topk bitmap has {idx.numel()} bits set, expected k={k}")
+        else:
+            raise DecodeError(f"topk index mode {mode} with width {width}: expected 0 or 1/0")
+        values = _read_values(reader, k, device, "topk")
+        out = torch.zeros(n, dtype=torch.float32, device=device)
+        out[idx.to(device)] = values
+        return out
+
+
+def _exact_topk(x: torch.Tensor, k: int) -> torch.Tensor:
+    return torch.topk(x.abs(), k, sorted=False).indices.sort().values
+
+
+def _at_least(x: torch.Tensor, threshold: torch.Tensor) -> torch.Tensor:
+    """Sorted indices where |x| >= threshold, in chunks to keep temporaries small."""
+    parts = [
+        torch.nonzero(x[i : i + _CHUNK].abs() >= threshold).squeeze(1) + i
+        for i in range(0, x.numel(), _CHUNK)
+    ]
+    return torch.cat(parts) if parts else torch.empty(0, dtype=torch.int64, device=x.device)
+
+
+def _read_gaps(reader: Reader, k: int, width: int, n: int) -> torch.Tensor:
+    if width not in (1, 2, 4, 8):
+        raise decode_error("topk index width", width, "1, 2, 4 or 8")
+    gaps = reader.numpy(k, f"<u{width}", "topk index gaps")
+    if k and int(gaps.max()) >= n:
+        raise DecodeError(f"topk index gap {int(gaps.max())} is out of range for numel {n}")
+    idx = np.cumsum(gaps.astype(np.int64) + 1) - 1
+    if k and idx[-1] >= n:
+        raise DecodeError(f"topk index {int(idx[-1])} is out of range for numel {n}")
+    return torch.from_numpy(idx)
+
+
+def randk_indices(seed: int, draws: int, n: int) -> np.ndarray:
+    """Sorted distinct indices from `draws` splitmix64 draws in [0, n); same on every machine."""
+    z = np.arange(1, draws + 1, dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15)
+    z += np.uint64(seed)
+    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    z ^= z >> np.uint64(31)
+    return np.unique((z % np.uint64(n)).astype(np.int64))
+
+
+def randk_keep_probability(draws: int, n: int) -> float:
+    """Probability that a given index is among `draws` uniform draws from n."""
+    return 1.0 if n == 1 else -math.expm1(draws * math.log1p(-1.0 / n))
+
+
+@register
+@dataclass
+class RandK(Codec):
+    """Random-k: k = round(fraction * n) seeded draws; only the values travel.
+
+    Both sides derive the (distinct, sorted) indices from the payload's seed. Values are divided
+    by the keep probability, which makes the estimate unbiased; `unscaled` sends them as they are
+    (biased but contractive: the variant to use under error feedback).
+    """
+
+    fraction: float = 0.01
+    unscaled: bool = False
+    inner: Codec = dataclasses.field(default_factory=NoneCodec)
+    name: ClassVar[str] = "randk"
+    codec_id: ClassVar[int] = 7
+    params: ClassVar[dict[str, type]] = {"fraction": float, "unscaled": bool}
+
+    def __post_init__(self) -> None:
+        _check_fraction(type(self), self.fraction)
+        _check_inner(type(self), self.inner)
+
+    def _draws(self, n: int) -> int:
+        return min(n, max(1, round(self.fraction * n)))
+
+    def _encode_body(self, x, shape, seed, state, name) -> list:
+        n = x.numel()
+        draws = self._draws(n) if n else 0
+        idx = torch.from_numpy(randk_indices(seed, draws, n)).to(x.device) if n else None
+        values = x[idx] if n else x
+        head = draws.to_bytes(8, "little") + bytes([int(self.unscaled)])
+        return [head, *_values_part(values, self.inner, seed)]
+
+    def _body_nbytes(self, numel: int, shape) -> int:
+        draws = self._draws(numel) if numel else 0
+        kept = round(numel * randk_keep_probability(draws, numel)) if numel else 0
+        return 9 + 8 + self.inner.expected_nbytes(kept)
+
+    @classmethod
+    def _decode_body(cls, reader, header: Header, device, max_numel) -> torch.Tensor:
+        n = header.numel
+        draws, unscaled = reader.unpack("QB", "randk params")
+        if draws > n or unscaled > 1 or (n and not draws):
+            raise DecodeError(f"randk draws={draws}, unscaled={unscaled}: expected 1..{n}, 0/1")
+        out = torch.zeros(n, dtype=torch.float32, device=device)
+        idx = randk_indices(header.seed, draws, n) if n else np.empty(0, np.int64)
+        values = _read_values(reader, len(idx), device, "randk")
+        if not unscaled:
+            values = values / randk_keep_probability(draws, n)
+        out[torch.from_numpy(idx).to(device)] = values
+        return out

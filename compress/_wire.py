@@ -1,0 +1,140 @@
+# Invariants: every read is bounds-checked before it happens and raises DecodeError (never
+# IndexError/struct.error); a tensor is only allocated after its byte length has been checked
+# against the bytes actually present, so an allocation never exceeds len(data) plus what the
+# caller's max_numel allows. All integers are little-endian.
+"""Byte-level pieces of the wire format: header, bounded reader, tensor <-> bytes views."""
+
+from __future__ import annotations
+
+import math
+import struct
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from ._errors import DecodeError
+
+MAGIC = b"GT"
+VERSION = 1
+MAX_NDIM = 8
+# dtype code on the wire -> torch dtype. The decoded tensor is returned in this dtype.
+DTYPES: dict[int, torch.dtype] = {
+    0: torch.float32,
+    1: torch.float16,
+    2: torch.bfloat16,
+    3: torch.float64,
+}
+DTYPE_CODES = {dtype: code for code, dtype in DTYPES.items()}
+_HEADER = struct.Struct("<2sBBBBQ")  # magic, version, codec id, dtype code, ndim, seed
+
+
+@dataclass(frozen=True)
+class Header:
+    """The part of a single-tensor payload every codec shares."""
+
+    codec_id: int
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    seed: int
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+def header_nbytes(ndim: int) -> int:
+    """Size in bytes of a header for a tensor with `ndim` dimensions."""
+    return _HEADER.size + 8 * ndim
+
+
+def pack_header(header: Header) -> bytes:
+    """Serialize a header (the caller has validated its fields)."""
+    code = DTYPE_CODES[header.dtype]
+    head = _HEADER.pack(MAGIC, VERSION, header.codec_id, code, len(header.shape), header.seed)
+    return head + struct.pack(f"<{len(header.shape)}Q", *header.shape)
+
+
+class Reader:
+    """Bounds-checked sequential reader over untrusted bytes."""
+
+    def __init__(self, data: bytes | bytearray | memoryview) -> None:
+        try:
+            self._view = memoryview(data).cast("B")
+        except TypeError as exc:
+            raise DecodeError(f"payload is not a contiguous bytes-like object: {exc}") from None
+        self._pos = 0
+
+    @property
+    def remaining(self) -> int:
+        return len(self._view) - self._pos
+
+    def take(self, n: int, what: str) -> memoryview:
+        """Return the next `n` bytes, or raise DecodeError naming `what` was truncated."""
+        if n < 0 or n > self.remaining:
+            raise DecodeError(f"truncated {what}: needs {n} bytes, {self.remaining} left")
+        view = self._view[self._pos : self._pos + n]
+        self._pos += n
+        return view
+
+    def unpack(self, fmt: str, what: str) -> tuple:
+        """Read one struct `fmt` (little-endian is forced)."""
+        st = struct.Struct("<" + fmt)
+        return st.unpack(self.take(st.size, what))
+
+    def finish(self, what: str) -> None:
+        """Raise DecodeError if bytes are left over after `what`."""
+        if self.remaining:
+            raise DecodeError(f"{self.remaining} trailing bytes after {what}")
+
+    def tensor(
+        self, count: int, dtype: torch.dtype, what: str, device: torch.device | str
+    ) -> torch.Tensor:
+        """Read `count` elements of `dtype` into a fresh tensor on `device`."""
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        raw = bytearray(self.take(count * itemsize, what))  # writable copy: torch needs one
+        if count == 0:
+            return torch.empty(0, dtype=dtype, device=device)
+        return torch.frombuffer(raw, dtype=dtype).to(device)
+
+    def numpy(self, count: int, dtype: str, what: str) -> np.ndarray:
+        """Read `count` elements of numpy `dtype` (e.g. '<u2'); the array is read-only."""
+        itemsize = np.dtype(dtype).itemsize
+        return np.frombuffer(self.take(count * itemsize, what), dtype=dtype)
+
+
+def read_header(reader: Reader, max_numel: int, codec_ids: set[int]) -> Header:
+    """Parse and validate a single-tensor header."""
+    magic, version, codec_id, code, ndim, seed = reader.unpack(_HEADER.format[1:], "header")
+    if magic != MAGIC:
+        raise DecodeError(f"bad magic {bytes(magic)!r}, expected {MAGIC!r}")
+    if version != VERSION:
+        raise DecodeError(f"unsupported format version {version}, expected {VERSION}")
+    if codec_id not in codec_ids:
+        raise DecodeError(f"unknown codec id {codec_id}")
+    if code not in DTYPES:
+        raise DecodeError(f"unknown dtype code {code}, expected one of {sorted(DTYPES)}")
+    if ndim > MAX_NDIM:
+        raise DecodeError(f"ndim {ndim} exceeds the maximum {MAX_NDIM}")
+    shape = reader.unpack(f"{ndim}Q", "shape")
+    numel = math.prod(shape)
+    if numel > max_numel:
+        raise DecodeError(f"shape {tuple(shape)} has {numel} elements, over max_numel={max_numel}")
+    return Header(codec_id, DTYPES[code], tuple(shape), seed)
+
+
+def as_buffer(t: torch.Tensor) -> memoryview:
+    """A zero-copy byte view of a tensor's data (moved to CPU first if needed)."""
+    flat = t.detach().reshape(-1)
+    if flat.device.type != "cpu":
+        flat = flat.cpu()
+    flat = flat.contiguous()
+    if flat.numel() == 0:
+        return memoryview(b"")
+    return memoryview(flat.view(torch.uint8).numpy())
+
+
+def check_finite_scales(scales: torch.Tensor, what: str) -> None:
+    """Raise DecodeError unless every scale is finite and non-negative."""
+    if scales.numel() and not bool(torch.isfinite(scales).all() & (scales >= 0).all()):
+        raise DecodeError(f"{what} contain a negative, NaN or infinite value")
