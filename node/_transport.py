@@ -1,0 +1,740 @@
+# The secure request/response transport: the only module that imports pynng. Invariants: every
+# socket has recv_max_size (nng's default is unlimited) and send/receive timeouts; no pynng
+# exception leaves this module; pipe callbacks only hand a note to the trio loop; a pipe carries at
+# most one handshake and one session, and any bad frame on it closes that pipe only; nothing
+# received is trusted before it authenticated under a session key; all tasks live in the nursery
+# of `open_transport` and stop when it exits.
+#
+# Wire: each node listens with a Rep0 socket and dials one Req0 socket per peer (contexts let many
+# requests share it; resend is off, because a resent frame would look like a replay). Before the
+# session exists a message is one kind byte + body: 0x01 Noise msg 1 -> 0x02 msg 2, 0x03 msg 3 ->
+# 0x04 accepted | 0x7f reason. After it, every request and reply is one encrypted frame (_noise).
+from __future__ import annotations
+
+import math
+import time
+from collections import Counter
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Literal
+
+import pynng
+import structlog
+import trio
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
+
+from ._admission import Admission, AdmissionRefused
+from ._identity import Identity, peer_id_from_public_key, short_id
+from ._messages import DecodeError, ErrorReply, Header, HeaderCodec
+from ._noise import (
+    FrameReceiver,
+    FrameRejected,
+    FrameSender,
+    HandshakeFailed,
+    NoiseHandshake,
+    check_identity_proof,
+    frame_length,
+    make_identity_proof,
+    open_frame,
+    parse_frame_prefix,
+    seal_frame_into,
+)
+
+HS1, HS2, HS3, HS_OK, HS_REFUSED = 0x01, 0x02, 0x03, 0x04, 0x7F
+MAX_REFUSAL_CHARS = 200
+log = structlog.get_logger()
+
+
+class TransportError(Exception):
+    """Base of every error the transport raises."""
+
+
+class PeerUnreachable(TransportError):
+    """No connection to the peer could be made, or it was lost mid-request."""
+
+
+class RequestTimeout(TransportError):
+    """The request's deadline passed before the reply arrived."""
+
+
+class HandshakeError(TransportError):
+    """The secure handshake failed: wrong peer, refused admission, wrong swarm, or deadline."""
+
+
+class RemoteProtocolError(TransportError):
+    """The peer sent something invalid (bad frame, bad header); the connection was dropped."""
+
+
+class LocalProtocolError(TransportError):
+    """We were asked to do something invalid (a bug of the caller), e.g. an oversized message."""
+
+
+@dataclass(frozen=True)
+class TransportConfig:
+    """Settings of one transport.
+
+    Attributes:
+        listen: nng URL to listen on; port 0 picks a free port (see Transport.address).
+        max_message_bytes: the largest payload sent or accepted; frames above it are refused by
+            nng before allocation. 320 MiB: a 256 MiB model update plus headroom.
+        max_header_bytes: the largest encoded header.
+        handshake_timeout_s: a handshake not finished by then is abandoned (both sides).
+        io_timeout_s: nng-level backstop for any single send/receive; callers' deadlines are
+            normally much shorter.
+        max_inbound_requests: requests served at once (one nng context each).
+        replay_window: how far out of order a frame may arrive and still be accepted.
+        offload_bytes: payloads at least this big are sealed/opened in a worker thread, so the
+            event loop is never blocked for long (cryptography releases the GIL).
+    """
+
+    listen: str = "tcp://127.0.0.1:0"
+    max_message_bytes: int = 320 * 2**20
+    max_header_bytes: int = 64 * 1024
+    handshake_timeout_s: float = 10.0
+    io_timeout_s: float = 600.0
+    max_inbound_requests: int = 16
+    replay_window: int = 1024
+    offload_bytes: int = 256 * 1024
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.listen, str) or "://" not in self.listen:
+            raise ValueError(f"listen: {self.listen!r}, expected an nng URL like tcp://host:port")
+        if not 0 < self.max_message_bytes <= 2**40:
+            raise ValueError(f"max_message_bytes: {self.max_message_bytes}, expected 1..2**40")
+        if not 0 < self.max_header_bytes <= 2**24:
+            raise ValueError(f"max_header_bytes: {self.max_header_bytes}, expected 1..2**24")
+        for name in ("handshake_timeout_s", "io_timeout_s"):
+            value = getattr(self, name)
+            if not (isinstance(value, int | float) and math.isfinite(value) and value > 0):
+                raise ValueError(f"{name}: {value!r}, expected a finite number > 0")
+        if not 1 <= self.max_inbound_requests <= 4096:
+            raise ValueError(f"max_inbound_requests: {self.max_inbound_requests}, expected 1..4096")
+        if not 1 <= self.replay_window <= 65536:
+            raise ValueError(f"replay_window: {self.replay_window}, expected 1..65536")
+        if self.offload_bytes < 0:
+            raise ValueError(f"offload_bytes: {self.offload_bytes}, expected >= 0")
+
+    @property
+    def recv_max_size(self) -> int:
+        return frame_length(self.max_header_bytes, self.max_message_bytes)
+
+
+@dataclass(frozen=True)
+class PeerInfo:
+    """A peer whose identity the handshake proved."""
+
+    peer_id: str
+    public_key: bytes = field(repr=False)
+    address: str
+    direction: Literal["inbound", "outbound"]
+
+    @property
+    def short_id(self) -> str:
+        return short_id(self.peer_id)
+
+
+@dataclass(frozen=True)
+class TransportStatistics:
+    """Counters since the transport opened."""
+
+    bytes_in: int
+    bytes_out: int
+    requests_sent: int
+    requests_served: int
+    handshakes_ok: int
+    handshakes_failed: Mapping[str, int]
+    frames_rejected: Mapping[str, int]
+    peer_bytes: Mapping[str, tuple[int, int]]  # peer ID -> (bytes in, bytes out)
+
+
+Handler = Callable[[PeerInfo, Header, memoryview], Awaitable[tuple[Header, bytes]]]
+
+
+def _timeout_ms(seconds: float) -> int:
+    return max(1, int(seconds * 1000))
+
+
+def _new_message(size: int) -> tuple[pynng.Message, memoryview]:
+    """An nng message with an uninitialised body of `size` bytes, and a writable view of it, so
+    frames are sealed straight into the socket's buffer (no extra copy of big payloads)."""
+    msg_p = pynng.ffi.new("nng_msg **")
+    pynng.check_err(pynng.lib.nng_msg_alloc(msg_p, size))
+    msg = pynng.Message(msg_p[0])
+    return msg, memoryview(msg._buffer).cast("B")
+
+
+def _message_view(msg: pynng.Message) -> memoryview:
+    return memoryview(msg._buffer).cast("B")
+
+
+class _Counters:
+    def __init__(self) -> None:
+        self.bytes_in = self.bytes_out = self.requests_sent = self.requests_served = 0
+        self.handshakes_ok = 0
+        self.handshakes_failed: Counter[str] = Counter()
+        self.frames_rejected: Counter[str] = Counter()
+        self.peer_in: Counter[str] = Counter()
+        self.peer_out: Counter[str] = Counter()
+
+    def moved(self, peer: PeerInfo | None, n_in: int, n_out: int) -> None:
+        self.bytes_in += n_in
+        self.bytes_out += n_out
+        if peer is not None:
+            self.peer_in[peer.peer_id] += n_in
+            self.peer_out[peer.peer_id] += n_out
+
+    def snapshot(self) -> TransportStatistics:
+        peers = set(self.peer_in) | set(self.peer_out)
+        return TransportStatistics(
+            self.bytes_in,
+            self.bytes_out,
+            self.requests_sent,
+            self.requests_served,
+            self.handshakes_ok,
+            MappingProxyType(dict(self.handshakes_failed)),
+            MappingProxyType(dict(self.frames_rejected)),
+            MappingProxyType({p: (self.peer_in[p], self.peer_out[p]) for p in peers}),
+        )
+
+
+class _Channel:
+    """Keys and counters of one established session, plus sealing/opening with offload."""
+
+    def __init__(self, keys: tuple[bytes, bytes], config: TransportConfig) -> None:
+        self.sender = FrameSender(keys[0])
+        self.receiver = FrameReceiver(keys[1], config.replay_window)
+        self.config = config
+
+    async def seal(self, header: bytes, payload: bytes | memoryview) -> pynng.Message:
+        counter = self.sender.next_counter()
+        n = memoryview(payload).nbytes
+        msg, view = _new_message(frame_length(len(header), n))
+        args = (self.sender.aead, counter, header, payload, view)
+        if n >= self.config.offload_bytes:
+            await trio.to_thread.run_sync(seal_frame_into, *args)
+        else:
+            seal_frame_into(*args)
+        return msg
+
+    async def open(self, frame: memoryview) -> tuple[bytes, bytearray]:
+        """Raises FrameRejected; the replay window only moves for authentic frames."""
+        cfg = self.config
+        info = parse_frame_prefix(frame, cfg.max_header_bytes, cfg.max_message_bytes)
+        self.receiver.window.check(info.counter)
+        if info.payload_len >= cfg.offload_bytes:
+            out = await trio.to_thread.run_sync(open_frame, self.receiver.aead, info, frame)
+        else:
+            out = open_frame(self.receiver.aead, info, frame)
+        self.receiver.window.accept(info.counter)
+        return out
+
+
+class _Credentials:
+    """What this node proves in every handshake, and how it judges the other side."""
+
+    def __init__(self, identity: Identity, admission: Admission, clock: Callable[[], float]):
+        self.identity = identity
+        self.admission = admission
+        self.clock = clock
+        self.static_key = X25519PrivateKey.generate()
+        static_pub = self.static_key.public_key().public_bytes(
+            serialization.Encoding.Raw, serialization.PublicFormat.Raw
+        )
+        self.proof = make_identity_proof(identity, static_pub, admission.credential())
+
+    def handshake(self, initiator: bool) -> NoiseHandshake:
+        return NoiseHandshake(initiator, self.static_key, self.admission.prologue)
+
+    def judge(self, hs: NoiseHandshake, payload: bytes, address: str, direction) -> PeerInfo:
+        """Check a peer's proof and admission. Raises HandshakeFailed."""
+        proof = check_identity_proof(payload, hs.remote_static)
+        try:
+            self.admission.check(proof.identity_key, proof.credential, self.clock())
+        except AdmissionRefused as exc:
+            raise HandshakeFailed(f"admission refused: {exc.reason}") from None
+        peer_id = peer_id_from_public_key(proof.identity_key)
+        return PeerInfo(peer_id, proof.identity_key, address, direction)
+
+
+def _handshake_failure_kind(reason: str) -> str:
+    if reason.startswith("admission refused"):
+        return "admission"
+    if reason.startswith("peer ID mismatch"):
+        return "peer_mismatch"
+    if reason.startswith("channel key is not signed") or reason.startswith("malformed identity"):
+        return "proof"
+    return "noise"
+
+
+def _close_pipe(pipe: pynng.Pipe) -> None:
+    try:
+        pipe.close()
+    except pynng.NNGException:  # already gone
+        pass
+
+
+class _InboundSession:
+    def __init__(self, pipe: pynng.Pipe, started: float) -> None:
+        self.pipe = pipe
+        self.started = started
+        self.handshake: NoiseHandshake | None = None
+        self.channel: _Channel | None = None
+        self.peer: PeerInfo | None = None
+
+
+class _Inbound:
+    """Serves the listening socket: handshakes, frames and the request handler."""
+
+    def __init__(self, sock, config, creds, codec, handler, counters, token) -> None:
+        self.sock, self.config, self.creds, self.codec = sock, config, creds, codec
+        self.handler, self.counters, self.token = handler, counters, token
+        self.sessions: dict[int, _InboundSession] = {}
+
+    # -- pipe callbacks: run on nng's threads, only hand a note to the trio loop --
+    def note_connect(self, pipe: pynng.Pipe) -> None:
+        try:
+            self.token.run_sync_soon(self._connected, pipe)
+        except trio.RunFinishedError:
+            pass
+
+    def note_remove(self, pipe: pynng.Pipe) -> None:
+        try:
+            self.token.run_sync_soon(self.sessions.pop, pipe.id, None)
+        except trio.RunFinishedError:
+            pass
+
+    def _connected(self, pipe: pynng.Pipe) -> _InboundSession:
+        if pipe.id not in self.sessions:
+            self.sessions[pipe.id] = _InboundSession(pipe, trio.current_time())
+        return self.sessions[pipe.id]
+
+    def _drop(self, session: _InboundSession) -> None:
+        self.sessions.pop(session.pipe.id, None)
+        _close_pipe(session.pipe)
+
+    async def serve(self) -> None:
+        """One worker: receive a message on its own context, answer it, repeat."""
+        ctx = self.sock.new_context()
+        try:
+            while True:
+                try:
+                    msg = await ctx.arecv_msg()
+                except pynng.Timeout:
+                    continue
+                except pynng.NNGException:  # closed: the transport is shutting down
+                    return
+                reply = await self._on_message(msg)
+                if reply is None:
+                    continue
+                try:
+                    await ctx.asend_msg(reply)
+                except pynng.NNGException as exc:
+                    log.info("reply_not_sent", error=str(exc))
+        finally:
+            ctx.close()
+
+    async def sweep(self) -> None:
+        """Close pipes whose handshake did not finish within handshake_timeout_s."""
+        timeout = self.config.handshake_timeout_s
+        while True:
+            await trio.sleep(min(1.0, timeout / 4))
+            now = trio.current_time()
+            for session in list(self.sessions.values()):
+                if session.channel is None and now - session.started >= timeout:
+                    self.counters.handshakes_failed["deadline"] += 1
+                    log.warning("handshake_failed", direction="inbound", reason="deadline")
+                    self._drop(session)
+
+    async def _on_message(self, msg: pynng.Message) -> pynng.Message | None:
+        session = self.sessions.get(msg.pipe.id) or self._connected(msg.pipe)
+        view = _message_view(msg)
+        self.counters.moved(session.peer, len(view), 0)
+        try:
+            if session.channel is not None:
+                return await self._on_frame(session, view)
+            kind = view[0] if len(view) else -1
+            if kind == HS1 and session.handshake is None:
+                session.handshake = self.creds.handshake(initiator=False)
+                session.handshake.read_message(bytes(view[1:]))
+                return self._reply(session, HS2, session.handshake.write_message(self.creds.proof))
+            if kind == HS3 and session.handshake is not None:
+                return self._finish_handshake(session, bytes(view[1:]))
+            raise FrameRejected("unexpected", f"kind {kind:#x} before the session exists")
+        except FrameRejected as exc:
+            self.counters.frames_rejected[exc.reason] += 1
+            peer = session.peer.short_id if session.peer else None
+            log.warning("frame_rejected", peer=peer, reason=exc.reason, detail=str(exc))
+            self._drop(session)
+        except HandshakeFailed as exc:
+            self.counters.handshakes_failed[_handshake_failure_kind(exc.reason)] += 1
+            log.warning("handshake_failed", direction="inbound", reason=exc.reason)
+            session.handshake = None
+            refusal = exc.reason.encode("utf-8", "replace")[:MAX_REFUSAL_CHARS]
+            return self._reply(session, HS_REFUSED, refusal)
+        return None
+
+    def _reply(self, session: _InboundSession, kind: int, body: bytes) -> pynng.Message:
+        self.counters.moved(session.peer, 0, 1 + len(body))
+        return pynng.Message(bytes([kind]) + body)
+
+    def _finish_handshake(self, session: _InboundSession, message: bytes) -> pynng.Message:
+        hs = session.handshake
+        payload = hs.read_message(message)
+        peer = self.creds.judge(hs, payload, str(session.pipe.remote_address), "inbound")
+        session.channel, session.peer = _Channel(hs.split(), self.config), peer
+        session.handshake = None
+        self.counters.handshakes_ok += 1
+        log.info("handshake_ok", peer=peer.short_id, direction="inbound")
+        return self._reply(session, HS_OK, b"")
+
+    async def _on_frame(self, session: _InboundSession, view: memoryview) -> pynng.Message:
+        header_bytes, payload = await session.channel.open(view)
+        try:
+            header = self.codec.decode(header_bytes)
+        except DecodeError as exc:
+            self.counters.frames_rejected["header"] += 1
+            log.warning(
+                "frame_rejected", peer=session.peer.short_id, reason="header", detail=exc.reason
+            )
+            code = "bad_request"
+            if exc.reason.startswith("unknown message type"):
+                code = "unknown_type"
+            elif exc.reason.startswith("unsupported protocol version"):
+                code = "unsupported_version"
+            reply_header, reply_payload = ErrorReply(code, exc.reason[:200]), b""
+        else:
+            reply_header, reply_payload = await self._call_handler(session.peer, header, payload)
+        self.counters.requests_served += 1
+        reply = await session.channel.seal(self.codec.encode(reply_header), reply_payload)
+        self.counters.moved(session.peer, 0, len(reply._buffer))
+        return reply
+
+    async def _call_handler(self, peer: PeerInfo, header: Header, payload: bytearray):
+        try:
+            reply_header, reply_payload = await self.handler(peer, header, memoryview(payload))
+            if type(reply_header) not in self.codec.types:
+                raise TypeError(f"handler returned unregistered header {reply_header!r}")
+            if memoryview(reply_payload).nbytes > self.config.max_message_bytes:
+                raise ValueError("handler returned a payload above max_message_bytes")
+        except Exception:
+            log.exception("handler_failed", peer=peer.short_id, header=type(header).__name__)
+            return ErrorReply("internal", "the handler failed"), b""
+        return reply_header, reply_payload
+
+
+class _Outbound:
+    """One dialed Req0 socket to one address and its established session."""
+
+    def __init__(self, address: str, sock: pynng.Req0, channel: _Channel, peer: PeerInfo):
+        self.address, self.sock, self.channel, self.peer = address, sock, channel, peer
+        self.lost = trio.Event()
+
+    async def exchange(
+        self, header: bytes, payload: bytes | memoryview, counters: _Counters
+    ) -> tuple[bytes, bytearray]:
+        msg = await self.channel.seal(header, payload)
+        counters.moved(self.peer, 0, len(msg._buffer))
+        ctx = self.sock.new_context()
+        try:
+            await ctx.asend_msg(msg)
+            reply = await ctx.arecv_msg()
+        finally:
+            ctx.close()
+        view = _message_view(reply)
+        counters.moved(self.peer, len(view), 0)
+        try:
+            return await self.channel.open(view)
+        except FrameRejected as exc:
+            counters.frames_rejected[exc.reason] += 1
+            log.warning("frame_rejected", peer=self.peer.short_id, reason=exc.reason)
+            self.lost.set()
+            raise RemoteProtocolError(f"bad reply frame from {self.peer.short_id}: {exc}") from None
+
+
+async def _rpc(sock: pynng.Req0, data: bytes) -> bytes:
+    ctx = sock.new_context()
+    try:
+        await ctx.asend(data)
+        return await ctx.arecv()
+    finally:
+        ctx.close()
+
+
+class Transport:
+    """A node's secure endpoint. Made by `open_transport`; do not construct directly."""
+
+    def __init__(self, config, creds, codec, counters, nursery, address) -> None:
+        self.config, self._creds, self.codec = config, creds, codec
+        self._counters, self._nursery = counters, nursery
+        self.address: str = address  # the bound listen address, port 0 resolved
+        self._outbound: dict[str, _Outbound] = {}
+        self._dial_locks: dict[str, trio.Lock] = {}
+        self._closed = False
+
+    @property
+    def peer_id(self) -> str:
+        return self._creds.identity.peer_id
+
+    def statistics(self) -> TransportStatistics:
+        """Counters since the transport opened (a frozen snapshot)."""
+        return self._counters.snapshot()
+
+    async def request(
+        self,
+        address: str,
+        header: Header,
+        payload: bytes | bytearray | memoryview = b"",
+        *,
+        deadline_s: float,
+        expect_peer: str | None = None,
+    ) -> tuple[Header, bytearray, PeerInfo]:
+        """Send one request and wait for its reply. Safe to call from many tasks at once.
+
+        Args:
+            address: the peer's listen URL, e.g. "tcp://10.0.0.2:7000".
+            header: a registered Header; payload: raw bytes (e.g. a compress/ payload).
+            deadline_s: the whole request (connect, handshake, send, reply) must finish by then.
+            expect_peer: the peer ID that must answer at `address`; anyone admitted if None.
+
+        Returns:
+            (reply header, reply payload, the proven peer). An ErrorReply header is returned,
+            not raised: the peer answered.
+
+        Raises:
+            LocalProtocolError, PeerUnreachable, HandshakeError, RequestTimeout,
+            RemoteProtocolError (all TransportError).
+        """
+        if self._closed:
+            raise PeerUnreachable("transport is closed")
+        try:
+            header_bytes = self.codec.encode(header)
+        except TypeError as exc:
+            raise LocalProtocolError(str(exc)) from None
+        if memoryview(payload).nbytes > self.config.max_message_bytes:
+            raise LocalProtocolError(
+                f"payload of {memoryview(payload).nbytes} bytes exceeds max_message_bytes"
+            )
+        with trio.move_on_after(deadline_s) as scope:
+            conn = await self._connection(address, expect_peer)
+            reply = await self._exchange(conn, header_bytes, payload)
+        if scope.cancelled_caught:
+            raise RequestTimeout(f"no reply from {address} within {deadline_s} s")
+        try:
+            reply_header = self.codec.decode(reply[0])
+        except DecodeError as exc:
+            self._counters.frames_rejected["header"] += 1
+            raise RemoteProtocolError(f"bad reply header from {address}: {exc.reason}") from None
+        return reply_header, reply[1], conn.peer
+
+    async def _exchange(self, conn: _Outbound, header: bytes, payload) -> tuple[bytes, bytearray]:
+        self._counters.requests_sent += 1
+        try:
+            return await conn.exchange(header, payload, self._counters)
+        except pynng.Timeout:
+            raise RequestTimeout(f"nng timeout talking to {conn.address}") from None
+        except pynng.NNGException as exc:
+            conn.lost.set()
+            raise PeerUnreachable(f"connection to {conn.address} lost: {exc}") from None
+
+    async def _connection(self, address: str, expect_peer: str | None) -> _Outbound:
+        lock = self._dial_locks.setdefault(address, trio.Lock())
+        async with lock:
+            conn = self._outbound.get(address)
+            if conn is None or conn.lost.is_set():
+                conn = await self._dial(address, expect_peer)
+                self._outbound[address] = conn
+                self._nursery.start_soon(self._watch, conn)
+        if expect_peer is not None and conn.peer.peer_id != expect_peer:
+            raise HandshakeError(
+                f"peer ID mismatch at {address}: expected {expect_peer}, proved {conn.peer.peer_id}"
+            )
+        return conn
+
+    async def _watch(self, conn: _Outbound) -> None:
+        try:
+            await conn.lost.wait()
+            log.info("connection_lost", peer=conn.peer.short_id, address=conn.address)
+        finally:
+            if self._outbound.get(conn.address) is conn:
+                del self._outbound[conn.address]
+            conn.sock.close()
+
+    def _new_req_socket(self) -> pynng.Req0:
+        cfg = self.config
+        sock = pynng.Req0(
+            recv_max_size=cfg.recv_max_size,
+            send_timeout=_timeout_ms(cfg.io_timeout_s),
+            recv_timeout=_timeout_ms(cfg.io_timeout_s),
+        )
+        sock.resend_time = -1  # never resend: a resent frame would be (rightly) a replay
+        return sock
+
+    async def _dial(self, address: str, expect_peer: str | None) -> _Outbound:
+        sock = self._new_req_socket()
+        lost = trio.Event()
+        token = trio.lowlevel.current_trio_token()
+
+        def note_remove(_pipe: pynng.Pipe) -> None:  # nng thread: only record
+            try:
+                token.run_sync_soon(lost.set)
+            except trio.RunFinishedError:
+                pass
+
+        try:
+            sock.add_post_pipe_remove_cb(note_remove)
+            await trio.to_thread.run_sync(
+                lambda: sock.dial(address, block=True), abandon_on_cancel=True
+            )
+            channel, peer = await self._client_handshake(sock, address, expect_peer)
+        except BaseException as exc:
+            sock.close()
+            if isinstance(exc, pynng.NNGException):
+                raise PeerUnreachable(f"cannot connect to {address}: {exc}") from None
+            raise
+        conn = _Outbound(address, sock, channel, peer)
+        conn.lost = lost
+        return conn
+
+    async def _client_handshake(self, sock, address, expect_peer) -> tuple[_Channel, PeerInfo]:
+        creds = self._creds
+        try:
+            with trio.fail_after(self.config.handshake_timeout_s):
+                hs = creds.handshake(initiator=True)
+                reply = await _rpc(sock, bytes([HS1]) + hs.write_message(b""))
+                if reply[:1] != bytes([HS2]):
+                    raise HandshakeFailed(_refusal(reply))
+                peer = creds.judge(hs, hs.read_message(reply[1:]), address, "outbound")
+                if expect_peer is not None and peer.peer_id != expect_peer:
+                    raise HandshakeFailed(
+                        f"peer ID mismatch: expected {expect_peer}, proved {peer.peer_id}"
+                    )
+                reply = await _rpc(sock, bytes([HS3]) + hs.write_message(creds.proof))
+                if reply[:1] != bytes([HS_OK]):
+                    raise HandshakeFailed(_refusal(reply))
+        except trio.TooSlowError:
+            self._counters.handshakes_failed["deadline"] += 1
+            log.warning(
+                "handshake_failed", direction="outbound", address=address, reason="deadline"
+            )
+            raise HandshakeError(f"handshake with {address} missed its deadline") from None
+        except HandshakeFailed as exc:
+            self._counters.handshakes_failed[_handshake_failure_kind(exc.reason)] += 1
+            log.warning(
+                "handshake_failed", direction="outbound", address=address, reason=exc.reason
+            )
+            raise HandshakeError(f"handshake with {address} failed: {exc.reason}") from None
+        self._counters.handshakes_ok += 1
+        log.info("handshake_ok", peer=peer.short_id, direction="outbound", address=address)
+        return _Channel(hs.split(), self.config), peer
+
+    def _close_all(self) -> None:
+        self._closed = True
+        for conn in list(self._outbound.values()):
+            conn.sock.close()
+        self._outbound.clear()
+
+
+def _refusal(reply: bytes) -> str:
+    if reply[:1] == bytes([HS_REFUSED]):
+        return "refused by peer: " + reply[1 : 1 + MAX_REFUSAL_CHARS].decode("utf-8", "replace")
+    return f"unexpected handshake reply (kind {reply[:1].hex() or 'empty'})"
+
+
+@asynccontextmanager
+async def open_transport(
+    config: TransportConfig,
+    identity: Identity,
+    admission: Admission,
+    handler: Handler,
+    *,
+    codec: HeaderCodec | None = None,
+    clock: Callable[[], float] = time.time,
+) -> AsyncIterator[Transport]:
+    """Listen on `config.listen` and serve requests until the block exits.
+
+    Args:
+        config: socket limits and timeouts.
+        identity: this node's key; admission: who may connect, and our own credential.
+        handler: called for each incoming request with the proven peer, the header and the
+            payload (a memoryview valid during the call); returns (reply header, reply payload).
+        codec: header types in use (the default registry of node._messages if None).
+        clock: wall clock for certificate expiry (POSIX seconds).
+
+    Raises:
+        TransportError: the address cannot be listened on.
+        LocalProtocolError: our certificate does not name our identity.
+    """
+    if admission.certificate is not None and (
+        admission.certificate.peer_public_key != identity.public_key
+    ):
+        raise LocalProtocolError("admission certificate names another identity than ours")
+    codec = codec or HeaderCodec(max_header_bytes=config.max_header_bytes)
+    creds = _Credentials(identity, admission, clock)
+    counters = _Counters()
+    timeout_ms = _timeout_ms(config.io_timeout_s)
+    with pynng.Rep0(
+        recv_max_size=config.recv_max_size, send_timeout=timeout_ms, recv_timeout=timeout_ms
+    ) as sock:
+        inbound = _Inbound(
+            sock, config, creds, codec, handler, counters, trio.lowlevel.current_trio_token()
+        )
+        sock.add_post_pipe_connect_cb(inbound.note_connect)
+        sock.add_post_pipe_remove_cb(inbound.note_remove)
+        try:
+            listener = sock.listen(config.listen)
+        except pynng.NNGException as exc:
+            raise TransportError(f"cannot listen on {config.listen}: {exc}") from None
+        address = _bound_address(config.listen, str(listener.local_address))
+        transport = None
+        try:
+            async with trio.open_nursery() as nursery:
+                transport = Transport(config, creds, codec, counters, nursery, address)
+                for _ in range(config.max_inbound_requests):
+                    nursery.start_soon(inbound.serve)
+                nursery.start_soon(inbound.sweep)
+                log.info("transport_listening", address=address, peer=identity.short_id)
+                try:
+                    yield transport
+                finally:
+                    nursery.cancel_scope.cancel()
+        finally:
+            if transport is not None:
+                transport._close_all()
+
+
+def _bound_address(requested: str, local: str) -> str:
+    """The URL peers should dial: the requested one with the port actually bound."""
+    scheme, _, rest = requested.partition("://")
+    if scheme.startswith("tcp") and ":" in local:
+        host = rest.rsplit(":", 1)[0]
+        return f"{scheme}://{host}:{local.rsplit(':', 1)[1]}"
+    return requested
+
+
+# ---- baseline for node.bench: plain pynng, here because this module alone owns pynng ----------
+async def raw_pynng_round_trips(payload: bytes, repeats: int) -> list[float]:
+    """Seconds for each of `repeats` Req0->Rep0 round trips over loopback carrying `payload`
+    one way and 2 bytes back, with pynng's ordinary bytes API and no security."""
+    times = []
+    limit = len(payload) + 1024
+    with pynng.Rep0(recv_max_size=limit) as rep, pynng.Req0(recv_max_size=limit) as req:
+        listener = rep.listen("tcp://127.0.0.1:0")
+        req.dial(_bound_address("tcp://127.0.0.1:0", str(listener.local_address)), block=True)
+
+        async def echo() -> None:
+            while True:
+                await rep.arecv()
+                await rep.asend(b"ok")
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(echo)
+            for _ in range(repeats):
+                started = time.perf_counter()
+                await req.asend(payload)
+                await req.arecv()
+                times.append(time.perf_counter() - started)
+            nursery.cancel_scope.cancel()
+    return times
