@@ -1,0 +1,98 @@
+# The daemon's message types on top of the transport's header framework. Invariants: every header
+# is a bounded msgspec Struct; membership messages travel as a kind tag plus a msgpack body that
+# is decoded into gossip's own dataclass and validated by gossip before gossip sees it; model
+# tensors always travel in the payload, as compress/ bytes, never inside a header.
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+import msgspec
+
+from gossip._errors import RemoteProtocolError
+from gossip._messages import MESSAGE_TYPES, MembershipMessage, validate_message
+
+from ._messages import HEADER_TYPES, U63, Header, HeaderCodec
+
+MAX_SPEC_CHARS = 128
+MAX_GOSSIP_BODY = 48 * 1024
+Spec = Annotated[str, msgspec.Meta(max_length=MAX_SPEC_CHARS)]
+Name = Annotated[str, msgspec.Meta(max_length=64)]
+
+_KINDS: dict[str, type] = {cls.__name__.lower(): cls for cls in MESSAGE_TYPES}
+GossipKind = Literal["join", "ping", "pingreq", "ack", "peerlist", "leave"]
+assert set(_KINDS) == set(GossipKind.__args__)  # type: ignore[attr-defined]
+
+
+class Gossip(Header, frozen=True, tag="gossip"):
+    """One membership message (gossip/_messages), one way; answered with Delivered."""
+
+    kind: GossipKind
+    body: Annotated[bytes, msgspec.Meta(max_length=MAX_GOSSIP_BODY)]
+
+
+class Delivered(Header, frozen=True, tag="delivered"):
+    """The answer to a one-way message: it arrived and was accepted."""
+
+
+class Exchange(Header, frozen=True, tag="exchange"):
+    """Start a pairwise exchange: the payload is the sender's model, encoded with `codec`.
+
+    The responder answers ExchangeReply with its own model encoded with the same codec, and both
+    mix. `algorithm` must match the responder's; `step` is informational.
+    """
+
+    algorithm: Name
+    codec: Spec
+    step: U63
+
+
+class ExchangeReply(Header, frozen=True, tag="exchange_reply"):
+    step: U63
+
+
+class StateRequest(Header, frozen=True, tag="state_request"):
+    """A joining node asks for the current model (answered with StateReply + fp32 payload)."""
+
+    algorithm: Name
+
+
+class StateReply(Header, frozen=True, tag="state_reply"):
+    step: U63
+
+
+NODE_HEADER_TYPES: tuple[type[Header], ...] = (
+    *HEADER_TYPES,
+    Gossip,
+    Delivered,
+    Exchange,
+    ExchangeReply,
+    StateRequest,
+    StateReply,
+)
+
+
+def node_header_codec() -> HeaderCodec:
+    return HeaderCodec(NODE_HEADER_TYPES)
+
+
+_encoder = msgspec.msgpack.Encoder()
+_decoders = {kind: msgspec.msgpack.Decoder(cls) for kind, cls in _KINDS.items()}
+
+
+def wrap_gossip(message: MembershipMessage) -> Gossip:
+    """The header that carries a membership message."""
+    return Gossip(kind=type(message).__name__.lower(), body=_encoder.encode(message))  # type: ignore[arg-type]
+
+
+def unwrap_gossip(header: Gossip) -> MembershipMessage:
+    """Decode and validate a membership message from a peer.
+
+    Raises:
+        RemoteProtocolError: the body does not decode to the kind's type or breaks a bound.
+    """
+    try:
+        message = _decoders[header.kind].decode(header.body)
+    except msgspec.DecodeError as exc:
+        raise RemoteProtocolError(f"bad {header.kind} body: {exc}") from None
+    validate_message(message)
+    return message
