@@ -137,6 +137,12 @@ def probe(host: str, port: int, pings: int, bulk: int) -> dict[str, float]:
     }
 
 
+def _last_line(stderr: str) -> str:
+    """The error a worker died of (the last line of its traceback)."""
+    lines = stderr.strip().splitlines()
+    return lines[-1] if lines else "no error output"
+
+
 def _worker_argv(*args: object) -> list[str]:
     return [sys.executable, "-P", __file__, *map(str, args)]
 
@@ -161,7 +167,7 @@ def measure_link(
         port: TCP port of the server inside `dst`'s namespace.
 
     Raises:
-        RuntimeError: a side failed; the message holds its stderr.
+        RuntimeError: a side failed; the message names the side and its error.
     """
     connections = pings + 2
     server = namespaces.popen(
@@ -173,7 +179,7 @@ def measure_link(
     )
     try:
         if server.stdout is None or server.stdout.readline().strip() != "ready":
-            raise RuntimeError(f"link check server failed: {server.communicate()[1].strip()}")
+            raise RuntimeError(f"link check server failed: {_last_line(server.communicate()[1])}")
         client = namespaces.run(
             src,
             _worker_argv("probe", namespaces[dst].address, port, pings, bulk_bytes),
@@ -182,7 +188,7 @@ def measure_link(
             timeout=TIMEOUT_S * 2,
         )
         if client.returncode != 0:
-            raise RuntimeError(f"link check client failed: {client.stderr.strip()}")
+            raise RuntimeError(f"link check client failed: {_last_line(client.stderr)}")
         result = json.loads(client.stdout)
         server.wait(timeout=TIMEOUT_S)
     finally:
