@@ -1,1 +1,30 @@
 """The geotrain node daemon: config, identity, secure transport, trainer and the `geotrain` CLI."""
+
+from ._admission import Admission as Admission
+from ._admission import AdmissionRefused as AdmissionRefused
+from ._admission import MembershipCertificate as MembershipCertificate
+from ._admission import SwarmAuthority as SwarmAuthority
+from ._admission import SwarmInfo as SwarmInfo
+from ._identity import Identity as Identity
+from ._identity import KeyFileError as KeyFileError
+from ._identity import peer_id_from_public_key as peer_id_from_public_key
+from ._identity import public_key_from_peer_id as public_key_from_peer_id
+from ._messages import HEADER_TYPES as HEADER_TYPES
+from ._messages import PROTOCOL_VERSION as PROTOCOL_VERSION
+from ._messages import DecodeError as DecodeError
+from ._messages import ErrorReply as ErrorReply
+from ._messages import Header as Header
+from ._messages import HeaderCodec as HeaderCodec
+from ._messages import Ping as Ping
+from ._messages import Pong as Pong
+from ._transport import HandshakeError as HandshakeError
+from ._transport import LocalProtocolError as LocalProtocolError
+from ._transport import PeerInfo as PeerInfo
+from ._transport import PeerUnreachable as PeerUnreachable
+from ._transport import RemoteProtocolError as RemoteProtocolError
+from ._transport import RequestTimeout as RequestTimeout
+from ._transport import Transport as Transport
+from ._transport import TransportConfig as TransportConfig
+from ._transport import TransportError as TransportError
+from ._transport import TransportStatistics as TransportStatistics
+from ._transport import open_transport as open_transport

@@ -12,6 +12,7 @@ from importlib import metadata
 
 import structlog
 
+from ._identity_cli import register_keygen, register_swarm
 from ._logging import LOG_FORMATS, LOG_LEVELS, configure_logging
 
 COMMAND_GROUP = "geotrain.commands"
@@ -19,7 +20,7 @@ COMMAND_GROUP = "geotrain.commands"
 Register = Callable[[argparse._SubParsersAction], None]
 
 # Subcommands that `node` itself provides, in the order `--help` lists them.
-BUILTIN_COMMANDS: tuple[Register, ...] = ()
+BUILTIN_COMMANDS: tuple[Register, ...] = (register_keygen, register_swarm)
 
 
 def _version() -> str:
