@@ -384,11 +384,12 @@ class _Inbound:
         hs = session.handshake
         payload = hs.read_message(message)
         peer = self.creds.judge(hs, payload, str(session.pipe.remote_address), "inbound")
+        reply = self._reply(session, HS_OK, b"")  # counted before the session (per-peer: frames)
         session.channel, session.peer = _Channel(hs.split(), self.config), peer
         session.handshake = None
         self.counters.handshakes_ok += 1
         log.info("handshake_ok", peer=peer.short_id, direction="inbound")
-        return self._reply(session, HS_OK, b"")
+        return reply
 
     async def _on_frame(self, session: _InboundSession, view: memoryview) -> pynng.Message:
         header_bytes, payload = await session.channel.open(view)
@@ -454,11 +455,14 @@ class _Outbound:
             raise RemoteProtocolError(f"bad reply frame from {self.peer.short_id}: {exc}") from None
 
 
-async def _rpc(sock: pynng.Req0, data: bytes) -> bytes:
+async def _rpc(sock: pynng.Req0, data: bytes, counters: _Counters) -> bytes:
     ctx = sock.new_context()
     try:
         await ctx.asend(data)
-        return await ctx.arecv()
+        counters.moved(None, 0, len(data))
+        reply = await ctx.arecv()
+        counters.moved(None, len(reply), 0)
+        return reply
     finally:
         ctx.close()
 
@@ -537,6 +541,7 @@ class Transport:
             raise RequestTimeout(f"nng timeout talking to {conn.address}") from None
         except pynng.NNGException as exc:
             conn.lost.set()
+            await trio.lowlevel.checkpoint()  # a pending cancellation wins over "closed"
             raise PeerUnreachable(f"connection to {conn.address} lost: {exc}") from None
 
     async def _connection(self, address: str, expect_peer: str | None) -> _Outbound:
@@ -570,6 +575,9 @@ class Transport:
             recv_timeout=_timeout_ms(cfg.io_timeout_s),
         )
         sock.resend_time = -1  # never resend: a resent frame would be (rightly) a replay
+        # No silent redial either: a new pipe has no session. A lost connection is closed and the
+        # next request dials afresh.
+        sock.reconnect_time_min = sock.reconnect_time_max = _timeout_ms(cfg.io_timeout_s)
         return sock
 
     async def _dial(self, address: str, expect_peer: str | None) -> _Outbound:
@@ -603,7 +611,7 @@ class Transport:
         try:
             with trio.fail_after(self.config.handshake_timeout_s):
                 hs = creds.handshake(initiator=True)
-                reply = await _rpc(sock, bytes([HS1]) + hs.write_message(b""))
+                reply = await _rpc(sock, bytes([HS1]) + hs.write_message(b""), self._counters)
                 if reply[:1] != bytes([HS2]):
                     raise HandshakeFailed(_refusal(reply))
                 peer = creds.judge(hs, hs.read_message(reply[1:]), address, "outbound")
@@ -611,7 +619,9 @@ class Transport:
                     raise HandshakeFailed(
                         f"peer ID mismatch: expected {expect_peer}, proved {peer.peer_id}"
                     )
-                reply = await _rpc(sock, bytes([HS3]) + hs.write_message(creds.proof))
+                reply = await _rpc(
+                    sock, bytes([HS3]) + hs.write_message(creds.proof), self._counters
+                )
                 if reply[:1] != bytes([HS_OK]):
                     raise HandshakeFailed(_refusal(reply))
         except trio.TooSlowError:
