@@ -139,7 +139,7 @@ class TopK(Codec):
             packed = reader.tensor((n + 7) // 8, torch.uint8, "topk bitmap", "cpu")
             if n % 8 and int(packed[-1]) >> (n % 8):
                 raise DecodeError("topk bitmap: padding bits are not zero")
-            idx = unpack_bits(packed, n).nonzero().squeeze(1)
+            idx = _nonzero(unpack_bits(packed, n))
             if idx.numel() != k:
                 raise DecodeError(f"topk bitmap has {idx.numel()} bits set, expected k={k}")
         else:
@@ -157,10 +157,16 @@ def _exact_topk(x: torch.Tensor, k: int) -> torch.Tensor:
 def _at_least(x: torch.Tensor, threshold: torch.Tensor) -> torch.Tensor:
     """Sorted indices where |x| >= threshold, in chunks to keep temporaries small."""
     parts = [
-        torch.nonzero(x[i : i + _CHUNK].abs() >= threshold).squeeze(1) + i
-        for i in range(0, x.numel(), _CHUNK)
+        _nonzero(x[i : i + _CHUNK].abs() >= threshold) + i for i in range(0, x.numel(), _CHUNK)
     ]
     return torch.cat(parts) if parts else torch.empty(0, dtype=torch.int64, device=x.device)
+
+
+def _nonzero(mask: torch.Tensor) -> torch.Tensor:
+    """Indices of True in a 1-D bool tensor; numpy's is about 2x faster than torch's on CPU."""
+    if mask.device.type == "cpu":
+        return torch.from_numpy(np.flatnonzero(mask.numpy()))
+    return torch.nonzero(mask).squeeze(1)
 
 
 def _read_gaps(reader: Reader, k: int, width: int, n: int) -> torch.Tensor:

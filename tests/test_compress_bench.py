@@ -1,0 +1,18 @@
+"""The benchmark runs at a tiny size and prints the documented JSON shape (speed is not tested)."""
+
+import json
+
+from compress import bench
+
+
+def test_bench_json_has_every_codec_and_the_baselines(capsys):
+    assert bench.main(["--json", "--sizes", "20000", "--repeat", "1"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    codecs = [row["codec"] for row in result["rows"]]
+    assert {"memcpy", "torch.topk", *bench.CODECS} <= set(codecs)
+    keys = {"codec", "numel", "encode_gbps", "decode_gbps", "ratio", "rel_error"}
+    for row in result["rows"]:
+        assert keys <= set(row)
+        assert row["numel"] == 20000 and row["encode_gbps"] > 0 and row["ratio"] > 0
+    none = next(r for r in result["rows"] if r["codec"] == "none")
+    assert none["rel_error"] == 0.0 and 0.99 < none["ratio"] <= 1.0

@@ -1,0 +1,99 @@
+"""topk and randk: k within tolerance, exact selection, index encodings, unbiased randk."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from compress import FP16, Int8, NoneCodec, RandK, TopK, decode
+from compress._sparse import randk_indices
+
+
+def _x(n, seed=0):
+    return torch.randn(n, generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("n", [50_000, 1_000_000])
+def test_topk_keeps_the_largest_magnitudes_within_tolerance(n):
+    x = _x(n)
+    codec = TopK(fraction=0.01, tol=0.1)
+    y = decode(codec.encode(x, seed=1), max_numel=n)
+    kept = y != 0
+    count = int(kept.sum())
+    assert abs(count - codec.k_for(n)) <= 0.1 * codec.k_for(n)
+    assert torch.equal(y[kept], x[kept])  # values sent exactly with the `none` value codec
+    assert x[kept].abs().min() >= x[~kept].abs().max()  # the kept ones are the largest
+
+
+def test_topk_on_a_small_tensor_is_exact():
+    x = _x(2000)
+    y = decode(TopK(fraction=0.05).encode(x), max_numel=2000)
+    assert int((y != 0).sum()) == 100
+
+
+def test_topk_uses_a_bitmap_when_dense_and_gaps_when_sparse():
+    n = 100_000
+    x = _x(n)
+    sparse = TopK(fraction=0.01).encode(x)
+    dense = TopK(fraction=0.2).encode(x)
+    # gaps at 1% fit in 2 bytes each; at 20% a bitmap (n / 8 bytes) is smaller than gaps
+    assert len(sparse) < 14 + 8 + 10 + 2 * 1100 + 8 + 22 + 4 * 1100
+    k = int((decode(dense, max_numel=n) != 0).sum())
+    assert len(dense) == 14 + 8 + 10 + n // 8 + 8 + 22 + 4 * k
+
+
+def test_topk_values_compose_with_a_value_codec():
+    x = _x(200_000)
+    plain, q8, h = (TopK(0.01, inner=c).encode(x) for c in (NoneCodec(), Int8(), FP16()))
+    assert len(q8) < len(h) < len(plain)
+    y = decode(q8, max_numel=x.numel())
+    kept = y != 0
+    assert (y[kept] - x[kept]).abs().max() <= x.abs().max() / 127
+
+
+def test_tiny_tensors_are_sent_dense():
+    x = _x(10)
+    data = TopK(0.01).encode(x)
+    assert len(data) == NoneCodec().expected_nbytes(10)
+    assert torch.equal(decode(data, max_numel=10), x)
+
+
+def test_topk_handles_ties_and_zeros():
+    x = torch.zeros(100_000)
+    x[::7] = 1.0  # many equal magnitudes, far more than k
+    y = decode(TopK(0.01).encode(x), max_numel=x.numel())
+    assert abs(int((y != 0).sum()) - 1000) <= 100
+    assert set(y.unique().tolist()) <= {0.0, 1.0}
+
+
+def test_randk_indices_are_reproducible_distinct_and_in_range():
+    a = randk_indices(seed=5, draws=1000, n=50_000)
+    assert np.array_equal(a, randk_indices(seed=5, draws=1000, n=50_000))
+    assert not np.array_equal(a, randk_indices(seed=6, draws=1000, n=50_000))
+    assert np.all(np.diff(a) > 0) and a[0] >= 0 and a[-1] < 50_000
+    assert 980 <= len(a) <= 1000
+
+
+def test_randk_sends_no_indices():
+    n = 100_000
+    data = RandK(0.01).encode(_x(n))
+    kept = len(randk_indices(0, 1000, n))
+    assert len(data) == 14 + 8 + 9 + 8 + 22 + 4 * kept
+
+
+def test_randk_is_unbiased():
+    x = _x(200, seed=2)
+    codec = RandK(fraction=0.1)
+    runs = torch.stack([decode(codec.encode(x, seed=s), max_numel=200) for s in range(3000)])
+    p = 1 - (1 - 1 / 200) ** 20
+    # per element: value x/p with prob p, else 0 -> std of the mean = |x| sqrt((1-p)/p / 3000)
+    bound = 5 * x.abs() * math.sqrt((1 - p) / p / 3000)
+    assert torch.all((runs.mean(0) - x).abs() <= bound + 1e-6)
+
+
+def test_unscaled_randk_sends_the_values_as_they_are():
+    x = _x(1000)
+    y = decode(RandK(0.1, unscaled=True).encode(x, seed=9), max_numel=1000)
+    kept = y != 0
+    assert torch.equal(y[kept], x[kept])
