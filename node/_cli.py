@@ -14,13 +14,19 @@ import structlog
 
 from ._identity_cli import register_keygen, register_swarm
 from ._logging import LOG_FORMATS, LOG_LEVELS, configure_logging
+from ._node_cli import register_node, register_status
 
 COMMAND_GROUP = "geotrain.commands"
 
 Register = Callable[[argparse._SubParsersAction], None]
 
 # Subcommands that `node` itself provides, in the order `--help` lists them.
-BUILTIN_COMMANDS: tuple[Register, ...] = (register_keygen, register_swarm)
+BUILTIN_COMMANDS: tuple[Register, ...] = (
+    register_node,
+    register_status,
+    register_keygen,
+    register_swarm,
+)
 
 
 def _version() -> str:

@@ -38,6 +38,8 @@ class IdentityConfig:
     swarm: the swarm's public file (swarm ID + authority key) that peers' certificates must match.
     allow: instead of a swarm authority, an explicit list of admitted peer IDs.
     open_swarm: admit anyone. Only for experiments on a closed network; never the default.
+    swarm_id: the swarm's name with `allow` or `open_swarm` (a swarm file carries its own); nodes
+        of different swarm IDs cannot complete a handshake.
     """
 
     key: Path = Path("identity.key")
@@ -45,6 +47,7 @@ class IdentityConfig:
     swarm: Path | None = None
     allow: tuple[str, ...] = ()
     open_swarm: bool = False
+    swarm_id: str = "geotrain"
 
     def __post_init__(self) -> None:
         modes = sum([self.swarm is not None, bool(self.allow), self.open_swarm])
@@ -173,6 +176,7 @@ class GossipConfig:
 
     algorithm: "adpsgd" (asynchronous pairwise averaging).
     exchange_every: local steps between two exchanges this node starts.
+    probe_interval_s: failure-detection period (SWIM); 2 s suits WAN links, less suits a LAN.
     policy: partner choice: "bandwidth" (measured links), "uniform", "ring" or "exponential".
     codec: "auto" picks per link from its measured bandwidth; or a fixed compress/ spec.
     max_norm_ratio: refuse a peer's model whose norm exceeds this multiple of ours (+1).
@@ -182,6 +186,7 @@ class GossipConfig:
 
     algorithm: str = "adpsgd"
     exchange_every: int = 4
+    probe_interval_s: float = 2.0
     policy: str = "bandwidth"
     codec: str = "auto"
     max_norm_ratio: float = 10.0
@@ -196,6 +201,8 @@ class GossipConfig:
             " or ".join(ALGORITHMS),
         )
         _check(self.exchange_every >= 1, "gossip.exchange_every", self.exchange_every, ">= 1")
+        _check(self.probe_interval_s >= 0.05, "gossip.probe_interval_s", self.probe_interval_s,
+               ">= 0.05 seconds")
         _check(self.policy in POLICIES, "gossip.policy", self.policy, " or ".join(POLICIES))
         _check(self.max_norm_ratio > 1, "gossip.max_norm_ratio", self.max_norm_ratio, "> 1")
         _check(self.clip is None or self.clip > 0, "gossip.clip", self.clip, "> 0")

@@ -1,0 +1,123 @@
+# `geotrain node run` and `geotrain status`. Invariants: a bad config, key or certificate is
+# reported in one line naming what is wrong and exits 2 before anything starts; SIGINT/SIGTERM ask
+# the node to stop cleanly, a second one cancels at once.
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import sys
+from pathlib import Path
+
+import structlog
+import trio
+
+from ._admission import Admission, MembershipCertificate, SwarmInfo
+from ._config import ConfigError, IdentityConfig, NodeConfig, load_config
+from ._identity import Identity
+from ._node import Node, ResumeError
+from ._status import read_status, render_status
+
+log = structlog.get_logger()
+
+
+def admission_from_config(cfg: IdentityConfig) -> Admission:
+    """Build the admission policy the config names.
+
+    Raises:
+        ConfigError: a file is missing or unreadable, or the pieces do not fit together.
+    """
+    try:
+        if cfg.swarm is not None and cfg.certificate is not None:
+            return Admission.with_certificate(
+                SwarmInfo.load(cfg.swarm), MembershipCertificate.load(cfg.certificate)
+            )
+        if cfg.allow:
+            return Admission.with_allow_list(cfg.swarm_id, cfg.allow)
+        return Admission.open_swarm(cfg.swarm_id)
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"identity: {exc}") from exc
+
+
+def load_node(config: NodeConfig) -> Node:
+    try:
+        identity = Identity.load(config.identity.key)
+    except Exception as exc:  # KeyFileError, OSError: say which file and why
+        raise ConfigError(f"identity.key = {str(config.identity.key)!r}: {exc}") from exc
+    admission = admission_from_config(config.identity)
+    if admission.certificate is not None and (
+        admission.certificate.peer_public_key != identity.public_key
+    ):
+        raise ConfigError(
+            f"identity.certificate = {str(config.identity.certificate)!r}: issued to another key "
+            f"than identity.key"
+        )
+    return Node(config, identity, admission)
+
+
+async def _run(node: Node) -> None:
+    async with trio.open_nursery() as nursery:
+
+        async def watch_signals() -> None:
+            with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+                async for signum in signals:
+                    if node_stopping.is_set():
+                        log.warning("stop_forced", signal=signal.Signals(signum).name)
+                        nursery.cancel_scope.cancel()
+                        return
+                    log.info("stop_requested", signal=signal.Signals(signum).name)
+                    node_stopping.set()
+                    node.request_stop()
+
+        node_stopping = trio.Event()
+        nursery.start_soon(watch_signals)
+        await node.run()
+        nursery.cancel_scope.cancel()
+
+
+def node_run(args: argparse.Namespace) -> int:
+    try:
+        config = load_config(args.config, args.set or ())
+        node = load_node(config)
+    except ConfigError as exc:
+        print(f"geotrain node run: {exc}", file=sys.stderr)
+        return 2
+    try:
+        trio.run(_run, node)
+    except (ResumeError, ValueError) as exc:
+        print(f"geotrain node run: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def status(args: argparse.Namespace) -> int:
+    path = Path(args.node)
+    if path.is_dir():
+        path = path / "status.json"
+    try:
+        data = read_status(path)
+    except ValueError as exc:
+        print(f"geotrain status: {exc}", file=sys.stderr)
+        return 1
+    print(json.dumps(data, indent=1) if args.json else render_status(data))
+    return 0
+
+
+def register_node(sub: argparse._SubParsersAction) -> None:
+    node = sub.add_parser("node", help="run a node daemon")
+    node_sub = node.add_subparsers(title="node commands", metavar="COMMAND", required=True)
+    run = node_sub.add_parser("run", help="join a swarm and train (see README: Node daemon)")
+    run.add_argument("--config", type=Path, required=True, help="the node's TOML config")
+    run.add_argument(
+        "--set", action="append", metavar="SECTION.KEY=VALUE", help="override a config value"
+    )
+    run.set_defaults(handler=node_run)
+
+
+def register_status(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("status", help="show a node's training, traffic and peers")
+    p.add_argument(
+        "--node", default="state", help="the node's state directory (default: ./state)"
+    )
+    p.add_argument("--json", action="store_true", help="print the raw status JSON")
+    p.set_defaults(handler=status)
