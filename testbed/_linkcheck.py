@@ -33,7 +33,7 @@ class LinkMeasurement:
         measured_rtt_ms: median round trip of 1-byte ping-pongs over one TCP connection.
         connect_rtt_ms: median TCP connect time (SYN to SYN-ACK), one round trip too.
         measured_mbit: receiver-side goodput of the bulk transfer, Mbit/s (10**6 bit/s), over its
-            last two thirds (TCP's start-up is not the link's doing).
+            last two thirds (TCP's start-up is not the link's doing), as a least-squares slope.
         bulk_bytes: size of that transfer.
     """
 
@@ -43,10 +43,15 @@ class LinkMeasurement:
     bulk_bytes: int
 
 
-def bulk_bytes_for(rate_mbit: float | None, seconds: float = 2.0) -> int:
-    """A transfer size that takes about `seconds` at `rate_mbit` (unshaped: 256 MiB)."""
+def bulk_bytes_for(rate_mbit: float | None, seconds: float = 2.0, rtt_ms: float = 0.0) -> int:
+    """A transfer size that takes about `seconds` at `rate_mbit` (unshaped: 256 MiB).
+
+    On a long link the transfer is stretched to at least 15 round trips of `rtt_ms`, so TCP's
+    start-up (a few round trips) stays a small part of it.
+    """
     if rate_mbit is None:
         return 256 << 20
+    seconds = max(seconds, 15 * rtt_ms / 1000)
     return max(1 << 20, int(rate_mbit * 1e6 / 8 * seconds))
 
 
@@ -54,20 +59,36 @@ def _serve_bulk(conn: socket.socket) -> None:
     """Receive a bulk transfer; report goodput over its last two thirds.
 
     The first third is left out (like iperf's --omit) so that TCP's start-up (slow start, BBR's
-    startup, receive-window growth) is not charged to the link.
+    startup, receive-window growth) is not charged to the link. The rate is the least-squares
+    slope of bytes received over time, not two end points: after a loss, TCP hands the
+    application a burst of held-back data at once, and a single such burst at an end point would
+    skew a two-point rate by up to a queue's worth of bytes.
     """
     (total,) = struct.unpack("!Q", _recv_exact(conn, 8))
     buf = bytearray(CHUNK)
-    got, mark, t_mark = 0, None, 0.0
+    got = 0
+    samples: list[tuple[float, int]] = []
     while got < total:
         n = conn.recv_into(buf, min(CHUNK, total - got))
         if n == 0:
             raise ConnectionError(f"peer closed after {got} of {total} bytes")
         got += n
-        if mark is None and got >= total // 3:
-            mark, t_mark = got, time.perf_counter()
-    elapsed = time.perf_counter() - t_mark
-    conn.sendall(json.dumps({"bytes": total - mark, "seconds": elapsed}).encode() + b"\n")
+        if got >= total // 3:
+            samples.append((time.perf_counter(), got))
+    report = {"bytes_per_s": _slope(samples), "samples": len(samples)}
+    conn.sendall(json.dumps(report).encode() + b"\n")
+
+
+def _slope(samples: list[tuple[float, int]]) -> float:
+    """Least-squares slope of bytes over seconds (0.0 with fewer than two distinct times)."""
+    n = len(samples)
+    if n < 2:
+        return 0.0
+    mean_t = sum(t for t, _ in samples) / n
+    mean_b = sum(b for _, b in samples) / n
+    var = sum((t - mean_t) ** 2 for t, _ in samples)
+    cov = sum((t - mean_t) * (b - mean_b) for t, b in samples)
+    return cov / var if var > 0 else 0.0
 
 
 def _recv_exact(conn: socket.socket, n: int) -> bytes:
@@ -132,7 +153,7 @@ def probe(host: str, port: int, pings: int, bulk: int) -> dict[str, float]:
     return {
         "rtt_ms": statistics.median(rtts[1:]) * 1000,  # the first ping may wait for a delayed ACK
         "connect_ms": statistics.median(connects) * 1000,
-        "mbit": result["bytes"] * 8 / result["seconds"] / 1e6,
+        "mbit": result["bytes_per_s"] * 8 / 1e6,
         "bytes": bulk,
     }
 
@@ -211,7 +232,8 @@ def _bench(delay_ms: float, rate_mbit: float | None, jitter_ms: float) -> dict:
     out: dict = {"spec": spec.to_json(), "spec_rtt_ms": 2 * delay_ms}
     with NamespaceSet(2) as nss:
         with UserspaceLinks(nss, LinkMatrix.uniform(2, spec)):
-            m = measure_link(nss, 0, 1, bulk_bytes=bulk_bytes_for(rate_mbit))
+            size = bulk_bytes_for(rate_mbit, rtt_ms=2 * delay_ms)
+            m = measure_link(nss, 0, 1, bulk_bytes=size)
             out["shaped"] = m.__dict__
         with UserspaceLinks(nss, LinkMatrix.uniform(2, LinkSpec())):
             m = measure_link(nss, 0, 1, bulk_bytes=bulk_bytes_for(None))

@@ -10,6 +10,7 @@ import os
 import secrets
 import signal
 import subprocess
+import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
@@ -72,10 +73,23 @@ def namespace_pids(name: str) -> list[int]:
     return [int(p) for p in out.split() if p.isdigit()]
 
 
-def _kill_pids(pids: Sequence[int]) -> None:
+def process_running(pid: int) -> bool:
+    """Whether `pid` exists and is not a zombie (a killed process waiting to be reaped)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(") ", 1)[1][:1] != "Z"
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return False
+
+
+def _kill_pids(pids: Sequence[int], wait_s: float = 5.0) -> None:
+    """SIGKILL `pids` and wait (up to `wait_s`) until none of them runs any more."""
     for pid in pids:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + wait_s
+    while any(process_running(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.01)
 
 
 def cleanup_leftovers(prefix: str = PREFIX) -> list[str]:

@@ -48,8 +48,8 @@ def attach_tun(ns: Namespace, *, mtu: int = TUN_MTU) -> int:
     """Create a TUN device for `ns`, move it into the namespace and configure it.
 
     Inside the namespace the device gets the peer's address with prefix /15 (so the route for all
-    of 198.18.0.0/15 goes through it), the given MTU, IPv6 off (no stray router solicitations) and
-    reverse-path filtering off.
+    of 198.18.0.0/15 goes through it), the given MTU, IPv6 off (no stray router solicitations),
+    reverse-path filtering off and TCP buffers large enough for long fast links.
 
     Returns:
         The fd the emulator reads this peer's outgoing packets from and writes its incoming ones to.
@@ -67,6 +67,10 @@ def attach_tun(ns: Namespace, *, mtu: int = TUN_MTU) -> int:
             "net.ipv4.conf.all.rp_filter=0",
             "net.ipv4.conf.default.rp_filter=0",
             f"net.ipv4.conf.{ns.name}.rp_filter=0",
+            # a new namespace starts with the kernel's small default socket buffers (4 MiB send):
+            # too small for the bandwidth-delay product of a fast long link (1 Gbit/s x 50 ms)
+            "net.ipv4.tcp_rmem=4096 131072 33554432",
+            "net.ipv4.tcp_wmem=4096 16384 33554432",
         ]
         run_ip(["netns", "exec", ns.name, "sysctl", "-q", "-w", *sysctls])
         run_ip(["-n", ns.name, "-batch", "-"], input=batch)

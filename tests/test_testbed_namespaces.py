@@ -20,6 +20,7 @@ from testbed._namespaces import (
     namespace_pids,
     new_run_prefix,
     peer_address,
+    process_running,
 )
 
 pytestmark = pytest.mark.skipif(
@@ -29,16 +30,6 @@ pytestmark = pytest.mark.skipif(
 
 def leftovers(run_prefix: str) -> tuple[list[str], list[str]]:
     return list_namespaces(run_prefix), list_devices(run_prefix)
-
-
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    # a killed child of ours may linger as a zombie until reaped; that is not "running"
-    with open(f"/proc/{pid}/stat") as f:
-        return f.read().split(") ", 1)[1][0] != "Z"
 
 
 def test_addresses_come_from_the_benchmark_range_only():
@@ -80,7 +71,7 @@ def test_an_exception_in_the_block_still_removes_namespaces_and_processes():
         assert stray_pid in namespace_pids(nss[1].name)
         raise RuntimeError("boom")
     assert started.poll() is not None
-    assert not alive(stray_pid)
+    assert not process_running(stray_pid)
     assert leftovers(prefix) == ([], [])
 
 
@@ -109,12 +100,12 @@ def test_cleanup_leftovers_removes_what_a_killed_run_left_and_nothing_else():
             run.wait()
             run.stdout.close()  # type: ignore[union-attr]
         assert leftovers(victim) == ([f"{victim}p00", f"{victim}p01"], [f"{victim}d0"])
-        assert alive(sleeper)
+        assert process_running(sleeper)
 
         removed = cleanup_leftovers(victim)
 
         assert f"pid {sleeper}" in removed and f"dev {victim}d0" in removed
         assert leftovers(victim) == ([], [])
-        assert not alive(sleeper)
+        assert not process_running(sleeper)
         assert list_namespaces(bystander) == [f"{bystander}p00"]
     assert cleanup_leftovers(victim) == []
