@@ -222,10 +222,23 @@ class HostProbe(Protocol):
     def user_namespace(self) -> tuple[bool, str]: ...
     def netem(self) -> tuple[bool, str]: ...
     def tun(self) -> tuple[bool, str]: ...
+    def namespaces(self) -> tuple[bool, str]: ...
+
+
+USERNS = ["unshare", "--map-root-user", "--mount", "--net"]
+
+
+def _probe(argv: list[str], ok: str) -> tuple[bool, str]:
+    proc = subprocess.run(argv, capture_output=True, text=True)
+    if proc.returncode != 0:
+        lines = proc.stderr.strip().splitlines()
+        return False, f"{argv[0]}: {lines[-1] if lines else f'exit status {proc.returncode}'}"
+    return True, ok
 
 
 class SystemProbe:
-    """Asks this machine."""
+    """Asks this machine. Not root, it asks inside a fresh user+mount+network namespace
+    (`unshare -rmn`), where the testbed would then have to run."""
 
     def is_root(self) -> bool:
         return os.geteuid() == 0
@@ -233,18 +246,34 @@ class SystemProbe:
     def user_namespace(self) -> tuple[bool, str]:
         if shutil.which("unshare") is None:
             return False, "`unshare` is not installed"
-        proc = subprocess.run(
-            ["unshare", "-rn", "ip", "link", "set", "lo", "up"], capture_output=True, text=True
+        return _probe(
+            [*USERNS, "ip", "link", "set", "lo", "up"],
+            "unshare -rmn gives an unprivileged user+network namespace",
         )
-        if proc.returncode != 0:
-            return False, f"unshare -rn: {proc.stderr.strip() or proc.returncode}"
-        return True, "unshare -rn gives an unprivileged user+network namespace"
 
     def netem(self) -> tuple[bool, str]:
-        return netem_available()
+        if self.is_root():
+            return netem_available()
+        ok, why = _probe(
+            [*USERNS, "tc", "qdisc", "add", "dev", "lo", "root", "netem", "delay", "1ms"],
+            "tc accepted a netem qdisc in a user namespace",
+        )
+        return ok, why if ok else f"tc netem: {why.split(': ', 1)[-1]}"
 
     def tun(self) -> tuple[bool, str]:
-        return tun_available()
+        if self.is_root():
+            return tun_available()
+        tuntap = ["ip", "tuntap", "add", "dev", "gtprobe", "mode", "tun"]  # dies with the netns
+        return _probe([*USERNS, *tuntap], "/dev/net/tun opens (user ns)")
+
+    def namespaces(self) -> tuple[bool, str]:
+        name = f"gt-{secrets.token_hex(3)}-probe"
+        if self.is_root():
+            ok, why = _probe(["ip", "netns", "add", name], "named network namespaces work")
+            subprocess.run(["ip", "netns", "del", name], capture_output=True)
+            return ok, why
+        script = f"mount -t tmpfs tmpfs /run && ip netns add {name}"  # private /run: nothing leaks
+        return _probe([*USERNS, "sh", "-c", script], "named network namespaces work (user ns)")
 
 
 def choose_backend(requested: str = "auto", probe: HostProbe | None = None) -> BackendChoice:
@@ -269,6 +298,9 @@ def choose_backend(requested: str = "auto", probe: HostProbe | None = None) -> B
         if not ok:
             return _fallback(requested, f"not root, and {why}")
         user_ns = True
+    ns_ok, ns_why = probe.namespaces()
+    if not ns_ok:
+        return _fallback(requested, f"no network namespaces ({ns_why})")
     netem_ok, netem_why = probe.netem()
     if requested in ("auto", "netem") and netem_ok:
         return BackendChoice("netem", f"netem: {netem_why}", user_ns)

@@ -4,6 +4,7 @@ and the choice of backend."""
 from __future__ import annotations
 
 import os
+import shutil
 from dataclasses import dataclass
 
 import pytest
@@ -14,6 +15,7 @@ from testbed._namespaces import NamespaceSet, list_namespaces
 from testbed._netem import (
     BackendUnavailable,
     NetemLinks,
+    SystemProbe,
     apply_commands,
     choose_backend,
     netem_available,
@@ -121,6 +123,7 @@ class FakeHost:
     userns: tuple[bool, str] = (True, "unshare -rn works")
     has_netem: tuple[bool, str] = (False, "tc netem: Error: Specified qdisc kind is unknown.")
     has_tun: tuple[bool, str] = (True, "/dev/net/tun opens")
+    has_namespaces: tuple[bool, str] = (True, "named network namespaces work")
 
     def is_root(self) -> bool:
         return self.root
@@ -134,6 +137,9 @@ class FakeHost:
     def tun(self) -> tuple[bool, str]:
         return self.has_tun
 
+    def namespaces(self) -> tuple[bool, str]:
+        return self.has_namespaces
+
 
 def test_auto_prefers_netem_then_userspace_then_says_loudly_there_is_none():
     assert choose_backend("auto", FakeHost(has_netem=(True, "ok"))).backend == "netem"
@@ -142,6 +148,8 @@ def test_auto_prefers_netem_then_userspace_then_says_loudly_there_is_none():
     none = choose_backend("auto", FakeHost(has_tun=(False, "/dev/net/tun: No such device")))
     assert none.backend == "none" and none.reason.startswith("NO LINK EMULATION")
     assert "No such device" in none.reason
+    no_ns = choose_backend("auto", FakeHost(has_namespaces=(False, "ip: Operation not permitted")))
+    assert no_ns.backend == "none" and "no network namespaces" in no_ns.reason
 
 
 def test_without_root_a_user_namespace_is_tried_before_falling_back():
@@ -160,6 +168,24 @@ def test_an_explicit_backend_that_cannot_run_is_an_error_not_a_silent_fallback()
     with pytest.raises(ValueError, match="emulation='tc'"):
         choose_backend("tc", FakeHost())
     assert choose_backend("none", FakeHost()).backend == "none"
+
+
+class UnprivilegedView(SystemProbe):
+    """This machine as a non-root user would probe it: everything inside `unshare -rmn`."""
+
+    def is_root(self) -> bool:
+        return False
+
+
+@pytest.mark.skipif(shutil.which("unshare") is None, reason="needs util-linux's unshare")
+def test_probes_inside_a_user_namespace_give_the_same_answers():
+    mine, theirs = SystemProbe(), UnprivilegedView()
+    if not theirs.user_namespace()[0]:
+        pytest.skip(f"no user namespaces here: {theirs.user_namespace()[1]}")
+    assert theirs.namespaces() == (True, "named network namespaces work (user ns)")
+    if os.geteuid() == 0:  # as root, the user namespace must see the same kernel
+        assert theirs.netem()[0] == mine.netem()[0]
+        assert theirs.tun()[0] == mine.tun()[0]
 
 
 @root
