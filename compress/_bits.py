@@ -30,6 +30,14 @@ def pack_bits_torch(bits: torch.Tensor) -> torch.Tensor:
 
 def unpack_bits(packed: torch.Tensor, n: int) -> torch.Tensor:
     """Inverse of `pack_bits`: the first `n` bits as a bool tensor on packed's device."""
+    if packed.device.type == "cpu":
+        bits = np.unpackbits(packed.numpy(), count=n, bitorder="little")
+        return torch.from_numpy(bits).view(torch.bool)
+    return unpack_bits_torch(packed, n)
+
+
+def unpack_bits_torch(packed: torch.Tensor, n: int) -> torch.Tensor:
+    """Device-agnostic `unpack_bits` (torch ops only); used off the CPU."""
     shifts = torch.arange(8, device=packed.device, dtype=torch.uint8)
     bits = (packed.unsqueeze(1) >> shifts) & 1  # (bytes, 8)
     return bits.reshape(-1)[:n].bool()

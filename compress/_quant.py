@@ -276,5 +276,5 @@ class Sign(Codec):
         packed = reader.tensor((n + 7) // 8, torch.uint8, "sign bits", device)
         if n % 8 and int(packed[-1]) >> (n % 8):
             raise DecodeError("sign bits: padding bits after the last element are not zero")
-        negative = unpack_bits(packed, n)
-        return torch.where(negative, -scale, scale)
+        negative = unpack_bits(packed, n).view(torch.uint8)
+        return negative.to(torch.float32).mul_(-2 * scale).add_(scale)  # 0 -> +s, 1 -> -s

@@ -20,7 +20,8 @@ from ._errors import DecodeError
 from ._wire import Header, Reader, as_buffer
 
 VALUE_CODECS = ("none", "fp16", "bf16", "int8")
-_SAMPLE_HITS = 4000  # expected sample elements above the threshold: count error ~ 1/sqrt(this)
+_SIGMAS = 3.5  # confidence of the sampled threshold, in standard deviations of the count
+_MIN_HITS = 500  # expected sample elements above the threshold, at least
 _CHUNK = 1 << 18
 
 
@@ -91,21 +92,30 @@ class TopK(Codec):
     def select(self, x: torch.Tensor, seed: int) -> torch.Tensor:
         """Sorted int64 indices of the kept elements of 1-D `x`."""
         n, k = x.numel(), self.k_for(x.numel())
-        m = min(n, math.ceil(_SAMPLE_HITS / self.fraction))
+        # Sample enough that the count above the estimated threshold is within tol of k with
+        # ~3.5 sigma confidence (relative error of a count ~ 1 / sqrt(expected hits)).
+        hits = (_SIGMAS / self.tol) ** 2 if self.tol > 0 else math.inf
+        m = min(n, math.ceil(max(_MIN_HITS, hits) / self.fraction))
         if 2 * m >= n:
             return _exact_topk(x, k)
         gen = torch.Generator(device=x.device)
         gen.manual_seed(seed)
-        sample = x[torch.randint(n, (m,), generator=gen, device=x.device)].abs().float()
-        rank = min(m, max(1, m - round(k * m / n)))
-        threshold = sample.kthvalue(rank).values
-        idx = _at_least(x, threshold)
+        picks = torch.randint(n, (m,), generator=gen, device=x.device)
+        sample = x.index_select(0, picks).abs().float()
+
+        def above_estimate(count: int) -> torch.Tensor:
+            rank = min(m - 1, max(0, m - round(count * m / n)))  # 0-based, ascending
+            return _at_least(x, _kth_smallest(sample, rank))
+
         lo, hi = math.floor(k * (1 - self.tol)), math.ceil(k * (1 + self.tol))
+        idx = above_estimate(k)
+        if idx.numel() < lo:  # threshold too high (rare): a lower one, to get a superset
+            idx = above_estimate(2 * hi)
+            if idx.numel() < k:
+                return _exact_topk(x, k)
         if idx.numel() > hi:  # too many candidates: the exact top-k among them
-            best = torch.topk(x[idx].abs(), k, sorted=False).indices
+            best = torch.topk(x.index_select(0, idx).abs(), k, sorted=False).indices
             return idx[best].sort().values
-        if idx.numel() < lo:  # threshold too high: exact, over everything (rare)
-            return _exact_topk(x, k)
         return idx
 
     def _encode_body(self, x, shape, seed, state, name) -> list:
@@ -120,7 +130,8 @@ class TopK(Codec):
             mask[idx] = True
             index = [bytes([1, 0]), as_buffer(pack_bits(mask))]
         k_bytes = idx.numel().to_bytes(8, "little")
-        return [k_bytes, *index, *_values_part(x[idx], self.inner, seed)]
+        values = x.index_select(0, idx)
+        return [k_bytes, *index, *_values_part(values, self.inner, seed)]
 
     def _body_nbytes(self, numel: int, shape) -> int:
         k = self.k_for(numel)
@@ -146,7 +157,7 @@ class TopK(Codec):
             raise DecodeError(f"topk index mode {mode} with width {width}: expected 0 or 1/0")
         values = _read_values(reader, k, device, "topk")
         out = torch.zeros(n, dtype=torch.float32, device=device)
-        out[idx.to(device)] = values
+        out.index_copy_(0, idx.to(device), values)
         return out
 
 
@@ -154,12 +165,29 @@ def _exact_topk(x: torch.Tensor, k: int) -> torch.Tensor:
     return torch.topk(x.abs(), k, sorted=False).indices.sort().values
 
 
-def _at_least(x: torch.Tensor, threshold: torch.Tensor) -> torch.Tensor:
-    """Sorted indices where |x| >= threshold, in chunks to keep temporaries small."""
-    parts = [
-        _nonzero(x[i : i + _CHUNK].abs() >= threshold) + i for i in range(0, x.numel(), _CHUNK)
-    ]
-    return torch.cat(parts) if parts else torch.empty(0, dtype=torch.int64, device=x.device)
+def _kth_smallest(values: torch.Tensor, rank: int) -> float:
+    """The `rank`-th smallest (0-based) of 1-D float32 `values`."""
+    if values.device.type == "cpu":  # numpy's partition is ~3x faster than kthvalue here
+        return float(np.partition(values.numpy(), rank)[rank])
+    return float(values.kthvalue(rank + 1).values)
+
+
+def _at_least(x: torch.Tensor, threshold: float) -> torch.Tensor:
+    """Sorted int64 indices where |x| >= threshold."""
+    if x.device.type != "cpu":
+        return torch.nonzero(x.abs() >= threshold).squeeze(1)
+    # CPU: numpy's abs/compare/nonzero are ~3x faster than torch's on one core; chunks keep the
+    # two temporaries small and reused.
+    size = min(x.numel(), _CHUNK)
+    magnitude, mask = np.empty(size, np.float32), np.empty(size, np.bool_)
+    parts = []
+    for start in range(0, x.numel(), _CHUNK):
+        chunk = x[start : start + _CHUNK]
+        values = (chunk if chunk.dtype == torch.float32 else chunk.float()).numpy()
+        m = mask[: values.size]
+        np.greater_equal(np.abs(values, out=magnitude[: values.size]), threshold, out=m)
+        parts.append(np.flatnonzero(m) + start)
+    return torch.from_numpy(np.concatenate(parts)) if parts else torch.empty(0, dtype=torch.int64)
 
 
 def _nonzero(mask: torch.Tensor) -> torch.Tensor:
@@ -224,7 +252,7 @@ class RandK(Codec):
         n = x.numel()
         draws = self._draws(n) if n else 0
         idx = torch.from_numpy(randk_indices(seed, draws, n)).to(x.device) if n else None
-        values = x[idx] if n else x
+        values = x.index_select(0, idx) if n else x
         head = draws.to_bytes(8, "little") + bytes([int(self.unscaled)])
         return [head, *_values_part(values, self.inner, seed)]
 
@@ -244,5 +272,5 @@ class RandK(Codec):
         values = _read_values(reader, len(idx), device, "randk")
         if not unscaled:
             values = values / randk_keep_probability(draws, n)
-        out[torch.from_numpy(idx).to(device)] = values
+        out.index_copy_(0, torch.from_numpy(idx).to(device), values)
         return out

@@ -1,6 +1,6 @@
 # Invariants: every row of one run is measured on the same input, thread setting and machine, so
 # ratios between rows (codec vs memcpy, topk vs torch.topk) are the meaningful figures; absolute
-# GB/s are of float32 input bytes (4 * numel / seconds), best of `repeat` runs after a warm-up (the
+# GB/s are of float32 input bytes (4 * numel / seconds), best of `repeat` interleaved rounds (the
 # box is shared: the minimum is the least disturbed run).
 """Codec speed benchmark: `python -m compress.bench [--json] [--sizes 1000000,...] [--quick]`.
 
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import time
 from collections.abc import Callable
@@ -39,72 +40,76 @@ CODECS = (
 DEFAULT_SIZES = (1_000_000, 10_000_000, 25_000_000)
 
 
-def _timed(fn: Callable[[], object], repeat: int) -> tuple[float, object]:
-    result = fn()  # warm-up
-    times = []
-    for _ in range(repeat):
-        start = time.perf_counter()
-        result = fn()
-        times.append(time.perf_counter() - start)
-    return min(times), result
-
-
-def _row(codec: str, n: int, enc_s: float, dec_s: float, ratio: float, err: float) -> dict:
-    return {
-        "codec": codec,
-        "numel": n,
-        "encode_gbps": 4 * n / enc_s / 1e9,
-        "decode_gbps": 4 * n / dec_s / 1e9,
-        "ratio": ratio,
-        "rel_error": err,
-    }
+def _best_times(tasks: dict[str, Callable[[], object]], rounds: int) -> dict[str, float]:
+    """Best time of each task over `rounds` rounds; every round runs every task once, so a
+    disturbance on the shared machine hits all rows alike instead of one row's whole series."""
+    best = dict.fromkeys(tasks, math.inf)
+    for _ in range(rounds):
+        for name, fn in tasks.items():
+            start = time.perf_counter()
+            fn()
+            best[name] = min(best[name], time.perf_counter() - start)
+    return best
 
 
 def _rel_error(x: torch.Tensor, y: torch.Tensor) -> float:
     return float(torch.linalg.vector_norm(x - y) / torch.linalg.vector_norm(x))
 
 
-def _baselines(x: torch.Tensor, repeat: int) -> list[dict]:
-    n = x.numel()
-    copy_s, _ = _timed(lambda: torch.empty_like(x).copy_(x), repeat)
+def _measure_size(x: torch.Tensor, codecs, rounds: int) -> list[dict]:
+    n, k = x.numel(), x.numel() // 100
     dst = torch.empty_like(x)
-    pre_s, _ = _timed(lambda: dst.copy_(x), repeat)
-    k = n // 100
-    top_s, top = _timed(lambda: torch.topk(x.abs(), k, sorted=False), max(1, repeat // 2))
+    top = torch.topk(x.abs(), k, sorted=False)
 
     def scatter():
         out = torch.zeros_like(x)
         out[top.indices] = x[top.indices]
         return out
 
-    scat_s, sparse = _timed(scatter, repeat)
+    rows = {
+        "memcpy": dict(ratio=1.0, rel_error=0.0),
+        "memcpy_prealloc": dict(ratio=1.0, rel_error=0.0),
+        "torch.topk": dict(ratio=4 * n / (8 * k), rel_error=_rel_error(x, scatter())),
+    }
+    enc = {
+        "memcpy": lambda: torch.empty_like(x).copy_(x),
+        "memcpy_prealloc": lambda: dst.copy_(x),
+        "torch.topk": lambda: torch.topk(x.abs(), k, sorted=False),
+    }
+    dec = {
+        "memcpy": enc["memcpy"],
+        "memcpy_prealloc": enc["memcpy_prealloc"],
+        "torch.topk": scatter,
+    }
+    for spec in codecs:
+        codec = get_codec(spec)
+        t = x.view(n // 1000, 1000) if codec.name == "powersgd" else x
+        data = codec.encode(t, seed=1)
+        y = decode(data, max_numel=n)
+        rows[spec] = dict(ratio=4 * n / len(data), rel_error=_rel_error(t, y))
+        if codec.name == "topk":
+            rows[spec]["k_error"] = int((y != 0).sum()) / codec.k_for(n) - 1
+        enc[spec] = lambda codec=codec, t=t: codec.encode(t, seed=1)
+        dec[spec] = lambda data=data: decode(data, max_numel=n)
+    enc_s, dec_s = _best_times(enc, rounds), _best_times(dec, rounds)
     return [
-        _row("memcpy", n, copy_s, copy_s, 1.0, 0.0),
-        _row("memcpy_prealloc", n, pre_s, pre_s, 1.0, 0.0),
-        _row("torch.topk", n, top_s, scat_s, 4 * n / (8 * k), _rel_error(x, sparse)),
+        {
+            "codec": name,
+            "numel": n,
+            "encode_gbps": 4 * n / enc_s[name] / 1e9,
+            "decode_gbps": 4 * n / dec_s[name] / 1e9,
+            **extra,
+        }
+        for name, extra in rows.items()
     ]
 
 
-def _codec_row(spec: str, x: torch.Tensor, repeat: int) -> dict:
-    codec = get_codec(spec)
-    n = x.numel()
-    t = x.view(n // 1000, 1000) if codec.name == "powersgd" else x
-    enc_s, data = _timed(lambda: codec.encode(t, seed=1), repeat)
-    dec_s, y = _timed(lambda: decode(data, max_numel=n), repeat)
-    row = _row(spec, n, enc_s, dec_s, 4 * n / len(data), _rel_error(t, y))
-    if codec.name == "topk":
-        row["k_error"] = int((y != 0).sum()) / codec.k_for(n) - 1
-    return row
-
-
-def run(sizes=DEFAULT_SIZES, codecs=CODECS, repeat: int = 3) -> dict:
+def run(sizes=DEFAULT_SIZES, codecs=CODECS, repeat: int = 5) -> dict:
     """Measure every codec and baseline; return {"rows": [...], "threads": int}."""
     rows = []
     gen = torch.Generator().manual_seed(0)
     for n in sizes:
-        x = torch.randn(n, generator=gen)
-        rows += _baselines(x, repeat)
-        rows += [_codec_row(spec, x, repeat) for spec in codecs]
+        rows += _measure_size(torch.randn(n, generator=gen), codecs, repeat)
     return {"rows": rows, "threads": torch.get_num_threads()}
 
 
@@ -132,7 +137,8 @@ def main(argv: list[str] | None = None) -> int:
         help="comma-separated element counts (multiples of 1000)",
     )
     parser.add_argument("--codecs", default=",".join(CODECS), help="semicolon-separated specs")
-    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--repeat", type=int, default=5, help="rounds; best time counts")
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: leave as is)")
     parser.add_argument("--quick", action="store_true", help="one small size, one repeat")
     args = parser.parse_args(argv)
     sizes = [int(s) for s in args.sizes.split(",")]
@@ -141,6 +147,8 @@ def main(argv: list[str] | None = None) -> int:
         sizes, args.repeat = [100_000], 1
     if any(n <= 0 or n % 1000 for n in sizes):
         parser.error(f"--sizes {args.sizes!r}: expected positive multiples of 1000")
+    if args.threads:
+        torch.set_num_threads(args.threads)
     result = run(sizes, codecs, args.repeat)
     print(json.dumps(result) if args.json else _table(result))
     return 0

@@ -3,7 +3,14 @@
 import pytest
 import torch
 
-from compress._bits import pack_bits, pack_bits_torch, pack_nibbles, unpack_bits, unpack_nibbles
+from compress._bits import (
+    pack_bits,
+    pack_bits_torch,
+    pack_nibbles,
+    unpack_bits,
+    unpack_bits_torch,
+    unpack_nibbles,
+)
 
 
 @pytest.mark.parametrize("n", [0, 1, 7, 8, 9, 1000, 1003])
@@ -13,6 +20,7 @@ def test_bits_round_trip_and_both_packers_agree(n):
     assert packed.numel() == (n + 7) // 8
     assert torch.equal(packed, pack_bits_torch(bits))
     assert torch.equal(unpack_bits(packed, n), bits)
+    assert torch.equal(unpack_bits_torch(packed, n), bits)
 
 
 def test_bit_order_is_little():
