@@ -253,46 +253,87 @@ def check_identity_proof(payload: bytes, remote_static: bytes) -> IdentityProof:
 
 
 # ---- frames after the handshake -------------------------------------------------------------
-# prefix: kind (1) | counter (8) | header length (4) | payload length (8), little-endian; then the
-# encrypted header (chunk 0) and the payload in chunks of FRAME_CHUNK bytes (chunks 1..), each with
-# its 16-byte tag. Chunk nonce = chunk index (4) | counter (8); the prefix is the associated data,
-# so lengths, counter and kind are authenticated and chunks cannot be cut, moved or swapped.
+# prefix: kind (1) | counter (8) | header length (4) | payload length (8), little-endian, and for a
+# part of a multi-part message (kind 0x11) also: message id (8) | part index (4) | part count (4)
+# | message length (8). Then the encrypted header (chunk 0) and the payload in chunks of
+# FRAME_CHUNK bytes (chunks 1..), each with its 16-byte tag. Chunk nonce = chunk index (4) |
+# counter (8); the whole prefix is the associated data, so lengths, counter, kind and part
+# numbers are authenticated and chunks cannot be cut, moved or swapped.
 FRAME_KIND_DATA = 0x10
+FRAME_KIND_PART = 0x11
 _PREFIX = struct.Struct("<BQIQ")
+_PART = struct.Struct("<QIIQ")
 PREFIX_LEN = _PREFIX.size
 FRAME_CHUNK = 1 << 20
 MAX_COUNTER = 2**63
+MAX_PARTS = 1 << 16
 
 
-def frame_length(header_len: int, payload_len: int) -> int:
+@dataclass(frozen=True)
+class PartInfo:
+    """Where a frame's payload sits in a message that was split into parts."""
+
+    message_id: int
+    index: int
+    count: int
+    message_len: int
+
+    def check(self, payload_len: int) -> None:
+        """Raise FrameRejected("part") unless this part's numbers are consistent."""
+        if not (2 <= self.count <= MAX_PARTS and self.index < self.count):
+            raise FrameRejected("part", f"part {self.index} of {self.count}")
+        lo, hi = part_bounds(self.message_len, self.count, self.index)
+        if hi - lo != payload_len or lo >= hi:
+            raise FrameRejected("part", f"part {self.index} has {payload_len} bytes")
+
+
+def part_bounds(message_len: int, count: int, index: int) -> tuple[int, int]:
+    """Byte range of part `index` when `message_len` bytes are split into `count` parts."""
+    size = -(-message_len // count)
+    return min(index * size, message_len), min((index + 1) * size, message_len)
+
+
+def frame_length(header_len: int, payload_len: int, part: bool = False) -> int:
     """Total bytes of a frame carrying a header and a payload of these sizes."""
     n_chunks = -(-payload_len // FRAME_CHUNK)
-    return PREFIX_LEN + header_len + TAG_LEN + payload_len + TAG_LEN * n_chunks
+    extra = _PART.size if part else 0
+    return PREFIX_LEN + extra + header_len + TAG_LEN + payload_len + TAG_LEN * n_chunks
 
 
 def _chunk_nonce(index: int, counter: int) -> bytes:
     return struct.pack("<IQ", index, counter)
 
 
-def seal_frame(key: ChaCha20Poly1305, counter: int, header: bytes, payload: bytes) -> bytearray:
+def seal_frame(
+    key: ChaCha20Poly1305, counter: int, header: bytes, payload: bytes, part: PartInfo | None = None
+) -> bytearray:
     """Encrypt one frame into a new buffer. Pure and thread-safe."""
-    out = bytearray(frame_length(len(header), len(memoryview(payload).cast("B"))))
-    seal_frame_into(key, counter, header, payload, memoryview(out))
+    n = len(memoryview(payload).cast("B"))
+    out = bytearray(frame_length(len(header), n, part is not None))
+    seal_frame_into(key, counter, header, payload, memoryview(out), part)
     return out
 
 
 def seal_frame_into(
-    key: ChaCha20Poly1305, counter: int, header: bytes, payload: bytes, out: memoryview
+    key: ChaCha20Poly1305,
+    counter: int,
+    header: bytes,
+    payload: bytes,
+    out: memoryview,
+    part: PartInfo | None = None,
 ) -> None:
     """Encrypt one frame into `out` (exactly `frame_length` bytes, e.g. a socket's message
     buffer, so that big payloads are not copied again). Pure and thread-safe."""
     payload = memoryview(payload).cast("B")
-    if len(out) != frame_length(len(header), len(payload)):
+    if len(out) != frame_length(len(header), len(payload), part is not None):
         raise ValueError(f"out: {len(out)} bytes, expected the frame length")
-    prefix = _PREFIX.pack(FRAME_KIND_DATA, counter, len(header), len(payload))
+    kind = FRAME_KIND_DATA if part is None else FRAME_KIND_PART
+    prefix = _PREFIX.pack(kind, counter, len(header), len(payload))
+    if part is not None:
+        prefix += _PART.pack(part.message_id, part.index, part.count, part.message_len)
     view = memoryview(out).cast("B")
-    view[:PREFIX_LEN] = prefix
-    at = PREFIX_LEN
+    view[: len(prefix)] = prefix
+    at = len(prefix)
     key.encrypt_into(
         _chunk_nonce(0, counter), header, prefix, view[at : at + len(header) + TAG_LEN]
     )
@@ -312,42 +353,63 @@ class FrameInfo:
     counter: int
     header_len: int
     payload_len: int
+    part: PartInfo | None = None
+
+    @property
+    def prefix_len(self) -> int:
+        return PREFIX_LEN + (_PART.size if self.part is not None else 0)
 
 
 def parse_frame_prefix(frame: bytes, max_header: int, max_payload: int) -> FrameInfo:
     """Check a frame's prefix and total length before any decryption.
 
     Raises:
-        FrameRejected: "short", "kind" or "length".
+        FrameRejected: "short", "kind", "length" or "part".
     """
     if len(frame) < PREFIX_LEN + TAG_LEN:
         raise FrameRejected("short", f"{len(frame)} bytes")
     kind, counter, header_len, payload_len = _PREFIX.unpack_from(frame)
-    if kind != FRAME_KIND_DATA:
+    part = None
+    if kind == FRAME_KIND_PART:
+        if len(frame) < PREFIX_LEN + _PART.size + TAG_LEN:
+            raise FrameRejected("short", f"{len(frame)} bytes")
+        part = PartInfo(*_PART.unpack_from(frame, PREFIX_LEN))
+        if part.message_len > max_payload:
+            raise FrameRejected("length", f"message of {part.message_len} bytes")
+        part.check(payload_len)
+    elif kind != FRAME_KIND_DATA:
         raise FrameRejected("kind", f"frame kind {kind:#x}")
     if header_len > max_header or payload_len > max_payload:
         raise FrameRejected("length", f"header {header_len}, payload {payload_len} bytes")
-    if len(frame) != frame_length(header_len, payload_len):
+    if len(frame) != frame_length(header_len, payload_len, part is not None):
         raise FrameRejected("length", f"{len(frame)} bytes, prefix says otherwise")
-    return FrameInfo(counter, header_len, payload_len)
+    return FrameInfo(counter, header_len, payload_len, part)
 
 
-def open_frame(key: ChaCha20Poly1305, info: FrameInfo, frame: bytes) -> tuple[bytes, bytearray]:
+def open_frame(
+    key: ChaCha20Poly1305, info: FrameInfo, frame: bytes, out: memoryview | None = None
+) -> tuple[bytes, bytearray | None]:
     """Decrypt a frame whose prefix `parse_frame_prefix` accepted. Pure and thread-safe.
+
+    Args:
+        out: where the payload goes (exactly payload_len bytes); a new bytearray if None, which
+            is then returned as the second item (None is returned when `out` was given).
 
     Raises:
         FrameRejected: "auth" when any byte was changed (or the frame was not encrypted by us).
     """
     view = memoryview(frame).cast("B")
-    prefix = bytes(view[:PREFIX_LEN])
-    at = PREFIX_LEN
+    prefix = bytes(view[: info.prefix_len])
+    at = info.prefix_len
+    payload = None
+    if out is None:
+        payload = bytearray(info.payload_len)
+        out = memoryview(payload)
     try:
         header = key.decrypt(
             _chunk_nonce(0, info.counter), view[at : at + info.header_len + TAG_LEN], prefix
         )
         at += info.header_len + TAG_LEN
-        payload = bytearray(info.payload_len)
-        out = memoryview(payload)
         for index, lo in enumerate(range(0, info.payload_len, FRAME_CHUNK), start=1):
             size = min(FRAME_CHUNK, info.payload_len - lo)
             key.decrypt_into(

@@ -30,21 +30,28 @@ from ._admission import Admission, AdmissionRefused
 from ._identity import Identity, peer_id_from_public_key, short_id
 from ._messages import DecodeError, ErrorReply, Header, HeaderCodec
 from ._noise import (
+    FrameInfo,
     FrameReceiver,
     FrameRejected,
     FrameSender,
     HandshakeFailed,
     NoiseHandshake,
+    PartInfo,
     check_identity_proof,
     frame_length,
     make_identity_proof,
     open_frame,
     parse_frame_prefix,
+    part_bounds,
     seal_frame_into,
 )
 
 HS1, HS2, HS3, HS_OK, HS_REFUSED = 0x01, 0x02, 0x03, 0x04, 0x7F
 MAX_REFUSAL_CHARS = 200
+# Multi-part requests in flight per connection: the sender waits for a slot, the receiver drops
+# the oldest partial message beyond it (only a cancelled request leaves one behind). Bounds the
+# receiver's reassembly memory to this many times max_message_bytes per connection.
+MAX_PARTIAL_MESSAGES = 2
 log = structlog.get_logger()
 
 
@@ -88,6 +95,10 @@ class TransportConfig:
         replay_window: how far out of order a frame may arrive and still be accepted.
         offload_bytes: payloads at least this big are sealed/opened in a worker thread, so the
             event loop is never blocked for long (cryptography releases the GIL).
+        part_bytes: requests with a bigger payload are sent as parts of about this size, several
+            in flight at once, so that encrypting, sending and decrypting overlap instead of
+            running one after the other.
+        parts_in_flight: parts of one request on the wire at once.
     """
 
     listen: str = "tcp://127.0.0.1:0"
@@ -98,6 +109,8 @@ class TransportConfig:
     max_inbound_requests: int = 16
     replay_window: int = 1024
     offload_bytes: int = 256 * 1024
+    part_bytes: int = 4 * 2**20
+    parts_in_flight: int = 4
 
     def __post_init__(self) -> None:
         if not isinstance(self.listen, str) or "://" not in self.listen:
@@ -116,6 +129,10 @@ class TransportConfig:
             raise ValueError(f"replay_window: {self.replay_window}, expected 1..65536")
         if self.offload_bytes < 0:
             raise ValueError(f"offload_bytes: {self.offload_bytes}, expected >= 0")
+        if self.part_bytes < 64 * 1024:
+            raise ValueError(f"part_bytes: {self.part_bytes}, expected >= 65536")
+        if not 1 <= self.parts_in_flight <= 64:
+            raise ValueError(f"parts_in_flight: {self.parts_in_flight}, expected 1..64")
 
     @property
     def recv_max_size(self) -> int:
@@ -207,29 +224,51 @@ class _Channel:
         self.sender = FrameSender(keys[0])
         self.receiver = FrameReceiver(keys[1], config.replay_window)
         self.config = config
+        self.next_message_id = 0
 
-    async def seal(self, header: bytes, payload: bytes | memoryview) -> pynng.Message:
+    async def seal(
+        self, header: bytes, payload: bytes | memoryview, part: PartInfo | None = None
+    ) -> pynng.Message:
         counter = self.sender.next_counter()
         n = memoryview(payload).nbytes
-        msg, view = _new_message(frame_length(len(header), n))
-        args = (self.sender.aead, counter, header, payload, view)
+        msg, view = _new_message(frame_length(len(header), n, part is not None))
+        args = (self.sender.aead, counter, header, payload, view, part)
         if n >= self.config.offload_bytes:
             await trio.to_thread.run_sync(seal_frame_into, *args)
         else:
             seal_frame_into(*args)
         return msg
 
-    async def open(self, frame: memoryview) -> tuple[bytes, bytearray]:
-        """Raises FrameRejected; the replay window only moves for authentic frames."""
+    def check(self, frame: memoryview) -> FrameInfo:
+        """Parse and bound a frame's prefix and check its counter. Raises FrameRejected."""
         cfg = self.config
         info = parse_frame_prefix(frame, cfg.max_header_bytes, cfg.max_message_bytes)
         self.receiver.window.check(info.counter)
-        if info.payload_len >= cfg.offload_bytes:
-            out = await trio.to_thread.run_sync(open_frame, self.receiver.aead, info, frame)
+        return info
+
+    async def open(
+        self, frame: memoryview, info: FrameInfo | None = None, out: memoryview | None = None
+    ) -> tuple[bytes, bytearray | None]:
+        """Raises FrameRejected; the replay window only moves for authentic frames."""
+        info = info or self.check(frame)
+        args = (self.receiver.aead, info, frame, out)
+        if info.payload_len >= self.config.offload_bytes:
+            result = await trio.to_thread.run_sync(open_frame, *args)
         else:
-            out = open_frame(self.receiver.aead, info, frame)
+            result = open_frame(*args)
         self.receiver.window.accept(info.counter)
-        return out
+        return result
+
+
+class _Partial:
+    """A multi-part request being reassembled (decrypted straight into its final buffer)."""
+
+    def __init__(self, part: PartInfo) -> None:
+        self.part = part
+        self.buffer = bytearray(part.message_len)
+        self.claimed: set[int] = set()
+        self.done = 0
+        self.header: bytes | None = None
 
 
 class _Credentials:
@@ -283,6 +322,7 @@ class _InboundSession:
         self.handshake: NoiseHandshake | None = None
         self.channel: _Channel | None = None
         self.peer: PeerInfo | None = None
+        self.partials: dict[int, _Partial] = {}
 
 
 class _Inbound:
@@ -391,8 +431,42 @@ class _Inbound:
         log.info("handshake_ok", peer=peer.short_id, direction="inbound")
         return reply
 
+    async def _on_part(self, session: _InboundSession, view: memoryview, info: FrameInfo):
+        """Decrypt one part into its message; the message when it is complete, else None."""
+        part = info.part
+        partial = session.partials.get(part.message_id)
+        if partial is None:
+            if len(session.partials) >= MAX_PARTIAL_MESSAGES:
+                oldest = min(session.partials)
+                del session.partials[oldest]
+                log.info("partial_message_dropped", peer=session.peer.short_id, message=oldest)
+            partial = session.partials[part.message_id] = _Partial(part)
+        if (partial.part.count, partial.part.message_len) != (part.count, part.message_len):
+            raise FrameRejected("part", "parts disagree on the message size")
+        if part.index in partial.claimed:
+            raise FrameRejected("part", f"part {part.index} sent twice")
+        partial.claimed.add(part.index)
+        lo, hi = part_bounds(part.message_len, part.count, part.index)
+        header, _ = await session.channel.open(view, info, memoryview(partial.buffer)[lo:hi])
+        if header:
+            partial.header = header
+        partial.done += 1
+        if partial.done < part.count:
+            return None
+        session.partials.pop(part.message_id, None)
+        if partial.header is None:
+            raise FrameRejected("part", "no part carried the header")
+        return partial.header, partial.buffer
+
     async def _on_frame(self, session: _InboundSession, view: memoryview) -> pynng.Message:
-        header_bytes, payload = await session.channel.open(view)
+        info = session.channel.check(view)
+        if info.part is None:
+            header_bytes, payload = await session.channel.open(view, info)
+        else:
+            message = await self._on_part(session, view, info)
+            if message is None:  # acknowledge a part with an empty header
+                return await session.channel.seal(b"", b"")
+            header_bytes, payload = message
         try:
             header = self.codec.decode(header_bytes)
         except DecodeError as exc:
@@ -432,11 +506,44 @@ class _Outbound:
     def __init__(self, address: str, sock: pynng.Req0, channel: _Channel, peer: PeerInfo):
         self.address, self.sock, self.channel, self.peer = address, sock, channel, peer
         self.lost = trio.Event()
+        self.multipart_slots = trio.Semaphore(MAX_PARTIAL_MESSAGES)
 
     async def exchange(
         self, header: bytes, payload: bytes | memoryview, counters: _Counters
     ) -> tuple[bytes, bytearray]:
-        msg = await self.channel.seal(header, payload)
+        n, cfg = memoryview(payload).nbytes, self.channel.config
+        if n <= cfg.part_bytes:
+            return await self._round_trip(await self.channel.seal(header, payload), counters)
+        async with self.multipart_slots:
+            return await self._exchange_parts(header, payload, counters)
+
+    async def _exchange_parts(self, header, payload, counters) -> tuple[bytes, bytearray]:
+        n, cfg = memoryview(payload).nbytes, self.channel.config
+        count = -(-n // cfg.part_bytes)
+        message_id = self.channel.next_message_id
+        self.channel.next_message_id += 1
+        view, replies = memoryview(payload).cast("B"), []
+        slots = trio.Semaphore(cfg.parts_in_flight)
+
+        async def send_part(index: int) -> None:
+            async with slots:
+                lo, hi = part_bounds(n, count, index)
+                part = PartInfo(message_id, index, count, n)
+                hdr = header if index == count - 1 else b""
+                msg = await self.channel.seal(hdr, view[lo:hi], part)
+                reply = await self._round_trip(msg, counters)
+                if reply[0]:
+                    replies.append(reply)
+
+        async with trio.open_nursery() as nursery:
+            for index in range(count):
+                nursery.start_soon(send_part, index)
+        if len(replies) != 1:
+            self.lost.set()
+            raise RemoteProtocolError(f"{len(replies)} replies to one multi-part request")
+        return replies[0]
+
+    async def _round_trip(self, msg: pynng.Message, counters: _Counters):
         counters.moved(self.peer, 0, len(msg._buffer))
         ctx = self.sock.new_context()
         try:

@@ -22,6 +22,7 @@ from node._noise import (
     STATIC_SIGNATURE_CONTEXT,
     IdentityProof,
     NoiseHandshake,
+    PartInfo,
     check_identity_proof,
     make_identity_proof,
     open_frame,
@@ -454,3 +455,50 @@ def test_bad_config_names_field_and_value():
         TransportConfig(handshake_timeout_s=-1)
     with pytest.raises(ValueError, match="listen: 'localhost'"):
         TransportConfig(listen="localhost")
+
+
+async def test_big_requests_travel_in_parts_and_arrive_whole(authority):
+    config = TransportConfig(part_bytes=64 * 1024, parts_in_flight=3, max_message_bytes=1 << 20)
+    a, b = Node(authority), Node(authority)
+    payload = bytes(range(256)) * 3000 + b"tail"  # 768 KiB + 4: 13 parts, the last one short
+    async with _open(a, config) as ta, _open(b, config) as tb:
+        async with trio.open_nursery() as nursery:
+            for nonce in range(3):  # several multi-part requests at once on one connection
+                nursery.start_soon(
+                    functools.partial(ta.request, tb.address, Ping(nonce), payload, deadline_s=20)
+                )
+        header, reply, _ = await ta.request(tb.address, Ping(9), payload, deadline_s=20)
+    assert header == Pong(9) and bytes(reply) == payload[::-1]
+    assert sorted(n for _, h in b.seen for n in [h.nonce]) == [0, 1, 2, 9]
+
+
+async def test_a_part_sent_twice_is_rejected(authority):
+    server, client = Node(authority), Node(authority)
+    async with _open(server) as ts:
+        raw = RawClient(ts.address, client.identity, server.admission.prologue)
+        raw.credential = client.cert.to_bytes()
+        try:
+            assert await raw.handshake() == b"\x04"
+            part = PartInfo(message_id=1, index=0, count=2, message_len=10)
+            first = bytes(seal_frame(raw.send, 0, b"", b"01234", part))
+            assert (await raw.rpc(first))[:1] == b"\x10"  # acknowledged
+            again = bytes(seal_frame(raw.send, 1, b"", b"01234", part))
+            assert await raw.rpc(again, timeout=1.0) is None
+        finally:
+            raw.close()
+        assert ts.statistics().frames_rejected == {"part": 1}
+        assert server.seen == []
+
+
+async def test_cancelled_multi_part_requests_do_not_wedge_the_connection(authority):
+    config = TransportConfig(part_bytes=64 * 1024, parts_in_flight=2, max_message_bytes=1 << 21)
+    a, b = Node(authority), Node(authority)
+    payload = bytes(2 << 20)  # 32 parts
+    async with _open(a, config) as ta, _open(b, config) as tb:
+        await ta.request(tb.address, Ping(1), deadline_s=10)
+        for _ in range(3):  # each leaves a half-sent message behind on the server
+            with trio.move_on_after(0.01):
+                await ta.request(tb.address, Ping(2), payload, deadline_s=20)
+        for nonce in (3, 4, 5):
+            header, reply, _ = await ta.request(tb.address, Ping(nonce), payload, deadline_s=20)
+            assert header == Pong(nonce) and len(reply) == len(payload)

@@ -1,0 +1,103 @@
+"""`geotrain keygen` and `geotrain swarm init|admit`, run through the real CLI entry point."""
+
+import base64
+import json
+import stat
+import time
+
+import pytest
+
+from node._admission import Admission, MembershipCertificate, SwarmAuthority
+from node._cli import main
+from node._identity import Identity
+from node._identity_cli import parse_duration, parse_peer
+
+
+def _fields(out: str) -> dict[str, str]:
+    return dict(line.split(" ", 1) for line in out.strip().splitlines())
+
+
+def test_keygen_writes_a_private_key_and_prints_its_peer_id(tmp_path, capsys):
+    path = tmp_path / "node.key"
+    assert main(["keygen", "--out", str(path)]) == 0
+    fields = _fields(capsys.readouterr().out)
+    identity = Identity.load(path)
+    assert fields == {"peer_id": identity.peer_id, "short_id": identity.short_id}
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+
+
+def test_keygen_refuses_to_overwrite(tmp_path, capsys):
+    path = tmp_path / "node.key"
+    path.write_text("keep me")
+    assert main(["keygen", "--out", str(path)]) == 1
+    err = capsys.readouterr().err
+    assert "refusing to overwrite" in err and len(err.strip().splitlines()) == 1
+    assert path.read_text() == "keep me"
+
+
+def test_swarm_init_then_admit_issues_a_certificate_the_swarm_accepts(tmp_path, capsys):
+    swarm = tmp_path / "swarm"
+    assert main(["swarm", "init", "--out", str(swarm)]) == 0
+    swarm_id = _fields(capsys.readouterr().out)["swarm_id"]
+    member = Identity.generate()
+    assert main(["swarm", "admit", "--swarm", str(swarm), member.peer_id, "--expires", "2h"]) == 0
+    fields = _fields(capsys.readouterr().out)
+    cert = MembershipCertificate.load(fields["certificate"])
+    assert cert.peer_id == member.peer_id == fields["peer_id"]
+    assert cert.swarm_id == swarm_id
+    assert abs(cert.expires_at - (time.time() + 7200)) < 60
+    authority = SwarmAuthority.load(swarm)
+    admission = Admission.with_certificate(authority.info, cert)
+    admission.check(member.public_key, cert.to_bytes(), time.time())
+    doc = json.loads((swarm / "certs" / f"{member.peer_id}.cert.json").read_text())
+    assert doc["peer_id"] == member.peer_id
+
+
+def test_admit_accepts_a_hex_public_key_and_an_explicit_out(tmp_path, capsys):
+    swarm = tmp_path / "swarm"
+    assert main(["swarm", "init", "--out", str(swarm), "--swarm-id", "lab-7"]) == 0
+    member = Identity.generate()
+    out = tmp_path / "m.cert"
+    args = ["swarm", "admit", "--swarm", str(swarm), member.public_key.hex(), "--expires", "30d"]
+    assert main([*args, "--out", str(out)]) == 0
+    assert MembershipCertificate.load(out).swarm_id == "lab-7"
+    assert main([*args, "--out", str(out)]) == 1  # never overwrites
+    assert "refusing to overwrite" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("peer", "expires", "message"),
+    [
+        ("gtnotapeer", "30d", "peer ID"),
+        ("zz", "30d", "expected a peer ID"),
+        (None, "30x", "duration '30x'"),
+        (None, "0d", "duration '0d'"),
+    ],
+)
+def test_admit_errors_are_one_clear_line(tmp_path, capsys, peer, expires, message):
+    swarm = tmp_path / "swarm"
+    assert main(["swarm", "init", "--out", str(swarm)]) == 0
+    peer = peer or Identity.generate().peer_id
+    assert main(["swarm", "admit", "--swarm", str(swarm), peer, "--expires", expires]) == 1
+    err = capsys.readouterr().err.strip()
+    assert message in err and len(err.splitlines()) == 1
+
+
+def test_admit_without_a_swarm_dir_fails_clearly(tmp_path, capsys):
+    peer = Identity.generate().peer_id
+    args = ["swarm", "admit", "--swarm", str(tmp_path / "nope"), peer, "--expires", "1d"]
+    assert main(args) == 1
+    assert "cannot read" in capsys.readouterr().err
+
+
+def test_swarm_init_refuses_an_existing_swarm(tmp_path, capsys):
+    assert main(["swarm", "init", "--out", str(tmp_path)]) == 0
+    assert main(["swarm", "init", "--out", str(tmp_path)]) == 1
+    assert "refusing to overwrite" in capsys.readouterr().err
+
+
+def test_durations_and_peer_forms():
+    assert [parse_duration(d) for d in ("90s", "15m", "12h", "30d")] == [90, 900, 43200, 2592000]
+    key = Identity.generate().public_key
+    assert parse_peer(base64.b64encode(key).decode()) == key
+    assert parse_peer(key.hex()) == key
