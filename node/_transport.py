@@ -366,7 +366,13 @@ class _Inbound:
                     continue
                 except pynng.NNGException:  # closed: the transport is shutting down
                     return
-                reply = await self._on_message(msg)
+                try:
+                    reply = await self._on_message(msg)
+                except Exception:  # a bug of ours: drop this connection, keep serving others
+                    log.exception("inbound_message_failed")
+                    self.sessions.pop(msg.pipe.id, None)
+                    _close_pipe(msg.pipe)
+                    continue
                 if reply is None:
                     continue
                 try:
@@ -832,11 +838,11 @@ def _bound_address(requested: str, local: str) -> str:
 
 
 # ---- baseline for node.bench: plain pynng, here because this module alone owns pynng ----------
-async def raw_pynng_round_trips(payload: bytes, repeats: int) -> list[float]:
-    """Seconds for each of `repeats` Req0->Rep0 round trips over loopback carrying `payload`
-    one way and 2 bytes back, with pynng's ordinary bytes API and no security."""
-    times = []
-    limit = len(payload) + 1024
+@asynccontextmanager
+async def open_raw_pynng_pair(max_bytes: int) -> AsyncIterator[Callable[[bytes], Awaitable[None]]]:
+    """A Req0->Rep0 pair over loopback with no security, for benchmarks only. Yields
+    `round_trip(payload)`: send `payload` one way with pynng's ordinary bytes API, 2 bytes back."""
+    limit = max_bytes + 1024
     with pynng.Rep0(recv_max_size=limit) as rep, pynng.Req0(recv_max_size=limit) as req:
         listener = rep.listen("tcp://127.0.0.1:0")
         req.dial(_bound_address("tcp://127.0.0.1:0", str(listener.local_address)), block=True)
@@ -846,12 +852,11 @@ async def raw_pynng_round_trips(payload: bytes, repeats: int) -> list[float]:
                 await rep.arecv()
                 await rep.asend(b"ok")
 
+        async def round_trip(payload: bytes) -> None:
+            await req.asend(payload)
+            await req.arecv()
+
         async with trio.open_nursery() as nursery:
             nursery.start_soon(echo)
-            for _ in range(repeats):
-                started = time.perf_counter()
-                await req.asend(payload)
-                await req.arecv()
-                times.append(time.perf_counter() - started)
+            yield round_trip
             nursery.cancel_scope.cancel()
-    return times
