@@ -108,7 +108,7 @@ class TransportConfig:
     io_timeout_s: float = 600.0
     max_inbound_requests: int = 16
     replay_window: int = 1024
-    offload_bytes: int = 256 * 1024
+    offload_bytes: int = 2**20
     part_bytes: int = 4 * 2**20
     parts_in_flight: int = 4
 
