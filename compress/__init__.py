@@ -1,4 +1,14 @@
-"""Tensor codecs for model updates: quantizers, sparsifiers, low-rank, error feedback, wire."""
+"""Tensor codecs for model updates: quantizers, sparsifiers, low-rank, error feedback, wire.
+
+    codec = get_codec("topk:0.01+int8")           # see _spec for the grammar
+    data = codec.encode(tensor, seed=step)        # bytes; len(data) is the wire size
+    tensor = decode(data, max_numel=10**8)        # DecodeError on any bad input
+    ef = ErrorFeedback(codec)                     # residuals per name, checkpointable
+    data = encode_named(model_params, codec, error_feedback=ef, seed=step)
+    params = decode_named(data, max_numel=total_numel, device="cuda")
+
+Nothing here logs or does I/O; randomness comes only from the seeds passed in.
+"""
 
 from ._base import Codec as Codec
 from ._base import CodecState as CodecState

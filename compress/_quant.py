@@ -48,12 +48,17 @@ def quantize_blocks(
     spans = [(r, min(full, r + rows), block) for r in range(0, full, rows)]
     if n % block:
         spans.append((full, full + 1, n - full * block))
+    # scratch reused by every chunk: (values, noise) float32, at most one chunk each
+    size = max(((r1 - r0) * width for r0, r1, width in spans), default=0)
+    work = torch.empty(2 if gen is not None else 1, size, dtype=torch.float32, device=x.device)
     for r0, r1, width in spans:
         lo, hi = r0 * block, r0 * block + (r1 - r0) * width
+        shape = (r1 - r0, width)
         _quantize_rows(
-            x[lo:hi].view(r1 - r0, width),
+            x[lo:hi].view(shape),
             scales[r0:r1],
-            codes[lo:hi].view(r1 - r0, width),
+            codes[lo:hi].view(shape),
+            work[:, : hi - lo].view(-1, *shape),
             levels,
             gen,
             l2,
@@ -63,7 +68,7 @@ def quantize_blocks(
     return scales, codes
 
 
-def _quantize_rows(xs, scale_out, code_out, levels, gen, l2) -> None:
+def _quantize_rows(xs, scale_out, code_out, work, levels, gen, l2) -> None:
     xs = xs.float()  # (rows, width)
     if l2:
         norm = torch.linalg.vector_norm(xs, 2, dim=1)
@@ -71,12 +76,13 @@ def _quantize_rows(xs, scale_out, code_out, levels, gen, l2) -> None:
         norm = torch.maximum(xs.amax(dim=1), xs.amin(dim=1).neg_())
     torch.div(norm, levels, out=scale_out)
     inv = torch.where(norm > 0, levels / norm, 0.0)
-    y = xs * inv[:, None]
+    y = torch.mul(xs, inv[:, None], out=work[0])  # in [-levels, levels] up to rounding
     if gen is not None:
-        y.add_(torch.rand(y.shape, generator=gen, device=y.device)).floor_()
+        y.add_(torch.rand(y.shape, generator=gen, device=y.device, out=work[1])).floor_()
+        y.clamp_(-levels, levels)  # floor(levels + 1 ulp + u) could reach levels + 1
     else:
-        y.round_()
-    code_out.copy_(y.clamp_(-levels, levels))
+        y.round_()  # |y| <= levels * (1 + 1 ulp) rounds to at most levels: no clamp needed
+    code_out.copy_(y)
 
 
 def dequantize_blocks(scales: torch.Tensor, codes: torch.Tensor, block: int) -> torch.Tensor:

@@ -2,7 +2,22 @@
 # IndexError/struct.error); a tensor is only allocated after its byte length has been checked
 # against the bytes actually present, so an allocation never exceeds len(data) plus what the
 # caller's max_numel allows. All integers are little-endian.
-"""Byte-level pieces of the wire format: header, bounded reader, tensor <-> bytes views."""
+"""Byte-level pieces of the wire format: header, bounded reader, tensor <-> bytes views.
+
+Single-tensor payload, version 1 (all integers little-endian)::
+
+    b"GT"  version:u8  codec_id:u8  dtype:u8  ndim:u8  seed:u64  shape:u64 * ndim
+    codec parameters and body (layout per codec, see each codec's _encode_body):
+      none/fp16/bf16  values (4 or 2 bytes each)
+      int8/int4/qsgd  block:u32 flags:u8 | scales:f32 * ceil(n / block) | codes (1 byte or 1/2)
+      sign            scale:f32 | bits (ceil(n / 8), bit i of byte j = element 8j + i, 1 = negative)
+      topk            k:u64 mode:u8 width:u8 | gaps (k * width) or bitmap | len:u64 values-payload
+      randk           draws:u64 unscaled:u8 | len:u64 values-payload (indices come from the seed)
+      powersgd        rank:u16 | P:f32 * rows * rank | Q:f32 * cols * rank
+
+`values-payload` is itself a single-tensor payload of a dense value codec. The decoded tensor has
+the header's dtype and shape. Named payloads (several tensors) are described in `_named`.
+"""
 
 from __future__ import annotations
 
