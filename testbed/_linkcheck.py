@@ -222,23 +222,60 @@ def measure_link(
     return LinkMeasurement(result["rtt_ms"], result["connect_ms"], result["mbit"], bulk_bytes)
 
 
-def _bench(delay_ms: float, rate_mbit: float | None, jitter_ms: float) -> dict:
-    """Two namespaces behind the userspace emulator: spec vs measured, plus unshaped headroom."""
+def _bench(peers: int, delay_ms: float, rate_mbit: float | None, jitter_ms: float,
+           loss: float) -> dict:  # fmt: skip
+    """`peers` namespaces behind the userspace emulator, peers/2 flows at once (2i -> 2i+1):
+    spec vs measured per flow, the loss the emulator applied, then unshaped headroom (1 flow)."""
+    from concurrent.futures import ThreadPoolExecutor
+
     from testbed._linkspec import LinkMatrix, LinkSpec
     from testbed._namespaces import NamespaceSet
     from testbed._userspace import UserspaceLinks
 
-    spec = LinkSpec(delay_ms=delay_ms, jitter_ms=jitter_ms, rate_mbit=rate_mbit)
-    out: dict = {"spec": spec.to_json(), "spec_rtt_ms": 2 * delay_ms}
-    with NamespaceSet(2) as nss:
-        with UserspaceLinks(nss, LinkMatrix.uniform(2, spec)):
-            size = bulk_bytes_for(rate_mbit, rtt_ms=2 * delay_ms)
-            m = measure_link(nss, 0, 1, bulk_bytes=size)
-            out["shaped"] = m.__dict__
-        with UserspaceLinks(nss, LinkMatrix.uniform(2, LinkSpec())):
-            m = measure_link(nss, 0, 1, bulk_bytes=bulk_bytes_for(None))
-            out["unshaped"] = m.__dict__
+    spec = LinkSpec(delay_ms=delay_ms, jitter_ms=jitter_ms, loss=loss, rate_mbit=rate_mbit)
+    out: dict = {"peers": peers, "spec": spec.to_json(), "spec_rtt_ms": 2 * delay_ms}
+    size = bulk_bytes_for(rate_mbit, rtt_ms=2 * delay_ms)
+    t0 = time.perf_counter()
+    with NamespaceSet(peers) as nss:
+        with UserspaceLinks(nss, LinkMatrix.uniform(peers, spec)) as links:
+            out["setup_s"] = time.perf_counter() - t0
+            with ThreadPoolExecutor(peers // 2) as pool:
+                flows = list(
+                    pool.map(
+                        lambda i: measure_link(nss, 2 * i, 2 * i + 1, bulk_bytes=size),
+                        range(peers // 2),
+                    )
+                )
+            stats = links.statistics()
+        out["flows"] = [m.__dict__ for m in flows]
+        sent = sum(s.packets + s.lost + s.overflowed for s in stats.links)
+        out["applied_loss"] = sum(s.lost for s in stats.links) / max(1, sent)
+        out["queue_drops"] = sum(s.overflowed for s in stats.links)
+        with UserspaceLinks(nss, LinkMatrix.uniform(peers, LinkSpec())):
+            out["unshaped"] = measure_link(nss, 0, 1, bulk_bytes=bulk_bytes_for(None)).__dict__
+        t1 = time.perf_counter()
+    out["teardown_s"] = time.perf_counter() - t1
     return out
+
+
+def _bench_line(r: dict) -> str:
+    """One human-readable line of a bench result."""
+    rtts = sorted(f["measured_rtt_ms"] for f in r["flows"])
+    mbits = sorted(f["measured_mbit"] for f in r["flows"])
+    spec = r["spec"]
+    rate = "unshaped" if spec["rate_mbit"] is None else f"{spec['rate_mbit']:g} Mbit/s"
+    ratio = (
+        "" if spec["rate_mbit"] is None else f" (x{mbits[len(mbits) // 2] / spec['rate_mbit']:.3f})"
+    )
+    return (
+        f"{r['peers']} peers, {len(rtts)} flows at once; spec RTT {r['spec_rtt_ms']:g} ms, {rate}, "
+        f"loss {spec['loss']:g}: RTT median {rtts[len(rtts) // 2]:.2f} ms "
+        f"(min {rtts[0]:.2f}, max {rtts[-1]:.2f}), goodput median {mbits[len(mbits) // 2]:.1f}"
+        f"{ratio} (min {mbits[0]:.1f}, max {mbits[-1]:.1f}) Mbit/s, applied loss "
+        f"{r['applied_loss']:.4f}, queue drops {r['queue_drops']}; unshaped "
+        f"{r['unshaped']['measured_mbit'] / 1000:.2f} Gbit/s; setup {r['setup_s']:.1f} s, "
+        f"teardown {r['teardown_s']:.1f} s"
+    )
 
 
 def _main(argv: list[str]) -> int:
@@ -256,14 +293,19 @@ def _main(argv: list[str]) -> int:
     p = sub.add_parser("bench", help="spec vs measured on two namespaces (root, /dev/net/tun)")
     p.add_argument("--delay-ms", type=float, default=25.0)
     p.add_argument("--jitter-ms", type=float, default=0.0)
-    p.add_argument("--rate-mbit", type=float, default=100.0)
+    p.add_argument("--rate-mbit", type=float, default=100.0, help="0 = unshaped")
+    p.add_argument("--loss", type=float, default=0.0)
+    p.add_argument("--peers", type=int, default=2, help="even; peers/2 flows run at once")
+    p.add_argument("--json", action="store_true", help="print the full result as JSON")
     args = parser.parse_args(argv)
     if args.command == "serve":
         serve(args.host, args.port, args.connections)
     elif args.command == "probe":
         print(json.dumps(probe(args.host, args.port, args.pings, args.bulk)))
     else:
-        print(json.dumps(_bench(args.delay_ms, args.rate_mbit, args.jitter_ms), indent=2))
+        rate = args.rate_mbit or None
+        result = _bench(args.peers, args.delay_ms, rate, args.jitter_ms, args.loss)
+        print(json.dumps(result, indent=2) if args.json else _bench_line(result))
     return 0
 
 

@@ -8,6 +8,7 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from types import MappingProxyType
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -166,3 +167,17 @@ class LinkMatrix:
         if other.regions != self.regions:
             raise ValueError("LinkMatrix.changed_pairs: the matrices have different regions")
         return [pair for pair, spec in self.links.items() if other.links[pair] != spec]
+
+    def to_json(self) -> dict:
+        """The matrix as a JSON-ready dict (the emulator process receives it this way)."""
+        return {
+            "regions": list(self.regions),
+            "peer_regions": list(self.peer_regions),
+            "links": [[a, b, spec.to_json()] for (a, b), spec in self.links.items()],
+        }
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> LinkMatrix:
+        """Inverse of `to_json`; raises ValueError (or KeyError/TypeError) on malformed data."""
+        links = {(a, b): LinkSpec.from_json(spec) for a, b, spec in data["links"]}
+        return cls(tuple(data["regions"]), tuple(data["peer_regions"]), links)

@@ -35,9 +35,11 @@ def test_an_unemulated_link_measures_fast_and_short():
     with NamespaceSet(2) as nss:
         veth_between(nss)
         m = measure_link(nss, 0, 1, bulk_bytes=32 << 20, pings=3)
-    assert 0 < m.measured_rtt_ms < 5
-    assert 0 < m.connect_rtt_ms < 5
-    assert m.measured_mbit > 200  # veth between namespaces: Gbit/s even on a busy 2-core box
+    # a veth pair has no delay to speak of (tens of microseconds); the bounds leave room for a
+    # 2-core box under heavy load, while a wrong unit (s vs ms, bytes vs bits) still fails
+    assert 0 < m.measured_rtt_ms < 20
+    assert 0 < m.connect_rtt_ms < 20
+    assert m.measured_mbit > 100  # Gbit/s when the box is quiet
     assert m.bulk_bytes == 32 << 20
 
 

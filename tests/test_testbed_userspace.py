@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import ipaddress
+import json
 import os
 import subprocess
 import sys
@@ -12,7 +13,7 @@ import pytest
 
 from testbed._linkcheck import bulk_bytes_for, measure_link
 from testbed._linkspec import LinkMatrix, LinkSpec
-from testbed._namespaces import NamespaceSet, list_devices
+from testbed._namespaces import NamespaceSet, list_devices, list_namespaces
 from testbed._tun import tun_available
 from testbed._userspace import PacketScheduler, UserspaceConfig, UserspaceLinks
 
@@ -72,6 +73,12 @@ def test_partition_cuts_both_ways_and_the_old_matrix_heals():
     assert cut.spec("a", "b").delay_ms == 30 and not cut.spec("a", "a").partitioned
     assert sorted(m.changed_pairs(cut)) == [("a", "b"), ("b", "a")]
     assert cut.changed_pairs(m) == m.changed_pairs(cut)  # going back to `m` heals the same links
+
+
+def test_a_matrix_survives_the_trip_to_the_emulator_process():
+    m = LinkMatrix.symmetric(("a", "b", "b"), {"a": LinkSpec(), "b": LinkSpec(jitter_ms=1)},
+                             {frozenset({"a", "b"}): LinkSpec(3, 1, 0.25, 12.5)})  # fmt: skip
+    assert LinkMatrix.from_json(json.loads(json.dumps(m.to_json()))) == m
 
 
 # ---- PacketScheduler (no I/O, exact times) ---------------------------------------------------
@@ -242,3 +249,14 @@ def test_the_emulator_exits_when_its_owner_dies():
         proc.stdin.close()  # what the kernel does to the pipe when the owner is SIGKILLed
         assert proc.wait(timeout=10) == 0
         links.close()
+
+
+@needs_root_and_tun
+def test_a_crash_inside_the_block_leaves_no_namespace_device_or_emulator():
+    with pytest.raises(RuntimeError, match="crash"), NamespaceSet(3) as nss:
+        prefix = nss.run_prefix
+        with UserspaceLinks(nss, LinkMatrix.uniform(3, LinkSpec(delay_ms=1))) as links:
+            emulator = links._proc
+            raise RuntimeError("crash")
+    assert emulator is not None and emulator.poll() is not None
+    assert list_namespaces(prefix) == [] and list_devices(prefix) == []
