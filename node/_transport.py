@@ -8,7 +8,9 @@
 # Wire: each node listens with a Rep0 socket and dials one Req0 socket per peer (contexts let many
 # requests share it; resend is off, because a resent frame would look like a replay). Before the
 # session exists a message is one kind byte + body: 0x01 Noise msg 1 -> 0x02 msg 2, 0x03 msg 3 ->
-# 0x04 accepted | 0x7f reason. After it, every request and reply is one encrypted frame (_noise).
+# 0x04 accepted | 0x7f reason. After it, every request and reply is one encrypted frame (_noise),
+# except that a request above part_bytes travels as several part frames, each answered (an empty
+# acknowledgement, or the reply for the part that completed the message).
 from __future__ import annotations
 
 import math
@@ -843,7 +845,8 @@ async def open_raw_pynng_pair(max_bytes: int) -> AsyncIterator[Callable[[bytes],
     """A Req0->Rep0 pair over loopback with no security, for benchmarks only. Yields
     `round_trip(payload)`: send `payload` one way with pynng's ordinary bytes API, 2 bytes back."""
     limit = max_bytes + 1024
-    with pynng.Rep0(recv_max_size=limit) as rep, pynng.Req0(recv_max_size=limit) as req:
+    opts = {"recv_max_size": limit, "recv_timeout": 600_000, "send_timeout": 600_000}
+    with pynng.Rep0(**opts) as rep, pynng.Req0(**opts) as req:
         listener = rep.listen("tcp://127.0.0.1:0")
         req.dial(_bound_address("tcp://127.0.0.1:0", str(listener.local_address)), block=True)
 
