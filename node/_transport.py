@@ -94,6 +94,8 @@ class TransportConfig:
         io_timeout_s: nng-level backstop for any single send/receive; callers' deadlines are
             normally much shorter.
         max_inbound_requests: requests served at once (one nng context each).
+        max_pending_handshakes: inbound connections allowed to be mid-handshake at once; more are
+            closed at once, so strangers cannot pile up handshake state.
         replay_window: how far out of order a frame may arrive and still be accepted.
         offload_bytes: payloads at least this big are sealed/opened in a worker thread, so the
             event loop is never blocked for long (cryptography releases the GIL).
@@ -109,6 +111,7 @@ class TransportConfig:
     handshake_timeout_s: float = 10.0
     io_timeout_s: float = 600.0
     max_inbound_requests: int = 16
+    max_pending_handshakes: int = 256
     replay_window: int = 1024
     offload_bytes: int = 2**20
     part_bytes: int = 4 * 2**20
@@ -127,6 +130,10 @@ class TransportConfig:
                 raise ValueError(f"{name}: {value!r}, expected a finite number > 0")
         if not 1 <= self.max_inbound_requests <= 4096:
             raise ValueError(f"max_inbound_requests: {self.max_inbound_requests}, expected 1..4096")
+        if not 1 <= self.max_pending_handshakes <= 65536:
+            raise ValueError(
+                f"max_pending_handshakes: {self.max_pending_handshakes}, expected 1..65536"
+            )
         if not 1 <= self.replay_window <= 65536:
             raise ValueError(f"replay_window: {self.replay_window}, expected 1..65536")
         if self.offload_bytes < 0:
@@ -348,8 +355,14 @@ class _Inbound:
         except trio.RunFinishedError:
             pass
 
-    def _connected(self, pipe: pynng.Pipe) -> _InboundSession:
+    def _connected(self, pipe: pynng.Pipe) -> _InboundSession | None:
         if pipe.id not in self.sessions:
+            pending = sum(1 for s in self.sessions.values() if s.channel is None)
+            if pending >= self.config.max_pending_handshakes:
+                self.counters.handshakes_failed["too_many_pending"] += 1
+                log.warning("handshake_failed", direction="inbound", reason="too_many_pending")
+                _close_pipe(pipe)
+                return None
             self.sessions[pipe.id] = _InboundSession(pipe, trio.current_time())
         return self.sessions[pipe.id]
 
@@ -398,6 +411,8 @@ class _Inbound:
 
     async def _on_message(self, msg: pynng.Message) -> pynng.Message | None:
         session = self.sessions.get(msg.pipe.id) or self._connected(msg.pipe)
+        if session is None:
+            return None
         view = _message_view(msg)
         self.counters.moved(session.peer, len(view), 0)
         try:

@@ -2,6 +2,7 @@
 
 import os
 import random
+import struct
 
 import pytest
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
@@ -15,11 +16,13 @@ from node._noise import (
     FrameRejected,
     HandshakeFailed,
     NoiseHandshake,
+    PartInfo,
     ReplayWindow,
     check_identity_proof,
     make_identity_proof,
     open_frame,
     parse_frame_prefix,
+    part_bounds,
     seal_frame,
 )
 
@@ -186,3 +189,43 @@ def test_replay_window_check_does_not_record():
     w.accept(4)
     with pytest.raises(FrameRejected):
         w.check(4)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.sampled_from([0x10, 0x11]),
+    st.integers(0, 2**64 - 1),
+    st.integers(0, 2**32 - 1),
+    st.integers(0, 2**64 - 1),
+    st.tuples(
+        st.integers(0, 2**64 - 1),
+        st.integers(0, 2**32 - 1),
+        st.integers(0, 2**32 - 1),
+        st.integers(0, 2**64 - 1),
+    ),
+    st.binary(max_size=120),
+)
+def test_fuzzed_prefixes_only_raise_frame_rejected(kind, counter, hlen, plen, part, body):
+    """Well-formed-looking prefixes with wild lengths and part numbers: refused, never a crash
+    or an allocation of what they claim."""
+    data = struct.pack("<BQIQ", kind, counter, hlen, plen)
+    if kind == 0x11:
+        data += struct.pack("<QIIQ", *part)
+    try:
+        _open(data + body)
+    except FrameRejected:
+        pass
+
+
+def test_part_numbers_are_checked():
+    part = PartInfo(message_id=1, index=1, count=3, message_len=10)
+    assert part_bounds(10, 3, 0) == (0, 4) and part_bounds(10, 3, 2) == (8, 10)
+    part.check(4)
+    for bad, size in [(part, 3), (PartInfo(1, 3, 3, 10), 2), (PartInfo(1, 0, 1, 10), 10)]:
+        with pytest.raises(FrameRejected) as exc:
+            bad.check(size)
+        assert exc.value.reason == "part"
+    frame = seal_frame(KEY, 0, b"", b"4567", part)
+    info = parse_frame_prefix(frame, 10, 10)
+    out = bytearray(4)
+    assert open_frame(KEY, info, frame, memoryview(out)) == (b"", None) and out == b"4567"

@@ -502,3 +502,22 @@ async def test_cancelled_multi_part_requests_do_not_wedge_the_connection(authori
         for nonce in (3, 4, 5):
             header, reply, _ = await ta.request(tb.address, Ping(nonce), payload, deadline_s=20)
             assert header == Pong(nonce) and len(reply) == len(payload)
+
+
+async def test_strangers_cannot_pile_up_pending_handshakes(authority):
+    server = Node(authority)
+    config = TransportConfig(handshake_timeout_s=30, max_pending_handshakes=2)
+    async with _open(server, config) as ts:
+        raws = []
+        try:
+            for _ in range(2):
+                raws.append(RawClient(ts.address, Identity.generate(), server.admission.prologue))
+                hs = NoiseHandshake(True, X25519PrivateKey.generate(), server.admission.prologue)
+                assert (await raws[-1].rpc(b"\x01" + hs.write_message(b"")))[:1] == b"\x02"
+            raws.append(RawClient(ts.address, Identity.generate(), server.admission.prologue))
+            hs = NoiseHandshake(True, X25519PrivateKey.generate(), server.admission.prologue)
+            assert await raws[-1].rpc(b"\x01" + hs.write_message(b""), timeout=1.0) is None
+        finally:
+            for raw in raws:
+                raw.close()
+        assert ts.statistics().handshakes_failed["too_many_pending"] >= 1
