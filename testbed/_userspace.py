@@ -226,6 +226,18 @@ class PacketScheduler:
         return EmulatorStatistics(links, self.unroutable, self.write_errors)
 
 
+# Starts the emulator process with this package's modules but without running the package's
+# __init__ (which may pull in torch and others: seconds of start-up and hundreds of MB per run).
+BOOTSTRAP = """
+import sys, types
+package = types.ModuleType("testbed")
+package.__path__ = [sys.argv[1]]
+sys.modules["testbed"] = package
+from testbed._userspace import _serve
+sys.exit(_serve(sys.stdin.fileno(), sys.stdout.fileno()))
+"""
+
+
 class EmulatorError(RuntimeError):
     """The emulator process failed to start or stopped answering; the message says how."""
 
@@ -266,7 +278,7 @@ class UserspaceLinks:
             for ns in self._namespaces:
                 fds.append(attach_tun(ns, mtu=self._config.mtu))
             self._proc = subprocess.Popen(
-                [sys.executable, "-m", "testbed._userspace"],
+                [sys.executable, "-P", "-c", BOOTSTRAP, os.path.dirname(__file__)],
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
                 pass_fds=fds,
@@ -389,7 +401,3 @@ def _serve(stdin: int, stdout: int) -> int:
     reply({"ready": True, "realtime": realtime})
     pump_packets(message["fds"], scheduler, stdin, on_control)
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(_serve(sys.stdin.fileno(), sys.stdout.fileno()))
