@@ -209,29 +209,49 @@ def _read_gaps(reader: Reader, k: int, width: int, n: int) -> torch.Tensor:
     return torch.from_numpy(idx)
 
 
-def randk_indices(seed: int, draws: int, n: int) -> np.ndarray:
-    """Sorted distinct indices from `draws` splitmix64 draws in [0, n); same on every machine."""
-    z = np.arange(1, draws + 1, dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15)
+def _splitmix64(seed: int, count: int) -> np.ndarray:
+    """The first `count` outputs of splitmix64 seeded with `seed` (uint64, fully specified)."""
+    z = np.arange(1, count + 1, dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15)
     z += np.uint64(seed)
     z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
     z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-    z ^= z >> np.uint64(31)
-    return np.unique((z % np.uint64(n)).astype(np.int64))
+    return z ^ (z >> np.uint64(31))
 
 
-def randk_keep_probability(draws: int, n: int) -> float:
-    """Probability that a given index is among `draws` uniform draws from n."""
-    return 1.0 if n == 1 else -math.expm1(draws * math.log1p(-1.0 / n))
+def randk_indices(seed: int, k: int, n: int) -> np.ndarray:
+    """A uniformly random k-subset of range(n), sorted; the same on every machine.
+
+    The first k distinct values of the splitmix64 stream mod n (by symmetry a uniform subset);
+    for k > n / 2, the complement of the first n - k, so the work stays O(n) for any k.
+    """
+    if k >= n:
+        return np.arange(n, dtype=np.int64)
+    if 2 * k <= n:
+        return np.sort(_first_distinct(seed, k, n))
+    keep = np.ones(n, dtype=np.bool_)
+    keep[_first_distinct(seed, n - k, n)] = False
+    return np.flatnonzero(keep)
+
+
+def _first_distinct(seed: int, k: int, n: int) -> np.ndarray:
+    """The first k distinct values of the seeded stream mod n (k <= n / 2)."""
+    count = math.ceil(-n * math.log1p(-k / n) * 1.05) + 64  # draws expected to give k distinct
+    while True:
+        draws = (_splitmix64(seed, count) % np.uint64(n)).astype(np.int64)
+        distinct, first = np.unique(draws, return_index=True)
+        if distinct.size >= k:
+            return distinct[np.argsort(first)[:k]]
+        count *= 2
 
 
 @register
 @dataclass
 class RandK(Codec):
-    """Random-k: k = round(fraction * n) seeded draws; only the values travel.
+    """Random-k: a seeded uniform subset of k = round(fraction * n) elements; only values travel.
 
-    Both sides derive the (distinct, sorted) indices from the payload's seed. Values are divided
-    by the keep probability, which makes the estimate unbiased; `unscaled` sends them as they are
-    (biased but contractive: the variant to use under error feedback).
+    Both sides derive the (sorted) indices from the payload's seed. Values are scaled by n / k,
+    which makes the estimate unbiased; `unscaled` sends them as they are (biased but
+    contractive: the variant to use under error feedback).
     """
 
     fraction: float = 0.01
@@ -245,32 +265,29 @@ class RandK(Codec):
         _check_fraction(type(self), self.fraction)
         _check_inner(type(self), self.inner)
 
-    def _draws(self, n: int) -> int:
-        return min(n, max(1, round(self.fraction * n)))
+    def k_for(self, numel: int) -> int:
+        """The number of values sent for a tensor of `numel` elements."""
+        return min(numel, max(1, round(self.fraction * numel)))
 
     def _encode_body(self, x, shape, seed, state, name) -> list:
         n = x.numel()
-        draws = self._draws(n) if n else 0
-        idx = torch.from_numpy(randk_indices(seed, draws, n)).to(x.device) if n else None
-        values = x.index_select(0, idx) if n else x
-        head = draws.to_bytes(8, "little") + bytes([int(self.unscaled)])
-        return [head, *_values_part(values, self.inner, seed)]
+        k = self.k_for(n) if n else 0
+        idx = torch.from_numpy(randk_indices(seed, k, n)).to(x.device)
+        head = k.to_bytes(8, "little") + bytes([int(self.unscaled)])
+        return [head, *_values_part(x.index_select(0, idx), self.inner, seed)]
 
     def _body_nbytes(self, numel: int, shape) -> int:
-        draws = self._draws(numel) if numel else 0
-        kept = round(numel * randk_keep_probability(draws, numel)) if numel else 0
-        return 9 + 8 + self.inner.expected_nbytes(kept)
+        return 9 + 8 + self.inner.expected_nbytes(self.k_for(numel) if numel else 0)
 
     @classmethod
     def _decode_body(cls, reader, header: Header, device, max_numel) -> torch.Tensor:
         n = header.numel
-        draws, unscaled = reader.unpack("QB", "randk params")
-        if draws > n or unscaled > 1 or (n and not draws):
-            raise DecodeError(f"randk draws={draws}, unscaled={unscaled}: expected 1..{n}, 0/1")
+        k, unscaled = reader.unpack("QB", "randk params")
+        if k > n or unscaled > 1 or (n and not k):
+            raise DecodeError(f"randk k={k}, unscaled={unscaled}: expected k in 1..{n}, 0 or 1")
+        values = _read_values(reader, k, device, "randk")
+        if not unscaled and k:
+            values = values * (n / k)  # each index is kept with probability k / n
         out = torch.zeros(n, dtype=torch.float32, device=device)
-        idx = randk_indices(header.seed, draws, n) if n else np.empty(0, np.int64)
-        values = _read_values(reader, len(idx), device, "randk")
-        if not unscaled:
-            values = values / randk_keep_probability(draws, n)
-        out.index_copy_(0, torch.from_numpy(idx).to(device), values)
-        return out
+        idx = torch.from_numpy(randk_indices(header.seed, k, n)).to(device)
+        return out.index_copy_(0, idx, values)

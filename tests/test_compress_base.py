@@ -127,3 +127,27 @@ def test_encode_refuses_integer_tensors_and_bad_seeds():
         get_codec("none").encode(torch.ones(3, dtype=torch.int64))
     with pytest.raises(ValueError, match="seed=-1"):
         get_codec("none").encode(torch.ones(3), seed=-1)
+
+
+FIXED_SIZE = [
+    "none",
+    "fp16",
+    "bf16",
+    "int8",
+    "int8:block=3,stochastic",
+    "int4:block=5",
+    "qsgd:levels=3",
+    "qsgd:levels=20,bucket=7",
+    "sign",
+    "randk:0.2+bf16",
+    "powersgd:rank=2",
+    "powersgd:rank=2+int8",
+]
+
+
+@pytest.mark.parametrize("spec", FIXED_SIZE)
+@pytest.mark.parametrize("shape", [(1,), (7,), (24, 17), (5, 4, 3), (0,)])
+def test_expected_nbytes_is_exact_for_fixed_size_codecs(spec, shape):
+    codec = get_codec(spec)
+    x = torch.randn(*shape, generator=torch.Generator().manual_seed(0))
+    assert len(codec.encode(x)) == codec.expected_nbytes(x.numel(), shape=shape)

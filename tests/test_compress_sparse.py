@@ -68,25 +68,35 @@ def test_topk_handles_ties_and_zeros():
 
 
 def test_randk_indices_are_reproducible_distinct_and_in_range():
-    a = randk_indices(seed=5, draws=1000, n=50_000)
-    assert np.array_equal(a, randk_indices(seed=5, draws=1000, n=50_000))
-    assert not np.array_equal(a, randk_indices(seed=6, draws=1000, n=50_000))
+    a = randk_indices(seed=5, k=1000, n=50_000)
+    assert np.array_equal(a, randk_indices(seed=5, k=1000, n=50_000))
+    assert not np.array_equal(a, randk_indices(seed=6, k=1000, n=50_000))
     assert np.all(np.diff(a) > 0) and a[0] >= 0 and a[-1] < 50_000
-    assert 980 <= len(a) <= 1000
+    assert len(a) == 1000
+    assert len(randk_indices(seed=1, k=900, n=1000)) == 900  # dense subsets too
+
+
+def test_randk_subsets_are_uniform():
+    for k in (5, 15):  # below and above n / 2 (the complement path)
+        hits = np.zeros(20)
+        for seed in range(4000):
+            hits[randk_indices(seed, k, 20)] += 1
+        # each index is in a subset with probability k/20: std of its count ~ 27.4
+        assert np.all(np.abs(hits - 4000 * k / 20) < 5 * 27.4)
 
 
 def test_randk_sends_no_indices():
     n = 100_000
     data = RandK(0.01).encode(_x(n))
-    kept = len(randk_indices(0, 1000, n))
-    assert len(data) == 14 + 8 + 9 + 8 + 22 + 4 * kept
+    assert len(data) == 14 + 8 + 9 + 8 + 22 + 4 * 1000
+    assert len(data) == RandK(0.01).expected_nbytes(n)
 
 
 def test_randk_is_unbiased():
     x = _x(200, seed=2)
     codec = RandK(fraction=0.1)
     runs = torch.stack([decode(codec.encode(x, seed=s), max_numel=200) for s in range(3000)])
-    p = 1 - (1 - 1 / 200) ** 20
+    p = 20 / 200
     # per element: value x/p with prob p, else 0 -> std of the mean = |x| sqrt((1-p)/p / 3000)
     bound = 5 * x.abs() * math.sqrt((1 - p) / p / 3000)
     assert torch.all((runs.mean(0) - x).abs() <= bound + 1e-6)
