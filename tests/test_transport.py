@@ -33,6 +33,7 @@ from node._transport import (
     HandshakeError,
     LocalProtocolError,
     PeerUnreachable,
+    RemoteProtocolError,
     RequestTimeout,
     TransportConfig,
     open_transport,
@@ -521,3 +522,33 @@ async def test_strangers_cannot_pile_up_pending_handshakes(authority):
             for raw in raws:
                 raw.close()
         assert ts.statistics().handshakes_failed["too_many_pending"] >= 1
+
+
+async def test_a_replayed_reply_is_rejected_by_the_client(authority):
+    """A hand-driven server answers the second request with its first reply again."""
+    client, fake = Node(authority), Node(authority)
+    with pynng.Rep0(listen="tcp://127.0.0.1:0", recv_max_size=1 << 20) as rep:
+        port = str(rep.listeners[0].local_address).rsplit(":", 1)[1]
+
+        async def serve():
+            hs = NoiseHandshake(False, X25519PrivateKey.generate(), fake.admission.prologue)
+            hs.read_message((await rep.arecv())[1:])
+            static = hs._s.public_key().public_bytes_raw()
+            proof = make_identity_proof(fake.identity, static, fake.cert.to_bytes())
+            await rep.asend(b"\x02" + hs.write_message(proof))
+            hs.read_message((await rep.arecv())[1:])
+            await rep.asend(b"\x04")
+            send = ChaCha20Poly1305(hs.split()[0])
+            await rep.arecv()
+            first = bytes(seal_frame(send, 0, CODEC.encode(Pong(1)), b""))
+            await rep.asend(first)
+            await rep.arecv()
+            await rep.asend(first)
+
+        async with _open(client) as tc, trio.open_nursery() as nursery:
+            nursery.start_soon(serve)
+            address = f"tcp://127.0.0.1:{port}"
+            assert (await tc.request(address, Ping(1), deadline_s=5))[0] == Pong(1)
+            with pytest.raises(RemoteProtocolError, match="replay"):
+                await tc.request(address, Ping(2), deadline_s=5)
+            assert tc.statistics().frames_rejected == {"replay": 1}
