@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import base64
 import json
+import math
 import os
 import pathlib
 import secrets
@@ -327,21 +328,24 @@ class Admission:
         """What this node presents in the handshake (its certificate, or nothing)."""
         return self.certificate.to_bytes() if self.certificate is not None else b""
 
-    def check(self, peer_public_key: bytes, credential: bytes, now: float) -> None:
+    def check(self, peer_public_key: bytes, credential: bytes, now: float) -> float:
         """Admit the peer whose identity key the handshake proved, or raise.
+
+        Returns:
+            Until when the admission holds (the certificate's expiry; infinity otherwise).
 
         Raises:
             AdmissionRefused: with the reason.
         """
         if self.mode == "open":
-            return
+            return math.inf
         if self.mode == "allow_list":
             if peer_id_from_public_key(peer_public_key) not in self.allowed_peer_ids:
                 raise AdmissionRefused("peer is not on the allow-list")
-            return
-        self._check_certificate(peer_public_key, credential, now)
+            return math.inf
+        return self._check_certificate(peer_public_key, credential, now)
 
-    def _check_certificate(self, peer_public_key: bytes, credential: bytes, now: float) -> None:
+    def _check_certificate(self, peer_public_key: bytes, credential: bytes, now: float) -> float:
         if not credential:
             raise AdmissionRefused("no membership certificate presented")
         try:
@@ -358,3 +362,4 @@ class Admission:
             raise AdmissionRefused("certificate expired")
         if cert.issued_at > now + CLOCK_SKEW_S:
             raise AdmissionRefused("certificate issued in the future")
+        return float(cert.expires_at)

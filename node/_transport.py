@@ -150,12 +150,18 @@ class TransportConfig:
 
 @dataclass(frozen=True)
 class PeerInfo:
-    """A peer whose identity the handshake proved."""
+    """A peer whose identity the handshake proved.
+
+    Attributes:
+        admitted_until: POSIX time its admission ends (certificate expiry; inf for allow-list and
+            open swarms). The session is cut then, and a new handshake must pass admission again.
+    """
 
     peer_id: str
     public_key: bytes = field(repr=False)
     address: str
     direction: Literal["inbound", "outbound"]
+    admitted_until: float = math.inf
 
     @property
     def short_id(self) -> str:
@@ -300,11 +306,11 @@ class _Credentials:
         """Check a peer's proof and admission. Raises HandshakeFailed."""
         proof = check_identity_proof(payload, hs.remote_static)
         try:
-            self.admission.check(proof.identity_key, proof.credential, self.clock())
+            until = self.admission.check(proof.identity_key, proof.credential, self.clock())
         except AdmissionRefused as exc:
             raise HandshakeFailed(f"admission refused: {exc.reason}") from None
         peer_id = peer_id_from_public_key(proof.identity_key)
-        return PeerInfo(peer_id, proof.identity_key, address, direction)
+        return PeerInfo(peer_id, proof.identity_key, address, direction, until)
 
 
 def _handshake_failure_kind(reason: str) -> str:
@@ -482,6 +488,8 @@ class _Inbound:
         return partial.header, partial.buffer
 
     async def _on_frame(self, session: _InboundSession, view: memoryview) -> pynng.Message:
+        if self.creds.clock() >= session.peer.admitted_until:
+            raise FrameRejected("expired", "the peer's admission expired during the session")
         info = session.channel.check(view)
         if info.part is None:
             header_bytes, payload = await session.channel.open(view, info)
@@ -678,6 +686,8 @@ class Transport:
         lock = self._dial_locks.setdefault(address, trio.Lock())
         async with lock:
             conn = self._outbound.get(address)
+            if conn is not None and self._creds.clock() >= conn.peer.admitted_until:
+                conn.lost.set()  # admission ended: a new handshake must pass it again
             if conn is None or conn.lost.is_set():
                 conn = await self._dial(address, expect_peer)
                 self._outbound[address] = conn

@@ -1,5 +1,6 @@
 """Swarm admission: certificates signed by the authority; allow-list; open swarm."""
 
+import math
 import stat
 
 import pytest
@@ -30,7 +31,8 @@ def _admission_for(authority, identity, expires_in_s=DAY, now=NOW):
 def test_a_member_with_a_valid_certificate_is_admitted(authority):
     me, peer = Identity.generate(), Identity.generate()
     mine, theirs = _admission_for(authority, me), _admission_for(authority, peer)
-    mine.check(peer.public_key, theirs.credential(), NOW + 10)
+    until = mine.check(peer.public_key, theirs.credential(), NOW + 10)
+    assert until == theirs.certificate.expires_at == int(NOW + DAY)
 
 
 def test_missing_certificate_is_refused(authority):
@@ -99,7 +101,7 @@ def test_malformed_credentials_are_refused(authority, junk):
 def test_allow_list_admits_only_listed_peers():
     listed, stranger = Identity.generate(), Identity.generate()
     adm = Admission.with_allow_list("lab", [listed.peer_id])
-    adm.check(listed.public_key, b"", NOW)
+    assert adm.check(listed.public_key, b"", NOW) == math.inf
     with pytest.raises(AdmissionRefused, match="allow-list"):
         adm.check(stranger.public_key, b"", NOW)
 

@@ -552,3 +552,33 @@ async def test_a_replayed_reply_is_rejected_by_the_client(authority):
             with pytest.raises(RemoteProtocolError, match="replay"):
                 await tc.request(address, Ping(2), deadline_s=5)
             assert tc.statistics().frames_rejected == {"replay": 1}
+
+
+async def test_sessions_end_when_the_admission_expires(authority):
+    start = time.time()
+    now = [start]
+
+    def clock():
+        return now[0]
+
+    a = Node(authority, expires_in_s=100, now=start)  # a's certificate runs out first
+    b, c = Node(authority), Node(authority, expires_in_s=200, now=start)
+    async with _open(a, clock=clock) as ta, _open(b, clock=clock) as tb:
+        async with _open(c, clock=clock) as tc:
+            _, _, peer = await ta.request(tb.address, Ping(1), deadline_s=5)
+            assert peer.admitted_until == b.cert.expires_at
+            await tb.request(tc.address, Ping(2), deadline_s=5)
+            now[0] = start + 150
+            # inbound: b cuts a's session at its next frame
+            with pytest.raises(PeerUnreachable):
+                await ta.request(tb.address, Ping(3), deadline_s=5)
+            assert tb.statistics().frames_rejected == {"expired": 1}
+            with pytest.raises(HandshakeError, match="expired"):
+                await ta.request(tb.address, Ping(4), deadline_s=5)
+            # outbound: b's session with c is still good until c's certificate ends...
+            assert (await tb.request(tc.address, Ping(5), deadline_s=5))[0] == Pong(5)
+            now[0] = start + 250
+            # ...then b redials instead of using the old session, and the handshake refuses c
+            with pytest.raises(HandshakeError, match="certificate expired"):
+                await tb.request(tc.address, Ping(6), deadline_s=5)
+            assert [h.nonce for _, h in c.seen] == [2, 5]
