@@ -115,6 +115,8 @@ class TrainingConfig:
     shard_index / num_shards: which part of the training data this node holds.
     partition / alpha: "iid" shards, or "dirichlet" label skew with concentration alpha.
     max_steps: stop after this many local steps (0: run until stopped).
+    wait_for_peers / wait_for_peers_s: before the first step, wait until this many other peers
+        are known alive (at most wait_for_peers_s seconds), so a swarm starts training together.
     eval_every: evaluate the held-out metric every this many steps.
     slowdown: emulate a slower machine (the testbed's stragglers); 1.0 is full speed.
     threads: torch CPU threads (0 leaves torch's default).
@@ -131,6 +133,8 @@ class TrainingConfig:
     partition: str = "iid"
     alpha: float = 0.5
     max_steps: int = 0
+    wait_for_peers: int = 0
+    wait_for_peers_s: float = 300.0
     eval_every: int = 50
     slowdown: float = 1.0
     threads: int = 0
@@ -158,6 +162,9 @@ class TrainingConfig:
         )
         _check(self.alpha > 0, "training.alpha", self.alpha, "> 0")
         _check(self.max_steps >= 0, "training.max_steps", self.max_steps, ">= 0")
+        _check(self.wait_for_peers >= 0, "training.wait_for_peers", self.wait_for_peers, ">= 0")
+        _check(self.wait_for_peers_s > 0, "training.wait_for_peers_s", self.wait_for_peers_s,
+               "> 0 seconds")
         _check(self.eval_every >= 1, "training.eval_every", self.eval_every, ">= 1")
         _check(self.slowdown >= 1.0, "training.slowdown", self.slowdown, ">= 1.0")
         _check(self.threads >= 0, "training.threads", self.threads, ">= 0")

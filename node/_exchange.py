@@ -128,7 +128,11 @@ class ExchangeService:
         stats = self.stats(partner)
         stats.codec = spec
         snapshot = await trio.to_thread.run_sync(self.trainer.snapshot)
-        payload = await trio.to_thread.run_sync(self._encode, snapshot, spec)
+        try:
+            payload = await trio.to_thread.run_sync(self._encode, snapshot, spec)
+        except ValueError as exc:  # e.g. our own model went NaN: nothing sensible to send
+            log.warning("exchange_skipped", partner=partner[:12], reason=str(exc))
+            return False
         deadline = self.links.exchange_deadline(partner, len(payload), started)
         header = Exchange(algorithm=self.config.algorithm, codec=spec, step=self.trainer.step)
         try:
@@ -204,7 +208,11 @@ class ExchangeService:
         try:
             data = bytes(payload)  # the view is only valid during this call; threads outlive it
             snapshot = await trio.to_thread.run_sync(self.trainer.snapshot)
-            reply = await trio.to_thread.run_sync(self._encode, snapshot, header.codec)
+            try:
+                reply = await trio.to_thread.run_sync(self._encode, snapshot, header.codec)
+            except ValueError as exc:
+                log.warning("exchange_refused", peer=peer.short_id, reason=str(exc))
+                return ErrorReply(code="internal", reason=f"cannot encode: {exc}"[:500]), b""
             try:
                 await trio.to_thread.run_sync(self._mix, snapshot, data)
             except (RejectedUpdate, compress.DecodeError) as exc:

@@ -209,6 +209,7 @@ class Node:
                     step=self.trainer.step,
                 )
                 task_status.started(self.address)
+                await self._wait_for_peers()
                 if ckpt is None and self.config.gossip.state_sync and net.bootstrap:
                     await self._state_sync()
                 await self._train_loop()
@@ -321,6 +322,17 @@ class Node:
             )
         except TransportError as exc:
             log.debug("gossip_undelivered", address=send.address, reason=str(exc))
+
+    async def _wait_for_peers(self) -> None:
+        want, limit = self.config.training.wait_for_peers, self.config.training.wait_for_peers_s
+        if not want:
+            return
+        with trio.move_on_after(limit):
+            while len(self.membership.live_peers()) < want and not self._stop.is_set():
+                await trio.sleep(0.05)
+            log.info("peers_ready", live_peers=len(self.membership.live_peers()))
+            return
+        log.warning("peers_not_ready", live_peers=len(self.membership.live_peers()), wanted=want)
 
     async def _state_sync(self) -> None:
         """Fetch the current model from a live peer before training (a late joiner)."""

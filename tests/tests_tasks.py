@@ -1,0 +1,14 @@
+"""Tasks used by the daemon's tests (loaded by nodes as `tests_tasks:NAME`)."""
+
+from __future__ import annotations
+
+from node._task_builtin import digits_mlp
+from node._tasks import Task, TaskContext
+
+
+def nan_digits(ctx: TaskContext) -> Task:
+    """digits-mlp whose loss is NaN: a broken peer whose parameters become NaN after one step."""
+    task = digits_mlp(ctx)
+    inner = task.loss
+    task.loss = lambda model, batch: inner(model, batch) * float("nan")
+    return task
