@@ -255,12 +255,14 @@ def check_identity_proof(payload: bytes, remote_static: bytes) -> IdentityProof:
 # ---- frames after the handshake -------------------------------------------------------------
 # prefix: kind (1) | counter (8) | header length (4) | payload length (8), little-endian, and for a
 # part of a multi-part message (kind 0x11) also: message id (8) | part index (4) | part count (4)
-# | message length (8). Then the encrypted header (chunk 0) and the payload in chunks of
+# | message length (8); a pull request (kind 0x12) has the same fields and nothing after the
+# header tag. Then the encrypted header (chunk 0) and the payload in chunks of
 # FRAME_CHUNK bytes (chunks 1..), each with its 16-byte tag. Chunk nonce = chunk index (4) |
 # counter (8); the whole prefix is the associated data, so lengths, counter, kind and part
 # numbers are authenticated and chunks cannot be cut, moved or swapped.
 FRAME_KIND_DATA = 0x10
 FRAME_KIND_PART = 0x11
+FRAME_KIND_PULL = 0x12  # "send me part `index` of your reply `message_id`": no header, no payload
 _PREFIX = struct.Struct("<BQIQ")
 _PART = struct.Struct("<QIIQ")
 PREFIX_LEN = _PREFIX.size
@@ -305,12 +307,17 @@ def _chunk_nonce(index: int, counter: int) -> bytes:
 
 
 def seal_frame(
-    key: ChaCha20Poly1305, counter: int, header: bytes, payload: bytes, part: PartInfo | None = None
+    key: ChaCha20Poly1305,
+    counter: int,
+    header: bytes,
+    payload: bytes,
+    part: PartInfo | None = None,
+    kind: int | None = None,
 ) -> bytearray:
     """Encrypt one frame into a new buffer. Pure and thread-safe."""
     n = len(memoryview(payload).cast("B"))
     out = bytearray(frame_length(len(header), n, part is not None))
-    seal_frame_into(key, counter, header, payload, memoryview(out), part)
+    seal_frame_into(key, counter, header, payload, memoryview(out), part, kind)
     return out
 
 
@@ -321,13 +328,15 @@ def seal_frame_into(
     payload: bytes,
     out: memoryview,
     part: PartInfo | None = None,
+    kind: int | None = None,
 ) -> None:
     """Encrypt one frame into `out` (exactly `frame_length` bytes, e.g. a socket's message
     buffer, so that big payloads are not copied again). Pure and thread-safe."""
     payload = memoryview(payload).cast("B")
     if len(out) != frame_length(len(header), len(payload), part is not None):
         raise ValueError(f"out: {len(out)} bytes, expected the frame length")
-    kind = FRAME_KIND_DATA if part is None else FRAME_KIND_PART
+    if kind is None:
+        kind = FRAME_KIND_DATA if part is None else FRAME_KIND_PART
     prefix = _PREFIX.pack(kind, counter, len(header), len(payload))
     if part is not None:
         prefix += _PART.pack(part.message_id, part.index, part.count, part.message_len)
@@ -354,6 +363,7 @@ class FrameInfo:
     header_len: int
     payload_len: int
     part: PartInfo | None = None
+    kind: int = FRAME_KIND_DATA
 
     @property
     def prefix_len(self) -> int:
@@ -370,20 +380,23 @@ def parse_frame_prefix(frame: bytes, max_header: int, max_payload: int) -> Frame
         raise FrameRejected("short", f"{len(frame)} bytes")
     kind, counter, header_len, payload_len = _PREFIX.unpack_from(frame)
     part = None
-    if kind == FRAME_KIND_PART:
+    if kind in (FRAME_KIND_PART, FRAME_KIND_PULL):
         if len(frame) < PREFIX_LEN + _PART.size + TAG_LEN:
             raise FrameRejected("short", f"{len(frame)} bytes")
         part = PartInfo(*_PART.unpack_from(frame, PREFIX_LEN))
         if part.message_len > max_payload:
             raise FrameRejected("length", f"message of {part.message_len} bytes")
-        part.check(payload_len)
+        if kind == FRAME_KIND_PART:
+            part.check(payload_len)
+        elif header_len or payload_len or not 1 <= part.index < part.count <= MAX_PARTS:
+            raise FrameRejected("part", f"pull of part {part.index} of {part.count}")
     elif kind != FRAME_KIND_DATA:
         raise FrameRejected("kind", f"frame kind {kind:#x}")
     if header_len > max_header or payload_len > max_payload:
         raise FrameRejected("length", f"header {header_len}, payload {payload_len} bytes")
     if len(frame) != frame_length(header_len, payload_len, part is not None):
         raise FrameRejected("length", f"{len(frame)} bytes, prefix says otherwise")
-    return FrameInfo(counter, header_len, payload_len, part)
+    return FrameInfo(counter, header_len, payload_len, part, kind)
 
 
 def open_frame(

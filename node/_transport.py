@@ -13,6 +13,7 @@
 # acknowledgement, or the reply for the part that completed the message).
 from __future__ import annotations
 
+import functools
 import math
 import time
 from collections import Counter
@@ -32,6 +33,8 @@ from ._admission import Admission, AdmissionRefused
 from ._identity import Identity, peer_id_from_public_key, short_id
 from ._messages import DecodeError, ErrorReply, Header, HeaderCodec
 from ._noise import (
+    FRAME_KIND_PART,
+    FRAME_KIND_PULL,
     FrameInfo,
     FrameReceiver,
     FrameRejected,
@@ -54,6 +57,9 @@ MAX_REFUSAL_CHARS = 200
 # the oldest partial message beyond it (only a cancelled request leaves one behind). Bounds the
 # receiver's reassembly memory to this many times max_message_bytes per connection.
 MAX_PARTIAL_MESSAGES = 2
+# Big replies kept per connection until their parts are pulled; the oldest (left by a requester
+# that gave up) is dropped beyond it. They hold references to the handler's payloads, no copies.
+MAX_PENDING_REPLIES = 16
 log = structlog.get_logger()
 
 
@@ -242,12 +248,16 @@ class _Channel:
         self.next_message_id = 0
 
     async def seal(
-        self, header: bytes, payload: bytes | memoryview, part: PartInfo | None = None
+        self,
+        header: bytes,
+        payload: bytes | memoryview,
+        part: PartInfo | None = None,
+        kind: int | None = None,
     ) -> pynng.Message:
         counter = self.sender.next_counter()
         n = memoryview(payload).nbytes
         msg, view = _new_message(frame_length(len(header), n, part is not None))
-        args = (self.sender.aead, counter, header, payload, view, part)
+        args = (self.sender.aead, counter, header, payload, view, part, kind)
         if n >= self.config.offload_bytes:
             await trio.to_thread.run_sync(seal_frame_into, *args)
         else:
@@ -273,6 +283,15 @@ class _Channel:
             result = open_frame(*args)
         self.receiver.window.accept(info.counter)
         return result
+
+
+class _OutgoingReply:
+    """A big reply waiting for the requester to pull its parts 1..count-1."""
+
+    def __init__(self, payload: bytes | memoryview, count: int) -> None:
+        self.payload = memoryview(payload).cast("B")
+        self.count = count
+        self.pulled: set[int] = set()
 
 
 class _Partial:
@@ -313,6 +332,26 @@ class _Credentials:
         return PeerInfo(peer_id, proof.identity_key, address, direction, until)
 
 
+async def _run_all(jobs: list[Callable[[], Awaitable[None]]]) -> None:
+    """Run jobs concurrently; on failure raise the first real error itself, not a group (a
+    cancellation of the caller is left to propagate as trio wants)."""
+    try:
+        async with trio.open_nursery() as nursery:
+            for job in jobs:
+                nursery.start_soon(job)
+    except BaseExceptionGroup as group:
+        errors = [e for e in _leaves(group) if not isinstance(e, trio.Cancelled)]
+        if errors:
+            raise errors[0] from None
+        raise
+
+
+def _leaves(error: BaseException) -> list[BaseException]:
+    if isinstance(error, BaseExceptionGroup):
+        return [leaf for sub in error.exceptions for leaf in _leaves(sub)]
+    return [error]
+
+
 def _handshake_failure_kind(reason: str) -> str:
     if reason.startswith("admission refused"):
         return "admission"
@@ -338,6 +377,8 @@ class _InboundSession:
         self.channel: _Channel | None = None
         self.peer: PeerInfo | None = None
         self.partials: dict[int, _Partial] = {}
+        self.replies: dict[int, _OutgoingReply] = {}
+        self.next_reply_id = 0
 
 
 class _Inbound:
@@ -487,10 +528,43 @@ class _Inbound:
             raise FrameRejected("part", "no part carried the header")
         return partial.header, partial.buffer
 
+    async def _seal_reply(self, session: _InboundSession, header: bytes, payload) -> pynng.Message:
+        """A reply frame; a big payload is stored and only its first part sent (pull the rest)."""
+        n = memoryview(payload).nbytes
+        if n <= self.config.part_bytes:
+            return await session.channel.seal(header, payload)
+        count = -(-n // self.config.part_bytes)
+        reply_id = session.next_reply_id
+        session.next_reply_id += 1
+        if len(session.replies) >= MAX_PENDING_REPLIES:
+            del session.replies[min(session.replies)]
+        stored = session.replies[reply_id] = _OutgoingReply(payload, count)
+        lo, hi = part_bounds(n, count, 0)
+        part = PartInfo(reply_id, 0, count, n)
+        return await session.channel.seal(header, stored.payload[lo:hi], part)
+
+    async def _on_pull(self, session: _InboundSession, view: memoryview, info: FrameInfo):
+        await session.channel.open(view, info)  # authenticate the (empty) pull request
+        want = info.part
+        stored = session.replies.get(want.message_id)
+        if (
+            stored is None
+            or (want.count, want.message_len) != (stored.count, len(stored.payload))
+            or want.index in stored.pulled
+        ):
+            raise FrameRejected("part", f"pull of unknown reply part {want.index}")
+        stored.pulled.add(want.index)
+        if len(stored.pulled) == stored.count - 1:
+            del session.replies[want.message_id]
+        lo, hi = part_bounds(want.message_len, want.count, want.index)
+        return await session.channel.seal(b"", stored.payload[lo:hi], want)
+
     async def _on_frame(self, session: _InboundSession, view: memoryview) -> pynng.Message:
         if self.creds.clock() >= session.peer.admitted_until:
             raise FrameRejected("expired", "the peer's admission expired during the session")
         info = session.channel.check(view)
+        if info.kind == FRAME_KIND_PULL:
+            return await self._on_pull(session, view, info)
         if info.part is None:
             header_bytes, payload = await session.channel.open(view, info)
         else:
@@ -514,7 +588,7 @@ class _Inbound:
         else:
             reply_header, reply_payload = await self._call_handler(session.peer, header, payload)
         self.counters.requests_served += 1
-        reply = await session.channel.seal(self.codec.encode(reply_header), reply_payload)
+        reply = await self._seal_reply(session, self.codec.encode(reply_header), reply_payload)
         self.counters.moved(session.peer, 0, len(reply._buffer))
         return reply
 
@@ -566,15 +640,14 @@ class _Outbound:
                 if reply[0]:
                     replies.append(reply)
 
-        async with trio.open_nursery() as nursery:
-            for index in range(count):
-                nursery.start_soon(send_part, index)
+        await _run_all([functools.partial(send_part, index) for index in range(count)])
         if len(replies) != 1:
             self.lost.set()
             raise RemoteProtocolError(f"{len(replies)} replies to one multi-part request")
         return replies[0]
 
-    async def _round_trip(self, msg: pynng.Message, counters: _Counters):
+    async def _send_receive(self, msg: pynng.Message, counters: _Counters) -> pynng.Message:
+        """One request/reply on its own context. Keep the reply alive while its view is used."""
         counters.moved(self.peer, 0, len(msg._buffer))
         ctx = self.sock.new_context()
         try:
@@ -582,10 +655,42 @@ class _Outbound:
             reply = await ctx.arecv_msg()
         finally:
             ctx.close()
+        counters.moved(self.peer, len(reply._buffer), 0)
+        return reply
+
+    async def _pull_rest(self, header: bytes, first: PartInfo, buffer: bytearray, counters):
+        """Fetch parts 1.. of a big reply whose part 0 is already in `buffer`."""
+        out = memoryview(buffer)
+        slots = trio.Semaphore(self.channel.config.parts_in_flight)
+
+        async def pull(index: int) -> None:
+            async with slots:
+                want = PartInfo(first.message_id, index, first.count, first.message_len)
+                request = await self.channel.seal(b"", b"", want, FRAME_KIND_PULL)
+                reply = await self._send_receive(request, counters)
+                view = _message_view(reply)
+                got = self.channel.check(view)
+                if got.kind != FRAME_KIND_PART or got.part != want:
+                    raise FrameRejected("part", f"asked for part {index}, got another frame")
+                lo, hi = part_bounds(want.message_len, want.count, index)
+                await self.channel.open(view, got, out[lo:hi])
+
+        await _run_all([functools.partial(pull, i) for i in range(1, first.count)])
+        return header, buffer
+
+    async def _round_trip(self, msg: pynng.Message, counters: _Counters):
+        reply = await self._send_receive(msg, counters)
         view = _message_view(reply)
-        counters.moved(self.peer, len(view), 0)
         try:
-            return await self.channel.open(view)
+            info = self.channel.check(view)
+            if info.part is None:
+                return await self.channel.open(view, info)
+            if info.kind != FRAME_KIND_PART or info.part.index != 0:
+                raise FrameRejected("part", "a reply must start with its part 0")
+            buffer = bytearray(info.part.message_len)
+            lo, hi = part_bounds(info.part.message_len, info.part.count, 0)
+            header, _ = await self.channel.open(view, info, memoryview(buffer)[lo:hi])
+            return await self._pull_rest(header, info.part, buffer, counters)
         except FrameRejected as exc:
             counters.frames_rejected[exc.reason] += 1
             log.warning("frame_rejected", peer=self.peer.short_id, reason=exc.reason)

@@ -193,7 +193,7 @@ def test_replay_window_check_does_not_record():
 
 @settings(max_examples=300, deadline=None)
 @given(
-    st.sampled_from([0x10, 0x11]),
+    st.sampled_from([0x10, 0x11, 0x12]),
     st.integers(0, 2**64 - 1),
     st.integers(0, 2**32 - 1),
     st.integers(0, 2**64 - 1),
@@ -209,7 +209,7 @@ def test_fuzzed_prefixes_only_raise_frame_rejected(kind, counter, hlen, plen, pa
     """Well-formed-looking prefixes with wild lengths and part numbers: refused, never a crash
     or an allocation of what they claim."""
     data = struct.pack("<BQIQ", kind, counter, hlen, plen)
-    if kind == 0x11:
+    if kind != 0x10:
         data += struct.pack("<QIIQ", *part)
     try:
         _open(data + body)

@@ -19,6 +19,7 @@ from node._admission import Admission, SwarmAuthority
 from node._identity import Identity
 from node._messages import ErrorReply, Header, HeaderCodec, Ping, Pong
 from node._noise import (
+    FRAME_KIND_PULL,
     STATIC_SIGNATURE_CONTEXT,
     IdentityProof,
     NoiseHandshake,
@@ -582,3 +583,51 @@ async def test_sessions_end_when_the_admission_expires(authority):
             with pytest.raises(HandshakeError, match="certificate expired"):
                 await tb.request(tc.address, Ping(6), deadline_s=5)
             assert [h.nonce for _, h in c.seen] == [2, 5]
+
+
+async def test_a_multi_part_request_the_peer_refuses_raises_our_error(authority):
+    small = TransportConfig(part_bytes=64 * 1024, max_message_bytes=256 * 1024)
+    large = TransportConfig(part_bytes=64 * 1024, max_message_bytes=1 << 20)
+    a, b = Node(authority), Node(authority)
+    async with _open(a, large) as ta, _open(b, small) as tb:
+        await ta.request(tb.address, Ping(1), deadline_s=5)
+        with pytest.raises(PeerUnreachable):  # not an ExceptionGroup from inner tasks
+            await ta.request(tb.address, Ping(2), bytes(600 * 1024), deadline_s=5)
+        assert tb.statistics().frames_rejected["length"] >= 1
+        assert (await ta.request(tb.address, Ping(3), deadline_s=5))[0] == Pong(3)
+
+
+async def test_big_replies_travel_in_parts_too(authority):
+    config = TransportConfig(part_bytes=64 * 1024, parts_in_flight=3, max_message_bytes=1 << 20)
+    a = Node(authority)
+    big = bytes(range(256)) * 2000 + b"end"  # 500 KiB + 3: 8 parts
+
+    async def handler(peer, header, payload):
+        return Pong(header.nonce), big[header.nonce :]
+
+    async with _open(a, config) as ta:
+        b = Node(authority)
+        b.handler = handler
+        async with _open(b, config) as tb:
+            async with trio.open_nursery() as nursery:
+                for nonce in range(4):
+                    nursery.start_soon(
+                        functools.partial(ta.request, tb.address, Ping(nonce), deadline_s=20)
+                    )
+            header, reply, _ = await ta.request(tb.address, Ping(7), deadline_s=20)
+            assert header == Pong(7) and bytes(reply) == big[7:]
+            assert tb.statistics().frames_rejected == {}
+
+
+async def test_pulling_a_reply_part_that_was_never_offered_is_rejected(authority):
+    server, client = Node(authority), Node(authority)
+    async with _open(server) as ts:
+        raw = RawClient(ts.address, client.identity, server.admission.prologue)
+        raw.credential = client.cert.to_bytes()
+        try:
+            assert await raw.handshake() == b"\x04"
+            pull = seal_frame(raw.send, 0, b"", b"", PartInfo(0, 1, 2, 10), FRAME_KIND_PULL)
+            assert await raw.rpc(bytes(pull), timeout=1.0) is None
+        finally:
+            raw.close()
+        assert ts.statistics().frames_rejected == {"part": 1}
