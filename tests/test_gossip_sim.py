@@ -40,10 +40,10 @@ def test_bad_arguments_exit_non_zero(capsys):
 
 def test_averaging_keeps_the_mean_and_the_tracked_distance_is_exact():
     run = _Run(SCENARIOS["geo3"], "uniform", SimConfig(peers=30, max_rounds=3, warmup_rounds=0))
-    mean = run.x.mean(axis=0)
+    mean = np.asarray(run.rows).mean(axis=0)
     run.run()
-    assert np.allclose(run.x.mean(axis=0), mean)
-    assert run.sq / run.n == pytest.approx(consensus_distance(run.x), rel=1e-9)
+    assert np.allclose(np.asarray(run.rows).mean(axis=0), mean)
+    assert run.sq / run.n == pytest.approx(consensus_distance(np.asarray(run.rows)), rel=1e-9)
 
 
 def test_the_same_seed_gives_the_same_run_and_another_seed_another():
