@@ -104,7 +104,7 @@ def _measure_size(x: torch.Tensor, codecs, rounds: int) -> list[dict]:
     ]
 
 
-def run(sizes=DEFAULT_SIZES, codecs=CODECS, repeat: int = 5) -> dict:
+def run(sizes=DEFAULT_SIZES, codecs=CODECS, repeat: int = 3) -> dict:
     """Measure every codec and baseline; return {"rows": [...], "threads": int}."""
     rows = []
     gen = torch.Generator().manual_seed(0)
@@ -137,8 +137,10 @@ def main(argv: list[str] | None = None) -> int:
         help="comma-separated element counts (multiples of 1000)",
     )
     parser.add_argument("--codecs", default=",".join(CODECS), help="semicolon-separated specs")
-    parser.add_argument("--repeat", type=int, default=5, help="rounds; best time counts")
-    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: leave as is)")
+    parser.add_argument("--repeat", type=int, default=3, help="rounds; best time counts")
+    # One thread by default: on a shared 2-core box a 2-thread op stalls at its barrier whenever
+    # the other core is taken, which punishes codecs made of many ops far more than one memcpy.
+    parser.add_argument("--threads", type=int, default=1, help="torch threads (0: torch's default)")
     parser.add_argument("--quick", action="store_true", help="one small size, one repeat")
     args = parser.parse_args(argv)
     sizes = [int(s) for s in args.sizes.split(",")]
