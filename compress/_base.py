@@ -195,4 +195,5 @@ def decode_error(what: str, value: object, expected: str) -> DecodeError:
     return DecodeError(f"{what}={value!r}: expected {expected}")
 
 
+# Every codec is a frozen (immutable, hashable) dataclass: `@dataclass` below means this.
 dataclass = dataclasses.dataclass(frozen=True)

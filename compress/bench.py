@@ -149,9 +149,12 @@ def main(argv: list[str] | None = None) -> int:
         sizes, args.repeat = [100_000], 1
     if any(n <= 0 or n % 1000 for n in sizes):
         parser.error(f"--sizes {args.sizes!r}: expected positive multiples of 1000")
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    result = run(sizes, codecs, args.repeat)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(args.threads or threads)
+        result = run(sizes, codecs, args.repeat)
+    finally:
+        torch.set_num_threads(threads)
     print(json.dumps(result) if args.json else _table(result))
     return 0
 

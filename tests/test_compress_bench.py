@@ -2,11 +2,15 @@
 
 import json
 
+import torch
+
 from compress import bench
 
 
 def test_bench_json_has_every_codec_and_the_baselines(capsys):
-    assert bench.main(["--json", "--sizes", "20000", "--repeat", "1"]) == 0
+    threads = torch.get_num_threads()
+    assert bench.main(["--json", "--sizes", "20000", "--repeat", "1", "--threads", "1"]) == 0
+    assert torch.get_num_threads() == threads  # the process setting is restored
     result = json.loads(capsys.readouterr().out)
     codecs = [row["codec"] for row in result["rows"]]
     assert {"memcpy", "torch.topk", *bench.CODECS} <= set(codecs)
