@@ -134,6 +134,7 @@ class _Run:
         self.index = {p: i for i, p in enumerate(self.ids)}
         self.candidates = Candidates(self.ids)  # one sorted view shared by every selector
         self.probe_nbytes = min(cfg.probe_nbytes, cfg.payload_nbytes)
+        self.pending: list[list[tuple[float, int, float]]] = [[] for _ in range(n)]  # probes
         self.net = _Links(scenario, n)
         shared = LinkConfig()
         self.links = [LinkTable(shared) for _ in range(n)]
@@ -171,10 +172,7 @@ class _Run:
         while self.queue and self.exchanges < max_exchanges:
             t, _, j, i, started = heapq.heappop(self.queue)
             if j < 0:
-                if j == -1:
-                    self._start(i, t)
-                else:
-                    self._probed(i, -2 - j, t, started)
+                self._start(i, t)
                 continue
             self._finish(i, j, t, started)
             if not warm:
@@ -202,15 +200,29 @@ class _Run:
             curve=tuple(self.curve),
         )
 
-    def _probed(self, i: int, j: int, t: float, started: float) -> None:
-        """A probe of i's link to j ends: a ping's RTT, then probe_nbytes timed."""
-        rtt = self.net.rtt[self.net.region[i]][self.net.region[j]]
-        self.links[i].record_rtt(self.ids[j], rtt, started + rtt)
-        self.links[i].record_transfer(self.ids[j], self.probe_nbytes, t - started - rtt, t)
+    def _apply_probes(self, i: int, t: float) -> None:
+        """Fold in i's probes that ended by t. Only i's own choices and exchanges read its link
+        table, so applying results at those moments, in order, equals applying them on arrival
+        (and saves a queue event per probe)."""
+        pending = self.pending[i]
+        if not pending:
+            return
+        done = [p for p in pending if p[0] <= t]
+        if not done:
+            return
+        self.pending[i] = [p for p in pending if p[0] > t]
+        for t_done, j, started in sorted(done):
+            rtt = self.net.rtt[self.net.region[i]][self.net.region[j]]
+            # a ping's RTT, then probe_nbytes timed
+            self.links[i].record_rtt(self.ids[j], rtt, started + rtt)
+            self.links[i].record_transfer(
+                self.ids[j], self.probe_nbytes, t_done - started - rtt, t_done
+            )
 
     def _start(self, i: int, t: float) -> None:
         cfg, net = self.cfg, self.net
         selector = self.selectors[i]
+        self._apply_probes(i, t)
         peer = selector.choose(self.candidates, self.links[i], cfg.payload_nbytes, t)
         for target in selector.probe_targets(self.links[i], t, cfg.probes_per_choice):
             k = self.index[target]
@@ -218,7 +230,7 @@ class _Run:
             # the probe starts now and, after a ping, moves probe_nbytes at the link's bandwidth
             duration = 2 * rtt + self.probe_nbytes / net.bytes_per_s[net.region[i]][net.region[k]]
             self.bytes_total += self.probe_nbytes + 2 * DECLINE_NBYTES
-            self._push(t + duration, -2 - k, i, t)
+            self.pending[i].append((t + duration, k, t))
         j = self.index[peer]
         ri, rj = net.region[i], net.region[j]
         rtt = net.rtt[ri][rj]
@@ -236,6 +248,8 @@ class _Run:
         self._push(t + rtt + cfg.payload_nbytes * share / net.bytes_per_s[ri][rj], j, i, t)
 
     def _finish(self, i: int, j: int, t: float, started: float) -> None:
+        self._apply_probes(i, t)
+        self._apply_probes(j, t)
         rows, nbytes = self.rows, self.cfg.payload_nbytes
         a, b = rows[i], rows[j]
         self.sq -= 0.5 * math.dist(a, b) ** 2
