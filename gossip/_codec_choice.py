@@ -20,6 +20,10 @@ DEFAULT_LADDER: tuple[str, ...] = (
 """Codec specs from least to most compression (spec strings of compress/)."""
 
 
+LATENCY_SLACK = 1.1
+"""When no spec fits the budget, a spec within this factor of the fastest one's time is as good."""
+
+
 def choose_codec(
     estimate: LinkEstimate,
     numel: int,
@@ -35,7 +39,9 @@ def choose_codec(
     estimate.transfer_time(size_of(spec, numel)); the budget is step_time_s * steps_per_exchange
     (the local computation the exchange hides behind). Picking per link the first spec within
     budget makes an exchange cost about the same wall time on every link: fast links send more
-    exactly, slow links compress harder. When nothing fits, the last (hardest) spec is returned.
+    exactly, slow links compress harder. When nothing fits, the least compression whose time is
+    within LATENCY_SLACK of the fastest spec's is returned (on a latency-bound link, compressing
+    harder saves no time).
 
     Args:
         estimate: the link's current estimate.
@@ -57,10 +63,15 @@ def choose_codec(
             f"steps_per_exchange={steps_per_exchange!r}; expected numel >= 0 and positive times"
         )
     budget = step_time_s * steps_per_exchange
-    for spec in ladder:
-        if estimate.transfer_time(size_of(spec, numel)) <= budget:
+    times = [estimate.transfer_time(size_of(spec, numel)) for spec in ladder]
+    for spec, seconds in zip(ladder, times, strict=True):
+        if seconds <= budget:
             return spec
-    return ladder[-1]
+    # Nothing fits: compression only pays where bytes, not the round trip, cost the time. Take
+    # the least compression within LATENCY_SLACK of the fastest spec, so a latency-bound link
+    # (small model, long RTT) is not sent a needlessly lossy model.
+    best = min(times)
+    return next(s for s, t in zip(ladder, times, strict=True) if t <= best * LATENCY_SLACK)
 
 
 def nominal_nbytes(spec: str, numel: int) -> int:

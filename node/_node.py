@@ -81,6 +81,8 @@ class Node:
         self._wake_membership = trio.Event()
         self._exchange_running = False
         self._checkpointed_step = -1
+        self._running = True
+        self._status_lock = trio.Lock()
         self._started = time.monotonic()
         g = config.gossip
         interval = g.probe_interval_s
@@ -252,7 +254,8 @@ class Node:
                 await trio.sleep(0.01)
         await self._evaluate()
         await self._checkpoint()
-        await self._write_status(running=False)
+        self._running = False  # from here on every status written says "stopped"
+        await self._write_status()
         sends = self.membership.leave(self._now)
         with trio.move_on_after(min(STOP_GRACE_S, 2 * self.membership_config.probe_interval_s)):
             async with trio.open_nursery() as n:
@@ -426,9 +429,9 @@ class Node:
             peers=tuple(peers),
         )
 
-    async def _write_status(self, running: bool = True) -> None:
+    async def _write_status(self) -> None:
         """Snapshot here, on the loop; write (with fsync) in a worker thread."""
-        status = self.status(running)
+        status = self.status(self._running)
         record = status.to_json()
         record.pop("peers")
         record["t"] = time.time()
@@ -438,7 +441,8 @@ class Node:
             write_status(self.state.status, status)
             append_metrics(self.state.metrics, record)
 
-        await trio.to_thread.run_sync(write)
+        async with self._status_lock:
+            await trio.to_thread.run_sync(write)
 
     async def _status_loop(self) -> None:
         while True:
