@@ -176,7 +176,7 @@ def _kth_smallest(values: torch.Tensor, rank: int) -> float:
 def _at_least(x: torch.Tensor, threshold: float) -> torch.Tensor:
     """Sorted int64 indices where |x| >= threshold."""
     if x.device.type != "cpu":
-        return torch.nonzero(x.abs() >= threshold).squeeze(1)
+        return at_least_torch(x, threshold)
     # CPU: numpy's abs/compare/nonzero are ~3x faster than torch's on one core; chunks keep the
     # two temporaries small and reused.
     size = min(x.numel(), _CHUNK)
@@ -189,6 +189,11 @@ def _at_least(x: torch.Tensor, threshold: float) -> torch.Tensor:
         np.greater_equal(np.abs(values, out=magnitude[: values.size]), threshold, out=m)
         parts.append(np.flatnonzero(m) + start)
     return torch.from_numpy(np.concatenate(parts)) if parts else torch.empty(0, dtype=torch.int64)
+
+
+def at_least_torch(x: torch.Tensor, threshold: float) -> torch.Tensor:
+    """Device-agnostic `_at_least` (torch ops only); used off the CPU."""
+    return torch.nonzero(x.abs() >= threshold).squeeze(1)
 
 
 def _nonzero(mask: torch.Tensor) -> torch.Tensor:

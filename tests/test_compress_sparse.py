@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from compress import FP16, Int8, NoneCodec, RandK, TopK, decode
-from compress._sparse import randk_indices
+from compress._sparse import _at_least, at_least_torch, randk_indices
 
 
 def _x(n, seed=0):
@@ -107,3 +107,9 @@ def test_unscaled_randk_sends_the_values_as_they_are():
     y = decode(RandK(0.1, unscaled=True).encode(x, seed=9), max_numel=1000)
     kept = y != 0
     assert torch.equal(y[kept], x[kept])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_cpu_and_device_agnostic_selections_agree(dtype):
+    x = _x(700_000).to(dtype)  # several chunks, a partial last one
+    assert torch.equal(_at_least(x, 2.0), at_least_torch(x, 2.0))
