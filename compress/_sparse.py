@@ -60,10 +60,12 @@ class TopK(Codec):
     """Keep the k = round(fraction * n) largest magnitudes, within +-`tol` of k.
 
     The threshold is estimated from a seeded random sample of |x| (Deep Gradient Compression's
-    trick); if the count it selects is off by more than `tol`, an exact top-k over the candidates
-    (or, when too few were selected, over the whole tensor) fixes it. Indices travel as gaps of
-    the smallest fitting width or as a bitmap, whichever is smaller; values through `inner`.
-    Tensors too small to gain from sparsity are sent dense with `inner`.
+    trick; for tensors where the sample would be half of it or more, from all of |x|, exactly).
+    If it selects more than k * (1 + tol), an exact top-k over those candidates fixes it; if
+    fewer than k * (1 - tol), a lower threshold gives a superset first (and torch.topk over the
+    whole tensor is the last resort). Indices travel as gaps of the smallest fitting width or as
+    a bitmap, whichever is smaller; values through `inner`. Tensors too small to gain from
+    sparsity are sent dense with `inner`. NaN values are not refused here (the value codec may).
     """
 
     fraction: float = 0.01
