@@ -205,8 +205,6 @@ class _Run:
         table, so applying results at those moments, in order, equals applying them on arrival
         (and saves a queue event per probe)."""
         pending = self.pending[i]
-        if not pending:
-            return
         done = [p for p in pending if p[0] <= t]
         if not done:
             return
@@ -222,7 +220,8 @@ class _Run:
     def _start(self, i: int, t: float) -> None:
         cfg, net = self.cfg, self.net
         selector = self.selectors[i]
-        self._apply_probes(i, t)
+        if self.pending[i]:
+            self._apply_probes(i, t)
         peer = selector.choose(self.candidates, self.links[i], cfg.payload_nbytes, t)
         for target in selector.probe_targets(self.links[i], t, cfg.probes_per_choice):
             k = self.index[target]
@@ -248,8 +247,11 @@ class _Run:
         self._push(t + rtt + cfg.payload_nbytes * share / net.bytes_per_s[ri][rj], j, i, t)
 
     def _finish(self, i: int, j: int, t: float, started: float) -> None:
-        self._apply_probes(i, t)
-        self._apply_probes(j, t)
+        pending = self.pending
+        if pending[i]:
+            self._apply_probes(i, t)
+        if pending[j]:
+            self._apply_probes(j, t)
         rows, nbytes = self.rows, self.cfg.payload_nbytes
         a, b = rows[i], rows[j]
         self.sq -= 0.5 * math.dist(a, b) ** 2
