@@ -29,8 +29,8 @@ def choose_codec(
     numel: int,
     step_time_s: float,
     ladder: Sequence[str] = DEFAULT_LADDER,
+    size_of: Callable[[str, int], int] | None = None,
     *,
-    size_of: Callable[[str, int], int],
     steps_per_exchange: float = 1.0,
 ) -> str:
     """The least compression whose exchange fits in the compute time it overlaps with.
@@ -48,13 +48,15 @@ def choose_codec(
         numel: elements in the payload.
         step_time_s: seconds of one local training step.
         ladder: specs from least to most compression.
-        size_of: bytes a spec produces for numel elements; node passes
-            `lambda spec, n: compress.get_codec(spec).expected_nbytes(n)`.
+        size_of: bytes a spec produces for numel elements; required (None is refused): node
+            passes `lambda spec, n: compress.get_codec(spec).expected_nbytes(n)`.
         steps_per_exchange: local steps between two exchanges.
 
     Raises:
-        LocalProtocolError: an empty ladder, a negative numel or a non-positive time.
+        LocalProtocolError: no size_of, an empty ladder, a negative numel or a non-positive time.
     """
+    if size_of is None:
+        raise LocalProtocolError("choose_codec needs size_of (compress's expected sizes)")
     if not ladder:
         raise LocalProtocolError("choose_codec needs a non-empty ladder")
     if numel < 0 or not step_time_s > 0 or not steps_per_exchange > 0:

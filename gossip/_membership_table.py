@@ -234,7 +234,7 @@ class MembershipTable:
     def sample(self, k: int, rng: random.Random, about: str | None = None) -> tuple:
         """This node plus up to k-1 random members of any state, `about`'s own record first."""
         others = [p for p in self._records if p != about]
-        picked = rng.sample(others, min(len(others), k - 1 - (about in self._records)))
-        if about in self._records:
+        picked = rng.sample(others, max(0, min(len(others), k - 1 - (about in self._records))))
+        if about in self._records and k > 1:
             picked.insert(0, about)
         return (self.self_update(), *(self.update_of(p) for p in picked))

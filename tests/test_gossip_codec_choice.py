@@ -78,7 +78,14 @@ def test_nominal_sizes_shrink_down_the_ladder():
         nominal_nbytes("zstd", 10)
 
 
+def test_the_contract_signature_works_positionally():
+    spec = choose_codec(_link(0.02, 2.0), NUMEL, 1.0, DEFAULT_LADDER, nominal_nbytes)
+    assert spec == "none"
+
+
 def test_misuse_is_a_local_error():
+    with pytest.raises(LocalProtocolError):
+        choose_codec(_link(0.01, 1.0), 10, 1.0)  # the size function must be injected
     with pytest.raises(LocalProtocolError):
         choose_codec(_link(0.01, 1.0), 10, 1.0, (), size_of=nominal_nbytes)
     with pytest.raises(LocalProtocolError):

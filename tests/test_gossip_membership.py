@@ -163,3 +163,16 @@ def test_timers_scale_with_swarm_size():
 def test_a_bad_config_names_the_field(field, value):
     with pytest.raises(ValueError, match=field):
         MembershipConfig(**{field: value})
+
+
+def test_peer_exchange_samples_stay_within_their_size():
+    node = Membership("me", "addr-me", MembershipConfig(peer_exchange_size=1), random.Random(0))
+    node.join([], 0.0)
+    members = tuple(MemberUpdate(f"x{i}", f"a{i}", "alive", 0) for i in range(5))
+    out = node.receive(PeerList("a0", members, want_reply=True), "x0", 1.0)
+    assert [len(send.message.members) for send in out] == [1]  # only this node's own record
+    big = Membership("me", "addr-me", MembershipConfig(peer_exchange_size=3), random.Random(0))
+    big.join([], 0.0)
+    out = big.receive(PeerList("a0", members, want_reply=True), "x0", 1.0)
+    listed = out[0].message.members
+    assert len(listed) == 3 and listed[0].peer_id == "me" and listed[1].peer_id == "x0"
