@@ -9,6 +9,9 @@ import pytest
 
 from gossip._errors import LocalProtocolError
 from gossip._links import LinkTable
+from gossip._membership import Membership
+from gossip._membership_config import MembershipConfig
+from gossip._netsim import MemoryNetwork
 from gossip._partners import Candidates, PartnerConfig, PartnerSelector
 
 MB = 1_000_000
@@ -148,3 +151,26 @@ def test_misuse_is_a_local_error_and_bad_config_names_the_field():
         PartnerSelector("uniform", "me")
     with pytest.raises(ValueError, match="exploration"):
         PartnerConfig(exploration=0.0)
+
+
+def test_candidates_from_membership_drop_a_crashed_peer():
+    """The node's loop in small: live_peers() feeds the selector, probe RTTs feed the links."""
+    net = MemoryNetwork(random.Random(9), delay_s=0.05)
+    for i in range(6):
+        node = Membership(f"m{i}", f"addr{i}", MembershipConfig(), random.Random(i))
+        net.add(node, f"addr{i}")
+        net.send(node.self_id, node.join([] if i == 0 else ["addr0"], 0.0))
+    me = net.nodes["m0"]
+    net.run_until(60.0)
+    links = LinkTable()
+    for sample in me.drain_rtt_samples():
+        links.record_rtt(sample.peer_id, sample.rtt_s, sample.at)
+    assert links.estimate("m1", 60.0).rtt_s == pytest.approx(0.1)  # 2 x 50 ms
+    selector = PartnerSelector("uniform", "m0", rng=random.Random(0))
+    assert {selector.choose(me.live_peers(), links, 1, 60.0) for _ in range(200)} == {
+        "m1", "m2", "m3", "m4", "m5",
+    }  # fmt: skip
+    net.crashed.add("m3")
+    net.run_until(60.0 + MembershipConfig().detection_bound_s(6))
+    assert "m3" not in me.live_peers()
+    assert "m3" not in {selector.choose(me.live_peers(), links, 1, 200.0) for _ in range(200)}
