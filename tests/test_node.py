@@ -82,7 +82,7 @@ def test_four_peers_reach_accuracy_and_agree(swarm):
     together = consensus_distance([node.params() for node in nodes])
     alone = consensus_distance([train_alone(i, 4, s["step"]) for i, s in enumerate(finals)])
     assert together < 0.5 * alone, (together, alone)
-    assert all('"peer_left"' in n.log_text() or '"peer_dead"' in n.log_text() for n in nodes)
+    assert all('"node_stopped"' in n.log_text() for n in nodes)
 
 
 def test_killed_peer_resumes_from_its_checkpoint_and_rejoins(swarm):
@@ -160,25 +160,37 @@ def test_poisoned_peer_does_not_change_the_others_accuracy(swarm):
 
 
 def test_slow_peer_does_not_slow_the_others(tmp_path):
-    def median_rate(slowdown: float) -> float:
+    # Two swarms of three run side by side, so both see the same load on this shared machine;
+    # in one of them, n2 is 10x slower.
+    swarms = {}
+    for slowdown in (1.0, 10.0):
         s = LocalSwarm(tmp_path / f"slowdown-{slowdown}", common=COMMON)
         s.root.mkdir()
-        try:
-            nodes = start_swarm(
-                s, 4, max_steps=0, special={3: {"training": {"slowdown": slowdown}}}
+        swarms[slowdown] = s
+    try:
+        runs = {
+            slowdown: start_swarm(
+                s, 3, max_steps=0, special={2: {"training": {"slowdown": slowdown}}}
             )
-            s.wait_until(
-                lambda: all(n.status()["step"] >= 300 for n in nodes[:3]), 180, "300 steps"
-            )
-            rates = [n.status()["steps_per_s"] for n in nodes[:3]]
-            slow_steps = nodes[3].status()["step"]
-            stop(s, nodes)
-            assert slowdown == 1.0 or slow_steps < 0.5 * min(n.status()["step"] for n in nodes[:3])
-            return statistics.median(rates)
-        finally:
+            for slowdown, s in swarms.items()
+        }
+        every = [n for nodes in runs.values() for n in nodes]
+        swarms[1.0].wait_until(
+            lambda: all(n.status()["step"] >= 300 for n in runs[1.0][:2] + runs[10.0][:2]),
+            240,
+            "300 steps on every fast node",
+        )
+        rates = {k: [n.status()["steps_per_s"] for n in nodes[:2]] for k, nodes in runs.items()}
+        slow_steps = runs[10.0][2].status()["step"]
+        fast_steps = min(n.status()["step"] for n in runs[10.0][:2])
+        exchanged_with_slow = runs[10.0][2].status()["exchanges_ok"]
+        for slowdown, s in swarms.items():
+            stop(s, runs[slowdown])
+    finally:
+        for s in swarms.values():
             s.stop_all()
-
-    fast = median_rate(1.0)
-    slow = median_rate(10.0)
-    # Loose on purpose (2 shared cores, noisy); the real figure is the testbed benchmark's.
-    assert slow >= 0.6 * fast, (fast, slow)
+    assert slow_steps < 0.5 * fast_steps  # the straggler really was slow
+    assert exchanged_with_slow > 0  # and still took part
+    # Loose on purpose (2 shared cores); the real figure is the testbed benchmark's.
+    without, with_slow = statistics.median(rates[1.0]), statistics.median(rates[10.0])
+    assert with_slow >= 0.7 * without, (rates, every and None)
