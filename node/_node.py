@@ -32,9 +32,12 @@ from ._exchange import ADPSGD_LADDER, ExchangeService
 from ._identity import Identity
 from ._messages import ErrorReply, Header, Ping, Pong
 from ._protocol import (
+    MAX_PROBE_BYTES,
     Delivered,
     Exchange,
     Gossip,
+    Probe,
+    ProbeReply,
     StateRequest,
     node_header_codec,
     unwrap_gossip,
@@ -47,6 +50,7 @@ from ._trainer import Trainer
 from ._transport import PeerInfo, TransportConfig, TransportError, open_transport
 
 STOP_GRACE_S = 5.0
+PROBE_BYTES = 256 * 1024  # above the link table's smallest goodput sample, small on any link
 STATE_SYNC_WAIT_S = 30.0
 log = structlog.get_logger()
 
@@ -201,6 +205,7 @@ class Node:
                 self._nursery = nursery
                 nursery.start_soon(self._membership_loop)
                 nursery.start_soon(self._status_loop)
+                nursery.start_soon(self._probe_loop)
                 log.info(
                     "node_started",
                     peer=self.identity.short_id,
@@ -326,6 +331,28 @@ class Node:
         except TransportError as exc:
             log.debug("gossip_undelivered", address=send.address, reason=str(exc))
 
+    async def _probe_loop(self) -> None:
+        """Measure the links the partner policy looked at but knows too little about."""
+        while True:
+            await trio.sleep(self.membership_config.probe_interval_s)
+            for peer in self.selector.probe_targets(self.links, self._now, limit=1):
+                address = self.membership.address_of(peer)
+                if address is not None:
+                    await self._probe(peer, address)
+
+    async def _probe(self, peer: str, address: str) -> None:
+        started = self._now
+        deadline = self.links.exchange_deadline(peer, PROBE_BYTES, started)
+        try:
+            reply, _, _ = await self.transport.request(
+                address, Probe(), bytes(PROBE_BYTES), deadline_s=deadline, expect_peer=peer
+            )
+        except TransportError as exc:
+            log.debug("probe_failed", peer=peer[:12], reason=str(exc))
+            return
+        if isinstance(reply, ProbeReply) and reply.received == PROBE_BYTES:
+            self.links.record_transfer(peer, PROBE_BYTES, self._now - started, self._now)
+
     async def _wait_for_peers(self) -> None:
         want, limit = self.config.training.wait_for_peers, self.config.training.wait_for_peers_s
         if not want:
@@ -372,6 +399,10 @@ class Node:
             return Delivered(), b""
         if isinstance(header, Ping):
             return Pong(nonce=header.nonce), b""
+        if isinstance(header, Probe):
+            if len(payload) > MAX_PROBE_BYTES:
+                return self._bad_request(peer, "probe", f"{len(payload)} bytes > {MAX_PROBE_BYTES}")
+            return ProbeReply(received=len(payload)), b""
         if isinstance(header, StateRequest):
             return await self.exchange.handle_state_request(header)
         return self._bad_request(peer, "unexpected", type(header).__name__)

@@ -60,6 +60,17 @@ class StateReply(Header, frozen=True, tag="state_reply"):
     step: U63
 
 
+MAX_PROBE_BYTES = 1 << 20
+
+
+class Probe(Header, frozen=True, tag="probe"):
+    """A link probe: the payload (at most MAX_PROBE_BYTES) measures goodput; answered ProbeReply."""
+
+
+class ProbeReply(Header, frozen=True, tag="probe_reply"):
+    received: U63
+
+
 NODE_HEADER_TYPES: tuple[type[Header], ...] = (
     *HEADER_TYPES,
     Gossip,
@@ -68,6 +79,8 @@ NODE_HEADER_TYPES: tuple[type[Header], ...] = (
     ExchangeReply,
     StateRequest,
     StateReply,
+    Probe,
+    ProbeReply,
 )
 
 

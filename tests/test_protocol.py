@@ -1,0 +1,126 @@
+"""The daemon's messages: membership messages in headers, and a node's answers to bad ones."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import msgspec
+import pytest
+import trio
+from hypothesis import given
+from hypothesis import strategies as st
+
+from gossip._errors import RemoteProtocolError
+from gossip._messages import Ack, MemberUpdate, PeerList, Ping
+from node._admission import Admission
+from node._config import config_from_toml
+from node._identity import Identity
+from node._messages import ErrorReply, Pong
+from node._messages import Ping as TransportPing
+from node._node import Node
+from node._protocol import (
+    Delivered,
+    Exchange,
+    Gossip,
+    Probe,
+    ProbeReply,
+    node_header_codec,
+    unwrap_gossip,
+    wrap_gossip,
+)
+from node._transport import TransportConfig, open_transport
+
+
+@pytest.mark.parametrize(
+    "message",
+    [
+        Ping(
+            seq=7,
+            sender_address="tcp://a:1",
+            updates=(MemberUpdate("p1", "tcp://b:2", "alive", 3),),
+        ),
+        Ack(seq=7, sender_address="tcp://a:1", indirect=True),
+        PeerList(sender_address="tcp://a:1", members=(), want_reply=True),
+    ],
+)
+def test_membership_messages_round_trip_through_headers(message):
+    codec = node_header_codec()
+    header = codec.decode(codec.encode(wrap_gossip(message)))
+    assert isinstance(header, Gossip) and unwrap_gossip(header) == message
+
+
+def test_out_of_bounds_membership_message_is_refused():
+    bad = Ping(seq=1, sender_address="x" * 1000)
+    with pytest.raises(RemoteProtocolError, match="sender_address"):
+        unwrap_gossip(wrap_gossip(bad))
+
+
+@given(
+    kind=st.sampled_from(["join", "ping", "pingreq", "ack", "peerlist", "leave"]), body=st.binary()
+)
+def test_random_bodies_only_raise_our_error(kind, body):
+    try:
+        unwrap_gossip(Gossip(kind=kind, body=body))
+    except RemoteProtocolError:
+        pass
+
+
+def test_unknown_gossip_kind_is_a_header_error():
+    codec = node_header_codec()
+    raw = msgspec.msgpack.encode((1, {"type": "gossip", "kind": "shout", "body": b""}))
+    with pytest.raises(Exception, match="invalid 'gossip' header"):
+        codec.decode(raw)
+
+
+CONFIG = """
+[identity]
+key = "unused"
+open_swarm = true
+[training]
+task = "synthetic-linreg"
+threads = 1
+[gossip]
+probe_interval_s = 0.2
+"""
+
+
+async def test_a_node_answers_bad_messages_with_errors_and_keeps_serving(tmp_path: Path):
+    config = config_from_toml(CONFIG, base=tmp_path, overrides=[f'state.dir="{tmp_path}/state"'])
+    node = Node(config, Identity.generate(), Admission.open_swarm("geotrain"))
+    client_admission = Admission.open_swarm("geotrain")
+
+    async def no_requests(peer, header, payload):
+        return ErrorReply(code="bad_request"), b""
+
+    async with trio.open_nursery() as nursery:
+        address = await nursery.start(node.run)
+        async with open_transport(
+            TransportConfig(),
+            Identity.generate(),
+            client_admission,
+            no_requests,
+            codec=node_header_codec(),
+        ) as client:
+
+            async def ask(header, payload=b""):
+                reply, _, _ = await client.request(address, header, payload, deadline_s=10)
+                return reply
+
+            bad = await ask(Gossip(kind="ping", body=b"\xc1garbage"))
+            assert isinstance(bad, ErrorReply) and bad.code == "bad_request"
+            wrong_algo = await ask(Exchange(algorithm="choco", codec="none", step=0))
+            assert isinstance(wrong_algo, ErrorReply) and "adpsgd" in wrong_algo.reason
+            bad_codec = await ask(Exchange(algorithm="adpsgd", codec="zip:9", step=0))
+            assert isinstance(bad_codec, ErrorReply) and bad_codec.code == "bad_request"
+            garbage_model = await ask(Exchange(algorithm="adpsgd", codec="none", step=0), b"junk")
+            assert isinstance(garbage_model, ErrorReply) and "rejected" in garbage_model.reason
+            too_big = await ask(Probe(), bytes(2 << 20))
+            assert isinstance(too_big, ErrorReply)
+            # ... and the node still serves everyone.
+            assert isinstance(await ask(TransportPing(nonce=5)), Pong)
+            assert await ask(Probe(), bytes(1000)) == ProbeReply(received=1000)
+            good = wrap_gossip(Ping(seq=1, sender_address="tcp://127.0.0.1:1"))
+            assert isinstance(await ask(good), Delivered)
+        assert node.rejected_messages["gossip"] == 1 and node.rejected_messages["probe"] == 1
+        assert node.exchange.rejected == 1
+        node.request_stop()
