@@ -1,9 +1,5 @@
 """The gossip protocol, sans-I/O: membership, link estimates, partner choice, averaging rules."""
 
-from ._averaging import RejectedUpdate as RejectedUpdate
-from ._averaging import check_update as check_update
-from ._averaging import pairwise_mix as pairwise_mix
-from ._averaging import params_norm as params_norm
 from ._codec_choice import DEFAULT_LADDER as DEFAULT_LADDER
 from ._codec_choice import choose_codec as choose_codec
 from ._codec_choice import nominal_nbytes as nominal_nbytes
@@ -42,3 +38,15 @@ from ._simulator import SimConfig as SimConfig
 from ._simulator import compare_policies as compare_policies
 from ._simulator import consensus_distance as consensus_distance
 from ._simulator import simulate as simulate
+
+_AVERAGING = ("RejectedUpdate", "check_update", "pairwise_mix", "params_norm")
+
+
+def __getattr__(name: str):
+    # The averaging rules need torch; the protocol and the simulator do not. Importing them lazily
+    # keeps `import gossip` (and `python -m gossip.sim`) free of torch's start-up cost.
+    if name in _AVERAGING:
+        from . import _averaging
+
+        return getattr(_averaging, name)
+    raise AttributeError(f"module 'gossip' has no attribute {name!r}")
