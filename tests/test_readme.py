@@ -1,0 +1,37 @@
+"""The README stays true: its task example works, its commands exist."""
+
+from __future__ import annotations
+
+import re
+import sys
+from pathlib import Path
+
+from node._cli import build_parser
+from node._tasks import TaskContext, resolve_task
+from node._trainer import Trainer
+
+README = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+
+
+def test_the_custom_task_example_trains(tmp_path, monkeypatch):
+    section = README[README.index("### Your own task") :]
+    code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    package = tmp_path / "my_package"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "tasks.py").write_text(code)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    task = resolve_task("my_package.tasks:my_task")(TaskContext(shard_index=1, num_shards=2))
+    trainer = Trainer(task)
+    for _ in range(300):
+        trainer.train_step()
+    assert task.reached(trainer.evaluate(), task.default_target)
+    sys.modules.pop("my_package.tasks", None)
+    sys.modules.pop("my_package", None)
+
+
+def test_every_command_in_the_readme_table_exists():
+    parser = build_parser()
+    listed = set(re.findall(r"^\| `geotrain ([a-z]+)", README, re.M))  # the command table
+    choices = parser._subparsers._group_actions[0].choices  # the subcommand table
+    assert listed and listed <= set(choices), listed - set(choices)
