@@ -78,7 +78,11 @@ def expected_nbytes_named(shapes: Sequence[tuple[str, tuple[int, ...]]], codec: 
 
 
 def decode_named(
-    data: bytes | bytearray | memoryview, *, max_numel: int, device: torch.device | str = "cpu"
+    data: bytes | bytearray | memoryview,
+    *,
+    max_numel: int,
+    device: torch.device | str = "cpu",
+    allowed: tuple[str, ...] | None = None,
 ) -> list[tuple[str, torch.Tensor]]:
     """Decode a payload made by `encode_named`.
 
@@ -86,6 +90,7 @@ def decode_named(
         data: untrusted bytes.
         max_numel: the most elements accepted over all tensors together.
         device: where the tensors are placed.
+        allowed: codec names accepted for every tensor (None: all); see `codec_family`.
 
     Raises:
         DecodeError: for any malformed, truncated, inconsistent or over-budget input.
@@ -112,10 +117,29 @@ def decode_named(
         seen.add(name)
         (length,) = reader.unpack("Q", f"payload length of {name!r}")
         try:
-            t = decode(reader.take(length, f"payload of {name!r}"), max_numel=budget, device=device)
+            t = decode(
+                reader.take(length, f"payload of {name!r}"),
+                max_numel=budget,
+                device=device,
+                allowed=allowed,
+            )
         except DecodeError as exc:
             raise DecodeError(f"tensor {name!r}: {exc}") from None
         budget -= t.numel()
         out.append((name, t))
     reader.finish("named payload")
     return out
+
+
+def codec_family(codec: Codec) -> tuple[str, ...]:
+    """The codec names a payload made with `codec` may hold: it and its fallbacks (`+inner`).
+
+    A receiver that agreed on `codec` passes this as `decode_named(allowed=...)`, so a peer cannot
+    make it decode a codec it never agreed to (e.g. an expensive low-rank one).
+    """
+    names = []
+    current: Codec | None = codec
+    while current is not None:
+        names.append(current.name)
+        current = getattr(current, "inner", None)
+    return tuple(names)

@@ -132,6 +132,10 @@ def read_header(reader: Reader, max_numel: int, codec_ids: set[int]) -> Header:
     if ndim > MAX_NDIM:
         raise DecodeError(f"ndim {ndim} exceeds the maximum {MAX_NDIM}")
     shape = reader.unpack(f"{ndim}Q", "shape")
+    limit = max(max_numel, 1)
+    for dim in shape:  # each dimension too: (0, 2**63) has no elements yet cannot be reshaped to
+        if dim > limit:
+            raise DecodeError(f"shape {tuple(shape)}: dimension {dim} over max_numel={max_numel}")
     numel = math.prod(shape)
     if numel > max_numel:
         raise DecodeError(f"shape {tuple(shape)} has {numel} elements, over max_numel={max_numel}")

@@ -48,7 +48,8 @@ def _digest(tensors: dict[str, torch.Tensor]) -> str:
     for name in sorted(tensors):
         t = tensors[name].detach().cpu().contiguous()
         h.update(name.encode())
-        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+        h.update(str(tuple(t.shape)).encode() + str(t.dtype).encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
     return h.hexdigest()
 
 
@@ -102,11 +103,15 @@ def decode_checkpoint(data: bytes) -> Checkpoint:
         st_header = json.loads(data[8 : 8 + header_len])
         info = json.loads(st_header["__metadata__"]["geotrain"])
         tensors = safetensors.torch.load(data)
-    except Exception as exc:  # safetensors raises its own error types for truncation
+    except Exception as exc:  # safetensors raises its own error types; JSON ours; any is "corrupt"
         raise CheckpointError(f"unreadable: {exc}") from exc
     if not isinstance(info, dict) or info.get("format") != FORMAT:
         raise CheckpointError(f"format is not {FORMAT}")
-    if _digest(tensors) != info.get("sha256"):
+    try:
+        digest = _digest(tensors)
+    except (RuntimeError, TypeError) as exc:
+        raise CheckpointError(f"unreadable tensor: {exc}") from exc
+    if digest != info.get("sha256"):
         raise CheckpointError("tensor bytes do not match the recorded SHA-256")
     step, algorithm = info.get("step"), info.get("algorithm")
     if not isinstance(step, int) or not isinstance(algorithm, str):

@@ -465,7 +465,10 @@ class ReplayWindow:
         self.check(counter)
         if counter > self._top:
             shift = counter - self._top
-            self._bits = ((self._bits << shift) | 1) & ((1 << self.size) - 1)
+            if shift >= self.size:  # a jump past the whole window: nothing older stays inside it
+                self._bits = 1
+            else:
+                self._bits = ((self._bits << shift) | 1) & ((1 << self.size) - 1)
             self._top = counter
         else:
             self._bits |= 1 << (self._top - counter)

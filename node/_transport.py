@@ -789,14 +789,20 @@ class Transport:
 
     async def _connection(self, address: str, expect_peer: str | None) -> _Outbound:
         lock = self._dial_locks.setdefault(address, trio.Lock())
-        async with lock:
-            conn = self._outbound.get(address)
-            if conn is not None and self._creds.clock() >= conn.peer.admitted_until:
-                conn.lost.set()  # admission ended: a new handshake must pass it again
-            if conn is None or conn.lost.is_set():
-                conn = await self._dial(address, expect_peer)
-                self._outbound[address] = conn
-                self._nursery.start_soon(self._watch, conn)
+        try:
+            async with lock:
+                conn = self._outbound.get(address)
+                if conn is not None and self._creds.clock() >= conn.peer.admitted_until:
+                    conn.lost.set()  # admission ended: a new handshake must pass it again
+                if conn is None or conn.lost.is_set():
+                    conn = await self._dial(address, expect_peer)
+                    self._outbound[address] = conn
+                    self._nursery.start_soon(self._watch, conn)
+        finally:
+            # One lock per address while someone dials it, not one per address ever tried.
+            if not lock.locked() and lock.statistics().tasks_waiting == 0:
+                if self._dial_locks.get(address) is lock and address not in self._outbound:
+                    del self._dial_locks[address]
         if expect_peer is not None and conn.peer.peer_id != expect_peer:
             raise HandshakeError(
                 f"peer ID mismatch at {address}: expected {expect_peer}, proved {conn.peer.peer_id}"
@@ -810,6 +816,9 @@ class Transport:
         finally:
             if self._outbound.get(conn.address) is conn:
                 del self._outbound[conn.address]
+                lock = self._dial_locks.get(conn.address)
+                if lock is not None and not lock.locked():
+                    del self._dial_locks[conn.address]
             conn.sock.close()
 
     def _new_req_socket(self) -> pynng.Req0:

@@ -67,3 +67,24 @@ def test_no_checkpoint_and_garbage(tmp_path):
 def test_no_temp_files_are_left(tmp_path):
     CheckpointStore(tmp_path).save(_ckpt(1))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt-0000000001.safetensors"]
+
+
+def test_zero_dim_tensors_and_adam_state_round_trip(tmp_path):
+    from node._tasks import TaskContext, resolve_task
+    from node._trainer import Trainer
+
+    a = Trainer(resolve_task("synthetic-linreg")(TaskContext(seed=1)), optimizer="adam")
+    for _ in range(5):
+        a.train_step()
+    tensors, meta = a.state_tensors()
+    assert any(t.dim() == 0 for t in tensors.values())  # Adam's step counter
+    store = CheckpointStore(tmp_path)
+    store.save(Checkpoint(a.step, "adpsgd", tensors, meta))
+    back, skipped = store.load_latest()
+    assert skipped == [] and back is not None
+    b = Trainer(resolve_task("synthetic-linreg")(TaskContext(seed=1)), optimizer="adam")
+    b.restore(back.tensors, back.meta, back.step)
+    for name, t in b.optimizer.state_dict()["state"][0].items():
+        assert torch.equal(t, a.optimizer.state_dict()["state"][0][name]), name
+    for name, p in b.params().items():
+        assert torch.equal(p, a.params()[name])

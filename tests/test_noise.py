@@ -229,3 +229,15 @@ def test_part_numbers_are_checked():
     info = parse_frame_prefix(frame, 10, 10)
     out = bytearray(4)
     assert open_frame(KEY, info, frame, memoryview(out)) == (b"", None) and out == b"4567"
+
+
+def test_replay_window_survives_a_huge_jump():
+    # A peer's counter jumping by 2**62 must not shift a 2**62-bit integer into existence.
+    w = ReplayWindow(size=64)
+    w.accept(1)
+    w.accept(2**62)
+    with pytest.raises(FrameRejected):
+        w.accept(2**62)
+    with pytest.raises(FrameRejected):
+        w.accept(1)
+    w.accept(2**62 - 5)  # still inside the window
