@@ -1,0 +1,149 @@
+# `geotrain testbed run|report|down`, registered through the "geotrain.commands" entry point (node
+# never imports testbed). Invariants: argv is read only here; a bad scenario or option is reported
+# in one line naming the field and exits 2 before anything starts; SIGTERM is turned into the same
+# KeyboardInterrupt as Ctrl-C, so every `with` block of the run unwinds and cleans up.
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import signal
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+from ._netem import BACKENDS, BackendUnavailable
+from ._scenario import DEFAULT_SCENARIO, ScenarioError, TestbedScenario, load_scenario
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    """Add `testbed` and its subcommands to the `geotrain` parser."""
+    parser = subparsers.add_parser(
+        "testbed", help="many local peers behind emulated WAN links, vs a DDP baseline",
+        description="Run many geotrain nodes on this machine behind emulated WAN links.",
+    )  # fmt: skip
+    sub = parser.add_subparsers(title="testbed commands", metavar="ACTION")
+    parser.set_defaults(handler=lambda args: (parser.print_help(), 0)[1])
+
+    run = sub.add_parser("run", help="run a scenario with geotrain and the DDP baseline")
+    run.add_argument("--scenario", default=DEFAULT_SCENARIO,
+                     help=f"built-in name (demo, geo3, us2, lan) or a .toml file "
+                          f"(default: {DEFAULT_SCENARIO})")  # fmt: skip
+    run.add_argument("--peers", type=int, help="number of peers (spread over the regions)")
+    run.add_argument("--task", help="training task (default: the scenario's)")
+    run.add_argument("--algorithm", help="gossip algorithm (default: the scenario's)")
+    run.add_argument("--baseline", choices=("ddp", "none"), default="ddp")
+    run.add_argument("--emulation", choices=BACKENDS, default="auto")
+    run.add_argument("--duration", type=float, help="seconds of training per system at most")
+    run.add_argument("--target", type=float, help="metric value to reach (default: task's)")
+    run.add_argument("--out", type=Path, help="output directory (default: testbed-runs/<time>)")
+    run.add_argument("--no-link-check", action="store_true",
+                     help="skip measuring RTT/throughput of each region pair")  # fmt: skip
+    run.set_defaults(handler=cmd_run)
+
+    report = sub.add_parser("report", help="re-render plots and print the table of a run")
+    report.add_argument("dir", type=Path)
+    report.set_defaults(handler=cmd_report)
+
+    down = sub.add_parser("down", help="remove namespaces/processes left by a crashed run")
+    down.set_defaults(handler=cmd_down)
+
+
+def _scenario_from_args(args: argparse.Namespace) -> TestbedScenario:
+    sc = load_scenario(args.scenario)
+    if args.peers is not None:
+        sc = sc.with_peers(args.peers)
+    changes = {"task": args.task, "algorithm": args.algorithm, "duration_s": args.duration}
+    changes = {k: v for k, v in changes.items() if v is not None}
+    if changes:
+        params = {} if args.task and args.task != sc.task else sc.params
+        sc = replace(sc, params=params, **changes)
+    return sc
+
+
+def _task_target(sc: TestbedScenario, target: float | None) -> tuple[float, str, bool]:
+    """(target, metric name, higher is better) from the task itself (imports torch)."""
+    from node._tasks import TaskContext, resolve_task
+
+    task = resolve_task(sc.task)(TaskContext(params=dict(sc.params)))
+    value = target if target is not None else sc.target
+    if value is None:
+        value = task.default_target
+    if value is None:
+        raise ScenarioError(f"task {sc.task!r} states no default target: pass --target")
+    return float(value), task.metric, task.higher_is_better
+
+
+def _sigterm_as_interrupt() -> None:
+    def handler(signum, frame):  # noqa: ARG001
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second one must not cut the cleanup
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, handler)
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from ._run import RunOptions, TestbedError, run_testbed
+
+    try:
+        sc = _scenario_from_args(args)
+        target, metric, higher = _task_target(sc, args.target)
+    except (ScenarioError, ValueError) as exc:
+        print(f"geotrain testbed run: {exc}", file=sys.stderr)
+        return 2
+    out = args.out or Path("testbed-runs") / time.strftime("%Y%m%d-%H%M%S")
+    print(f"scenario {sc.name}: {sc.description}")
+    print(f"{sc.n_peers} peers in {', '.join(f'{r.name} ({r.peers})' for r in sc.regions)}; "
+          f"task {sc.task}, target {metric} {target:g}, at most {sc.duration_s:g} s per system; "
+          f"output {out}")  # fmt: skip
+    for fault in sc.faults:
+        print(f"fault: {fault.describe()}")
+    _sigterm_as_interrupt()
+    started = time.monotonic()
+    try:
+        options = RunOptions(
+            scenario=sc, out=out, target=target, metric=metric, higher_is_better=higher,
+            emulation=args.emulation, baseline=args.baseline,
+            link_check=not args.no_link_check,
+        )  # fmt: skip
+        run_testbed(options, echo=lambda line: print(line, flush=True))
+    except (TestbedError, BackendUnavailable, ValueError) as exc:
+        print(f"geotrain testbed run: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    print(f"done in {time.monotonic() - started:.0f} s; results in {out}")
+    return 0
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    from ._plots import render_plots
+    from ._summary import build_summary, render_table
+
+    if not (args.dir / "run.json").exists():
+        print(f"geotrain testbed report: {args.dir}/run.json not found", file=sys.stderr)
+        return 2
+    summary = build_summary(args.dir)
+    (args.dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    for path in render_plots(args.dir):
+        print(f"plot: {path}")
+    print(render_table(summary))
+    return 0
+
+
+def cmd_down(args: argparse.Namespace) -> int:  # noqa: ARG001
+    from ._namespaces import PREFIX, cleanup_leftovers, list_namespaces
+
+    running = list_namespaces(PREFIX)
+    if running:
+        print(f"WARNING: this removes every testbed namespace ({len(running)} found), including "
+              "those of a testbed run that is still going; its peers are killed.")  # fmt: skip
+    removed = []
+    with contextlib.suppress(KeyboardInterrupt):
+        removed = cleanup_leftovers(PREFIX)
+    for item in removed:
+        print(f"removed {item}")
+    if not removed:
+        print("nothing left over")
+    return 0
