@@ -2,7 +2,9 @@
 # Invariants: time only arrives as `now`; randomness only from the injected rng; a message from a
 # peer is validated before any state changes; at most one probe is outstanding; every Send names
 # the destination address (and the peer id when known); no reply is ever awaited: a missing answer
-# is noticed by this machine's own timers, driven by tick() at next_deadline().
+# is noticed by this machine's own timers, driven by tick() at next_deadline(); an Ack counts only
+# from the peer that was pinged (or, forwarded, from a helper we asked); this node pings for others
+# only members it has verified, at the address it recorded itself.
 from __future__ import annotations
 
 import random
@@ -14,7 +16,7 @@ from ._membership_config import MembershipConfig
 from ._membership_table import Member, MembershipEvent, MembershipTable, MemberState
 from ._messages import (
     MAX_ADDRESS_LEN,
-    MAX_ID_LEN,
+    MAX_INCARNATION,
     Ack,
     Join,
     Leave,
@@ -23,6 +25,7 @@ from ._messages import (
     PeerList,
     Ping,
     PingReq,
+    is_peer_id,
     validate_message,
 )
 
@@ -54,6 +57,18 @@ class _Probe:
     target: str
     sent_at: float
     indirect_sent: bool = False
+    helpers: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class _Forward:
+    """An indirect probe run for `requester`: its Ack(seq) goes back once `target` answers."""
+
+    requester: str
+    address: str
+    seq: int
+    target: str
+    expires: float
 
 
 class Membership:
@@ -75,8 +90,10 @@ class Membership:
         rng: random.Random,
         incarnation: int = 0,
     ) -> None:
-        if not 0 < len(self_id) <= MAX_ID_LEN or not 0 < len(self_address) <= MAX_ADDRESS_LEN:
+        if not is_peer_id(self_id) or not 0 < len(self_address) <= MAX_ADDRESS_LEN:
             raise LocalProtocolError(f"bad self_id {self_id!r} or self_address {self_address!r}")
+        if not 0 <= incarnation < MAX_INCARNATION // 2:
+            raise LocalProtocolError(f"incarnation {incarnation!r}: expected in [0, 2**52)")
         self._config = config
         self._rng = rng
         self._table = MembershipTable(self_id, self_address, incarnation, config)
@@ -84,7 +101,7 @@ class Membership:
         self._probe: _Probe | None = None
         self._order: list[str] = []
         self._order_pos = 0
-        self._forwards: dict[int, tuple[str, str, int, float]] = {}
+        self._forwards: dict[int, _Forward] = {}
         self._rtts: list[RttSample] = []
         self._bootstrap: tuple[str, ...] = ()
         self._joined = True
@@ -111,8 +128,12 @@ class Membership:
         return self._table.members()
 
     def live_peers(self) -> tuple[str, ...]:
-        """Ids of alive and suspect members, sorted; one tuple object until membership changes."""
-        return self._table.live_ids()
+        """Ids of alive and suspect members that contacted this node themselves, sorted.
+
+        Members only heard of second-hand are left out (they are probed, so a real one is
+        verified within a few probe periods). One tuple object until membership changes.
+        """
+        return self._table.verified_live_ids()
 
     def address_of(self, peer_id: str) -> str | None:
         record = self._table.get(peer_id)
@@ -162,7 +183,7 @@ class Membership:
         if self._table.left:
             return []
         self._table.leave(now)
-        live = list(self._table.live_ids())
+        live = list(self._table.verified_live_ids())
         told = self._rng.sample(live, min(len(live), self._config.leave_fanout))
         msg = Leave(self._table.self_address, self._table.incarnation)
         return [self._send_to(peer, msg) for peer in told]
@@ -178,13 +199,13 @@ class Membership:
             self._send_joins(now, out)
         if now >= self._next_exchange_at:
             self._next_exchange_at = now + self._config.peer_exchange_interval_s
-            live = self._table.live_ids()
+            live = self._table.verified_live_ids()
             if live:
                 self._send_peer_list(self._rng.choice(live), out)
         if now >= self._next_reconnect_at:
             self._next_reconnect_at = now + self._config.reconnect_interval_s
             self._reconnect(now, out)
-        for seq in [s for s, f in self._forwards.items() if f[3] <= now]:
+        for seq in [s for s, f in self._forwards.items() if f.expires <= now]:
             del self._forwards[seq]
         return out
 
@@ -195,63 +216,78 @@ class Membership:
             RemoteProtocolError: the message is malformed or out of bounds; nothing changed.
         """
         validate_message(msg)
-        if not isinstance(sender_id, str) or not 0 < len(sender_id) <= MAX_ID_LEN:
-            raise RemoteProtocolError(f"bad sender id {sender_id!r}")
+        if not is_peer_id(sender_id):
+            raise RemoteProtocolError(f"bad sender id {sender_id!r:.200}")
         if sender_id == self._table.self_id:
             raise RemoteProtocolError("a message claims to come from this node itself")
         if self._table.left:
             return []
         out: list[Send] = []
-        if isinstance(msg, Join):
-            update = MemberUpdate(sender_id, msg.sender_address, "alive", msg.incarnation)
-            self._table.apply(update, now)
-            self._send_peer_list(sender_id, out, want_reply=False)
-        elif isinstance(msg, Leave):
+        if isinstance(msg, Leave):
             if self._table.get(sender_id) is not None:
                 left = MemberUpdate(sender_id, msg.sender_address, "left", msg.incarnation)
-                self._table.apply(left, now)
+                self._table.apply(left, now, sender_id)
+            return out
+        self._table.heard_from(sender_id, msg.sender_address, now)
+        if isinstance(msg, Join):
+            self._table.apply_own_word(sender_id, msg.sender_address, msg.incarnation, now)
+            self._send_peer_list(sender_id, out, False, msg.sender_address)
         else:
-            self._table.heard_from(sender_id, msg.sender_address, now)
             self._receive_gossip(msg, sender_id, now, out)
         return out
 
     # -- internals -----------------------------------------------------------------------------
     def _receive_gossip(self, msg, sender_id: str, now: float, out: list[Send]) -> None:
         updates = msg.members if isinstance(msg, PeerList) else msg.updates
+        wrong_about_us = False
         for update in updates:
-            self._table.apply(update, now)
+            if update.peer_id == sender_id and update.state == "alive":
+                self._table.apply_own_word(sender_id, update.address, update.incarnation, now)
+            else:
+                wrong_about_us |= self._table.apply(update, now, sender_id)
         if isinstance(msg, Ping):
-            out.append(
-                self._send_to(
-                    sender_id,
-                    Ack(msg.seq, self._table.self_address, updates=self._piggyback(sender_id)),
-                )
-            )
+            piggyback = self._piggyback(sender_id, with_self=wrong_about_us)
+            ack = Ack(msg.seq, self._table.self_address, updates=piggyback)
+            out.append(self._reply(sender_id, msg.sender_address, ack))
         elif isinstance(msg, PingReq):
-            if len(self._forwards) < MAX_FORWARDS:
-                seq = self._next_seq()
-                expires = now + self._config.probe_interval_s
-                self._forwards[seq] = (sender_id, msg.sender_address, msg.seq, expires)
-                ping = Ping(seq, self._table.self_address, self._piggyback(msg.target_id))
-                out.append(Send(msg.target_address, msg.target_id, ping))
+            self._help_probe(msg, sender_id, now, out)
         elif isinstance(msg, Ack):
             self._receive_ack(msg, sender_id, now, out)
         else:  # PeerList
             self._joined = True
-            if msg.want_reply:
-                self._send_peer_list(sender_id, out, want_reply=False)
+            if msg.want_reply or wrong_about_us:  # our reply lists our own record first
+                self._send_peer_list(sender_id, out, False, msg.sender_address)
+
+    def _help_probe(self, msg: PingReq, sender_id: str, now: float, out: list[Send]) -> None:
+        """Ping a member for `sender_id`: only one we verified, at the address we recorded."""
+        target = msg.target_id
+        if len(self._forwards) >= MAX_FORWARDS or target == sender_id:
+            return
+        if not self._table.is_verified_live(target):
+            return
+        seq = self._next_seq()
+        requester_address = self.address_of(sender_id) or msg.sender_address
+        expires = now + self._config.probe_interval_s
+        self._forwards[seq] = _Forward(sender_id, requester_address, msg.seq, target, expires)
+        ping = Ping(seq, self._table.self_address, self._piggyback(target))
+        out.append(self._send_to(target, ping))
 
     def _receive_ack(self, msg: Ack, sender_id: str, now: float, out: list[Send]) -> None:
-        forward = self._forwards.pop(msg.seq, None)
+        forward = self._forwards.get(msg.seq)
         if forward is not None:
-            requester, address, seq, _ = forward
-            ack = Ack(seq, self._table.self_address, True, self._piggyback(requester))
-            out.append(Send(address, requester, ack))
+            if sender_id == forward.target and not msg.indirect:
+                del self._forwards[msg.seq]
+                piggyback = self._piggyback(forward.requester)
+                ack = Ack(forward.seq, self._table.self_address, True, piggyback)
+                out.append(self._reply(forward.requester, forward.address, ack))
             return
         probe = self._probe
-        if probe is not None and msg.seq == probe.seq:
-            if not msg.indirect and sender_id == probe.target:
-                self._rtts.append(RttSample(sender_id, now - probe.sent_at, now))
+        if probe is None or msg.seq != probe.seq:
+            return
+        if not msg.indirect and sender_id == probe.target:
+            self._rtts.append(RttSample(sender_id, now - probe.sent_at, now))
+            self._probe = None
+        elif msg.indirect and sender_id in probe.helpers:
             self._probe = None
 
     def _probe_step(self, now: float, out: list[Send]) -> None:
@@ -272,8 +308,9 @@ class Membership:
                 out.append(self._send_to(target, ping))
 
     def _send_ping_reqs(self, probe: _Probe, out: list[Send]) -> None:
-        helpers = [p for p in self._table.live_ids() if p != probe.target]
+        helpers = [p for p in self._table.verified_live_ids() if p != probe.target]
         helpers = self._rng.sample(helpers, min(len(helpers), self._config.indirect_probes))
+        probe.helpers = tuple(helpers)
         address = self.address_of(probe.target) or ""
         for helper in helpers:
             msg = PingReq(
@@ -297,10 +334,10 @@ class Membership:
 
     def _reconnect(self, now: float, out: list[Send]) -> None:
         """Contact one dead member (or a bootstrap address when alone) to heal partitions."""
-        dead = self._table.ids_in(MemberState.DEAD)
+        dead = self._table.ids_in(MemberState.DEAD, verified_only=True)
         if dead:
             self._send_peer_list(self._rng.choice(dead), out)
-        elif not self._table.live_ids() and self._bootstrap:
+        elif not self._table.verified_live_ids() and self._bootstrap:
             self._send_joins(now, out)
 
     def _send_joins(self, now: float, out: list[Send]) -> None:
@@ -308,17 +345,30 @@ class Membership:
         msg = Join(self._table.self_address, self._table.incarnation)
         out.extend(Send(address, None, msg) for address in self._bootstrap)
 
-    def _send_peer_list(self, peer_id: str, out: list[Send], want_reply: bool = True) -> None:
+    def _send_peer_list(
+        self, peer_id: str, out: list[Send], want_reply: bool = True, address: str | None = None
+    ) -> None:
+        """Send a member sample to `peer_id`, at its recorded address, else at `address`."""
         members = self._table.sample(self._config.peer_exchange_size, self._rng, about=peer_id)
-        out.append(self._send_to(peer_id, PeerList(self._table.self_address, members, want_reply)))
+        msg = PeerList(self._table.self_address, members, want_reply)
+        out.append(self._reply(peer_id, address, msg) if address else self._send_to(peer_id, msg))
 
-    def _piggyback(self, to_peer: str) -> tuple[MemberUpdate, ...]:
-        updates = self._table.piggyback(self._config.max_piggyback)
+    def _piggyback(self, to_peer: str, with_self: bool = False) -> tuple[MemberUpdate, ...]:
+        """Queued updates for `to_peer`; first our own record when `with_self` (it was wrong)."""
+        limit = self._config.max_piggyback
+        updates = self._table.piggyback(limit - with_self)
+        if with_self:
+            own = self._table.self_update()
+            updates = (own, *(u for u in updates if u.peer_id != own.peer_id))
         record = self._table.get(to_peer)
         if record is not None and record.state is MemberState.DEAD:
             # It talks to us, so it lives: tell it it was declared dead, so that it refutes.
-            updates = (self._table.update_of(to_peer), *updates[: self._config.max_piggyback - 1])
+            updates = (self._table.update_of(to_peer), *updates[: limit - 1])
         return updates
+
+    def _reply(self, peer_id: str, address: str, msg: MembershipMessage) -> Send:
+        """A Send to `peer_id` at its recorded address, else at the one its message gave."""
+        return Send(self.address_of(peer_id) or address, peer_id, msg)
 
     def _send_to(self, peer_id: str, msg: MembershipMessage) -> Send:
         address = self.address_of(peer_id)

@@ -38,6 +38,10 @@ class MembershipConfig:
             it knows nobody alive), so that a partitioned swarm re-merges after healing.
         dead_retention_s: dead and left members are remembered (and tried for re-merge) this long.
         leave_fanout: members told directly of a graceful leave; they spread it further.
+        max_members: most members remembered, in any state. Members learned second-hand beyond it
+            are ignored; one heard from directly replaces the oldest never-verified record. 4096
+            is far above the swarms this targets (tens to hundreds of nodes) and bounds the memory
+            and the probing that a peer listing made-up members can cause.
     """
 
     probe_interval_s: float = 2.0
@@ -53,6 +57,7 @@ class MembershipConfig:
     reconnect_interval_s: float = 15.0
     dead_retention_s: float = 900.0
     leave_fanout: int = 8
+    max_members: int = 4096
 
     def __post_init__(self) -> None:
         _require(self.probe_interval_s > 0, "probe_interval_s", self.probe_interval_s, "> 0")
@@ -88,6 +93,7 @@ class MembershipConfig:
         ):
             _require(getattr(self, name) > 0, name, getattr(self, name), "> 0")
         _require(self.leave_fanout >= 1, "leave_fanout", self.leave_fanout, ">= 1")
+        _require(self.max_members >= 1, "max_members", self.max_members, ">= 1")
 
     def suspicion_timeouts(self, n_members: int) -> tuple[float, float]:
         """(shortest, longest) suspicion in seconds for a swarm of `n_members` (Lifeguard)."""

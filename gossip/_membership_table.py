@@ -1,7 +1,13 @@
 # The member list and its merge rules (SWIM incarnations, Lifeguard suspicion). Invariants: only a
-# member raises its own incarnation (to refute); "alive" beats "suspect"/"dead" only at a higher
-# incarnation; "suspect" beats "alive" at an equal or higher one; "dead" and "left" beat both at an
-# equal or higher one; every state change queues one update for piggybacking and one event.
+# member raises its own incarnation, by one, to refute a claim at exactly its current incarnation
+# (a claim above it is a lie: never adopted, answered with the member's own record), so no
+# incarnation of ours nears MAX_INCARNATION; a member's own authenticated word about itself beats
+# hearsay about it; "alive" beats "suspect"/"dead" only at a higher incarnation; "suspect" beats
+# "alive" at an equal or higher one; "dead" and "left" beat both at an equal or higher one; a
+# member learned second-hand is unverified (never a partner or helper, nor announced) until it
+# contacts this node itself; at most config.max_members records; a suspicion holds at most
+# indirect_probes + 1 origins, each confirmation from a verified live member and at most one per
+# sender; every state change queues one update for piggybacking and one event.
 from __future__ import annotations
 
 import random
@@ -9,7 +15,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 
 from ._membership_config import MembershipConfig
-from ._messages import MemberUpdate
+from ._messages import MAX_INCARNATION, MemberUpdate
 
 
 class MemberState(StrEnum):
@@ -26,12 +32,13 @@ _LIVE = (MemberState.ALIVE, MemberState.SUSPECT)
 
 @dataclass(frozen=True, slots=True)
 class Member:
-    """A member as seen from this node."""
+    """A member as seen from this node; `verified` once it contacted this node itself."""
 
     peer_id: str
     address: str
     state: MemberState
     incarnation: int
+    verified: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,7 +58,9 @@ class _Record:
     state: MemberState
     incarnation: int
     changed_at: float
+    verified: bool = False
     suspecters: list[str] = field(default_factory=list)  # distinct origins, first one first
+    vouchers: list[str] = field(default_factory=list)  # the sender that brought each origin
 
 
 class MembershipTable:
@@ -76,21 +85,36 @@ class MembershipTable:
         self._broadcasts: dict[str, list] = {}  # peer_id -> [MemberUpdate, sends left]
         self._events: list[MembershipEvent] = []
         self._live_cache: tuple[str, ...] | None = None
+        self._verified_cache: tuple[str, ...] | None = None
 
     # -- queries -------------------------------------------------------------------------------
     def get(self, peer_id: str) -> _Record | None:
         return self._records.get(peer_id)
 
     def live_ids(self) -> tuple[str, ...]:
-        """Ids of alive and suspect members, sorted; the same tuple object until a change."""
+        """Ids of alive and suspect members, verified or not, sorted; cached until a change."""
         if self._live_cache is None:
             self._live_cache = tuple(
                 sorted(p for p, r in self._records.items() if r.state in _LIVE)
             )
         return self._live_cache
 
-    def ids_in(self, *states: MemberState) -> list[str]:
-        return sorted(p for p, r in self._records.items() if r.state in states)
+    def verified_live_ids(self) -> tuple[str, ...]:
+        """Ids of alive and suspect members that contacted this node themselves, sorted; cached."""
+        if self._verified_cache is None:
+            self._verified_cache = tuple(p for p in self.live_ids() if self._records[p].verified)
+        return self._verified_cache
+
+    def is_verified_live(self, peer_id: str) -> bool:
+        r = self._records.get(peer_id)
+        return r is not None and r.verified and r.state in _LIVE
+
+    def ids_in(self, *states: MemberState, verified_only: bool = False) -> list[str]:
+        return sorted(
+            p
+            for p, r in self._records.items()
+            if r.state in states and (r.verified or not verified_only)
+        )
 
     def size(self) -> int:
         """Members counted for timers: this node plus every alive or suspect member."""
@@ -98,7 +122,7 @@ class MembershipTable:
 
     def members(self) -> list[Member]:
         return [
-            Member(r.peer_id, r.address, r.state, r.incarnation)
+            Member(r.peer_id, r.address, r.state, r.incarnation, r.verified)
             for r in sorted(self._records.values(), key=lambda r: r.peer_id)
         ]
 
@@ -134,29 +158,64 @@ class MembershipTable:
             if r.state is MemberState.SUSPECT and now >= self.suspicion_deadline(r):
                 self._set(r, MemberState.DEAD, r.incarnation, now, "dead")
             elif r.state not in _LIVE and now - r.changed_at > self._config.dead_retention_s:
-                del self._records[r.peer_id]
-                self._broadcasts.pop(r.peer_id, None)
+                self._forget(r.peer_id)
 
     # -- changes -------------------------------------------------------------------------------
     def _set(
-        self, r: _Record, state: MemberState, inc: int, now: float, event: str, origin: str = ""
+        self,
+        r: _Record,
+        state: MemberState,
+        inc: int,
+        now: float,
+        event: str,
+        origin: str = "",
+        sender: str = "",
     ) -> None:
         if (r.state in _LIVE) != (state in _LIVE):
-            self._live_cache = None
+            self._live_cache = self._verified_cache = None
         r.state, r.incarnation, r.changed_at = state, inc, now
-        r.suspecters = [origin or self.self_id] if state is MemberState.SUSPECT else []
+        suspect = state is MemberState.SUSPECT
+        r.suspecters = [origin or self.self_id] if suspect else []
+        r.vouchers = [sender or self.self_id] if suspect else []
         self._queue(self.update_of(r.peer_id))
         self._events.append(MembershipEvent(event, r.peer_id, inc, now))
 
     def _queue(self, update: MemberUpdate) -> None:
         self._broadcasts[update.peer_id] = [update, self._config.retransmits(self.size())]
 
-    def _refute(self, inc: int, now: float) -> None:
-        if self.left or inc < self.incarnation:
-            return
-        self.incarnation = inc + 1
+    def _add(self, peer_id: str, address: str, inc: int, now: float, verified: bool) -> None:
+        """A new alive member; only a verified one is announced (hearsay is not amplified)."""
+        self._records[peer_id] = _Record(peer_id, address, MemberState.ALIVE, inc, now, verified)
+        self._live_cache = self._verified_cache = None
+        if verified:
+            self._queue(self.update_of(peer_id))
+            self._events.append(MembershipEvent("joined", peer_id, inc, now))
+
+    def _forget(self, peer_id: str) -> None:
+        r = self._records.pop(peer_id)
+        if r.state in _LIVE:
+            self._live_cache = self._verified_cache = None
+        self._broadcasts.pop(peer_id, None)
+
+    def _make_room(self) -> bool:
+        """True when one more record fits, after forgetting the oldest unverified one if need be."""
+        if len(self._records) < self._config.max_members:
+            return True
+        unverified = [r for r in self._records.values() if not r.verified]
+        if not unverified:
+            return False
+        self._forget(min(unverified, key=lambda r: r.changed_at).peer_id)
+        return True
+
+    def _apply_about_self(self, u: MemberUpdate, now: float) -> bool:
+        """A claim about this node. Returns True when it is wrong (the sender needs our record)."""
+        if self.left or (u.state == "alive" and u.incarnation <= self.incarnation):
+            return False
+        if u.incarnation == self.incarnation and u.incarnation + 1 < MAX_INCARNATION:
+            self.incarnation += 1  # refute; a claim above our incarnation is never adopted
+            self._events.append(MembershipEvent("refuted", self.self_id, self.incarnation, now))
         self._queue(self.self_update())
-        self._events.append(MembershipEvent("refuted", self.self_id, self.incarnation, now))
+        return True
 
     def suspect(self, peer_id: str, now: float) -> None:
         """Our own probe of `peer_id` failed: suspect it at its current incarnation."""
@@ -164,33 +223,66 @@ class MembershipTable:
         if r is not None and r.state is MemberState.ALIVE:
             self._set(r, MemberState.SUSPECT, r.incarnation, now, "suspected")
 
-    def heard_from(self, peer_id: str, address: str, now: float) -> None:
-        """A message came from `peer_id`: learn it if unknown (its incarnation comes later)."""
-        if peer_id != self.self_id and peer_id not in self._records:
-            self.apply(MemberUpdate(peer_id, address, "alive", 0), now)
+    def heard_from(self, peer_id: str, address: str, now: float) -> bool:
+        """An authenticated message came from `peer_id`: learn it if unknown, mark it verified.
 
-    def apply(self, u: MemberUpdate, now: float) -> None:
-        """Merge one (validated) update from a peer into the table."""
-        if u.peer_id == self.self_id:
-            if u.state != "alive" and not self.left:
-                self._refute(u.incarnation, now)
+        Returns:
+            False when the table is full of verified members and `peer_id` is not one of them.
+        """
+        r = self._records.get(peer_id)
+        if r is None:
+            if not self._make_room():
+                return False
+            self._add(peer_id, address, 0, now, verified=True)  # its incarnation comes later
+        elif not r.verified:
+            r.verified, r.address = True, address  # its own address beats hearsay
+            self._verified_cache = None
+            self._queue(self.update_of(peer_id))
+            self._events.append(MembershipEvent("joined", peer_id, r.incarnation, now))
+        return True
+
+    def apply_own_word(self, peer_id: str, address: str, inc: int, now: float) -> None:
+        """`peer_id` itself (authenticated) says it is alive at `inc`: that beats hearsay.
+
+        A lower incarnation than recorded replaces it too, since only the member sets it: this
+        undoes a third party's made-up incarnation. A left member needs a higher one to return.
+        """
+        r = self._records.get(peer_id)
+        if r is None or (r.state is MemberState.LEFT and inc <= r.incarnation):
             return
+        if r.state is MemberState.ALIVE and inc <= r.incarnation:
+            if inc < r.incarnation:
+                r.incarnation = inc
+                self._queue(self.update_of(peer_id))
+            return
+        r.address = address
+        kind = {MemberState.ALIVE: "", MemberState.SUSPECT: "refuted"}.get(r.state, "joined")
+        if kind:
+            self._set(r, MemberState.ALIVE, inc, now, kind)
+        else:
+            r.incarnation = inc
+            self._queue(self.update_of(peer_id))
+
+    def apply(self, u: MemberUpdate, now: float, sender: str) -> bool:
+        """Merge one (validated) update that `sender` sent into the table.
+
+        Returns:
+            True when the update is a wrong claim about this node (answer with our own record).
+        """
+        if u.peer_id == self.self_id:
+            return self._apply_about_self(u, now)
         r = self._records.get(u.peer_id)
         state = MemberState(u.state)
         if r is None:
-            if state in _LIVE:
-                r = _Record(u.peer_id, u.address, MemberState.ALIVE, u.incarnation, now)
-                self._records[u.peer_id] = r
-                self._live_cache = None
-                self._queue(self.update_of(u.peer_id))
-                self._events.append(MembershipEvent("joined", u.peer_id, u.incarnation, now))
-            return
-        if state is MemberState.ALIVE:
+            if state in _LIVE and len(self._records) < self._config.max_members:
+                self._add(u.peer_id, u.address, u.incarnation, now, verified=False)
+        elif state is MemberState.ALIVE:
             self._apply_alive(r, u, now)
         elif state is MemberState.SUSPECT:
-            self._apply_suspect(r, u, now)
+            self._apply_suspect(r, u, now, sender)
         elif u.incarnation >= r.incarnation and r.state not in (state, MemberState.LEFT):
             self._set(r, state, u.incarnation, now, str(state))
+        return False
 
     def _apply_alive(self, r: _Record, u: MemberUpdate, now: float) -> None:
         if u.incarnation <= r.incarnation:
@@ -203,19 +295,35 @@ class MembershipTable:
             r.incarnation = u.incarnation
             self._queue(self.update_of(r.peer_id))
 
-    def _apply_suspect(self, r: _Record, u: MemberUpdate, now: float) -> None:
+    def _apply_suspect(self, r: _Record, u: MemberUpdate, now: float, sender: str) -> None:
         if r.state not in _LIVE or u.incarnation < r.incarnation:
             return
         origin = u.origin or "?"
         if r.state is MemberState.SUSPECT and u.incarnation == r.incarnation:
-            if origin not in r.suspecters:
+            if self._confirms(r, origin, sender):
                 r.suspecters.append(origin)  # an independent confirmation: suspicion shortens
+                r.vouchers.append(sender)
                 self._queue(u)
         elif r.state is MemberState.SUSPECT:
-            r.incarnation, r.changed_at, r.suspecters = u.incarnation, now, [origin]
+            r.incarnation, r.changed_at = u.incarnation, now
+            r.suspecters, r.vouchers = [origin], [sender]
             self._queue(u)
         else:
-            self._set(r, MemberState.SUSPECT, u.incarnation, now, "suspected", origin)
+            self._set(r, MemberState.SUSPECT, u.incarnation, now, "suspected", origin, sender)
+
+    def _confirms(self, r: _Record, origin: str, sender: str) -> bool:
+        """Whether `origin`'s suspicion, brought by `sender`, counts as one more confirmation.
+
+        At most indirect_probes confirmations, each from a verified live member other than the
+        suspect, and at most one per sender, who must be that member or a verified live one.
+        """
+        if len(r.suspecters) > self._config.indirect_probes:
+            return False
+        if origin in r.suspecters or sender in r.vouchers or origin == r.peer_id:
+            return False
+        if not self.is_verified_live(origin):
+            return False
+        return sender == origin or self.is_verified_live(sender)
 
     def leave(self, now: float) -> None:
         self.left = True
@@ -232,7 +340,7 @@ class MembershipTable:
         return tuple(entry[0] for _, entry in chosen)
 
     def sample(self, k: int, rng: random.Random, about: str | None = None) -> tuple:
-        """This node plus up to k-1 random members of any state, `about`'s own record first."""
+        """This node plus up to k-1 random members of any state, `about`'s record first."""
         others = [p for p in self._records if p != about]
         picked = rng.sample(others, max(0, min(len(others), k - 1 - (about in self._records))))
         if about in self._records and k > 1:

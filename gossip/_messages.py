@@ -1,7 +1,8 @@
 # Membership wire messages. Invariants: every message is a frozen dataclass of primitive fields
 # (str, int, float, bool, tuples of those or of other such dataclasses), so node/ can serialize it
 # with msgspec; every variable-length field has a bound below, and `validate_message` checks all of
-# them, raising RemoteProtocolError for anything a peer could have sent wrong.
+# them (peer ids also for their characters, addresses for printable ASCII), raising
+# RemoteProtocolError for anything a peer could have sent wrong.
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -10,6 +11,8 @@ from ._errors import RemoteProtocolError
 
 MAX_ID_LEN = 128
 """Longest peer id accepted (node derives ids from a public key hash, far shorter)."""
+ID_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_.:")
+"""Characters a peer id may hold (node's ids are "gt" + lowercase base32)."""
 MAX_ADDRESS_LEN = 256
 """Longest address accepted, e.g. "tcp://[2001:db8::1]:7000"."""
 MAX_UPDATES = 32
@@ -109,6 +112,26 @@ def _check_str(name: str, value: object, limit: int, *, empty_ok: bool = False) 
         raise RemoteProtocolError(f"{name} must be 1..{limit} characters, got {len(value)}")
 
 
+def is_peer_id(value: object) -> bool:
+    """True for a well-formed peer id: 1..MAX_ID_LEN characters, all in ID_CHARS."""
+    return isinstance(value, str) and 0 < len(value) <= MAX_ID_LEN and ID_CHARS.issuperset(value)
+
+
+def _check_id(name: str, value: object, *, empty_ok: bool = False) -> None:
+    if empty_ok and value == "":
+        return
+    if not is_peer_id(value):
+        raise RemoteProtocolError(
+            f"{name} must be 1..{MAX_ID_LEN} characters of [A-Za-z0-9-_.:], got {value!r:.200}"
+        )
+
+
+def _check_address(name: str, value: object) -> None:
+    _check_str(name, value, MAX_ADDRESS_LEN)
+    if not all("!" <= ch <= "~" for ch in value):
+        raise RemoteProtocolError(f"{name} must be printable ASCII without spaces, got {value!r}")
+
+
 def _check_int(name: str, value: object, limit: int) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < limit:
         raise RemoteProtocolError(f"{name} must be an int in [0, {limit}), got {value!r}")
@@ -122,12 +145,12 @@ def _check_updates(name: str, updates: object, limit: int) -> None:
     for update in updates:
         if not isinstance(update, MemberUpdate):
             raise RemoteProtocolError(f"{name} must hold MemberUpdate, got {type(update).__name__}")
-        _check_str("peer_id", update.peer_id, MAX_ID_LEN)
-        _check_str("address", update.address, MAX_ADDRESS_LEN)
+        _check_id("peer_id", update.peer_id)
+        _check_address("address", update.address)
         if update.state not in STATES:
             raise RemoteProtocolError(f"state must be one of {STATES}, got {update.state!r}")
         _check_int("incarnation", update.incarnation, MAX_INCARNATION)
-        _check_str("origin", update.origin, MAX_ID_LEN, empty_ok=True)
+        _check_id("origin", update.origin, empty_ok=True)
 
 
 def validate_message(msg: object) -> None:
@@ -141,7 +164,7 @@ def validate_message(msg: object) -> None:
     """
     if not isinstance(msg, MESSAGE_TYPES):
         raise RemoteProtocolError(f"not a membership message: {type(msg).__name__}")
-    _check_str("sender_address", msg.sender_address, MAX_ADDRESS_LEN)
+    _check_address("sender_address", msg.sender_address)
     if isinstance(msg, Join | Leave):
         _check_int("incarnation", msg.incarnation, MAX_INCARNATION)
     elif isinstance(msg, PeerList):
@@ -152,7 +175,7 @@ def validate_message(msg: object) -> None:
         _check_int("seq", msg.seq, MAX_SEQ)
         _check_updates("updates", msg.updates, MAX_UPDATES)
         if isinstance(msg, PingReq):
-            _check_str("target_id", msg.target_id, MAX_ID_LEN)
-            _check_str("target_address", msg.target_address, MAX_ADDRESS_LEN)
+            _check_id("target_id", msg.target_id)
+            _check_address("target_address", msg.target_address)
         if isinstance(msg, Ack) and not isinstance(msg.indirect, bool):
             raise RemoteProtocolError(f"indirect must be a bool, got {msg.indirect!r}")
