@@ -31,6 +31,8 @@ from ._messages import (
 
 MAX_FORWARDS = 1024
 """Most indirect probes this node runs for others at once; further PingReqs are ignored."""
+MAX_FORWARDS_PER_PEER = 2
+"""Most indirect probes run at once for one requester (an honest one has one probe open)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -264,6 +266,8 @@ class Membership:
         if len(self._forwards) >= MAX_FORWARDS or target == sender_id:
             return
         if not self._table.is_verified_live(target):
+            return
+        if sum(f.requester == sender_id for f in self._forwards.values()) >= MAX_FORWARDS_PER_PEER:
             return
         seq = self._next_seq()
         requester_address = self.address_of(sender_id) or msg.sender_address

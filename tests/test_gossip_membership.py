@@ -10,7 +10,15 @@ from gossip._errors import LocalProtocolError, RemoteProtocolError
 from gossip._membership import Membership, Send
 from gossip._membership_config import MembershipConfig
 from gossip._membership_table import MemberState
-from gossip._messages import MemberUpdate, PeerList, Ping
+from gossip._messages import (
+    MAX_INCARNATION,
+    Ack,
+    MemberUpdate,
+    PeerList,
+    Ping,
+    PingReq,
+    validate_message,
+)
 from gossip._netsim import MemoryNetwork
 
 CONFIG = MembershipConfig()
@@ -158,7 +166,12 @@ def test_timers_scale_with_swarm_size():
 
 @pytest.mark.parametrize(
     ("field", "value"),
-    [("probe_interval_s", 0.0), ("probe_timeout_s", 5.0), ("max_piggyback", 0)],
+    [
+        ("probe_interval_s", 0.0),
+        ("probe_timeout_s", 5.0),
+        ("max_piggyback", 0),
+        ("max_members", 0),
+    ],
 )
 def test_a_bad_config_names_the_field(field, value):
     with pytest.raises(ValueError, match=field):
@@ -176,3 +189,169 @@ def test_peer_exchange_samples_stay_within_their_size():
     out = big.receive(PeerList("a0", members, want_reply=True), "x0", 1.0)
     listed = out[0].message.members
     assert len(listed) == 3 and listed[0].peer_id == "me" and listed[1].peer_id == "x0"
+
+
+# -- a malicious or buggy admitted peer -----------------------------------------------------------
+
+
+def _node_knowing(peers, config=CONFIG, seed=0):
+    """A node that heard directly from each of `peers` (so each is a verified member)."""
+    node = Membership("me", "addr-me", config, random.Random(seed))
+    node.join([], 0.0)
+    for p in peers:
+        node.receive(Ping(1, f"addr-{p}"), p, 0.0)
+    return node
+
+
+def _state(node, peer):
+    return {m.peer_id: m.state for m in node.members()}.get(peer)
+
+
+def test_a_claim_above_our_incarnation_is_not_adopted_and_is_answered_with_our_record():
+    node = _node_knowing(["x"])
+    lie = MemberUpdate("me", "addr-me", "dead", MAX_INCARNATION - 1)
+    out = node.receive(Ping(5, "addr-x", (lie,)), "x", 1.0)
+    assert node.incarnation == 0  # before the fix: 2**53, which every peer then refuses
+    ack = out[0].message
+    assert ack.updates[0] == MemberUpdate("me", "addr-me", "alive", 0)
+    validate_message(ack)
+    # a claim at exactly our incarnation is refuted by one, as SWIM wants
+    node.receive(Ping(6, "addr-x", (MemberUpdate("me", "addr-me", "suspect", 0, "x"),)), "x", 2.0)
+    assert node.incarnation == 1
+
+
+def test_a_made_up_incarnation_of_a_third_party_cuts_nobody_off():
+    net = _swarm(6, seed=11)
+    peers = list(net.nodes)
+    net.run_until(40.0, stop=lambda: _all_see_alive(net, peers))
+    liar, victim = "p1", "p3"
+    high = MAX_INCARNATION - 2
+    for p in peers:
+        if p not in (liar, victim):
+            lies = (
+                MemberUpdate(victim, "addr3", "alive", high),
+                MemberUpdate(victim, "addr3", "suspect", high, origin=liar),
+            )
+            net.send(liar, [Send(f"addr{p[1:]}", p, Ping(10**6, "addr1", lies))])
+    net.run_until(net.now + 120.0)  # a RemoteProtocolError anywhere would fail this run
+    assert net.nodes[victim].incarnation < 2**52
+    assert all(_view(net, p)[victim] is MemberState.ALIVE for p in peers if p != victim)
+    assert all(victim in net.nodes[p].live_peers() for p in peers if p != victim)
+
+
+def test_made_up_suspicion_origins_do_not_shorten_a_suspicion():
+    peers = ["p1", "p2", "p3", "p4", "p5"]
+    n = len(peers) + 1
+    node = _node_knowing(peers)
+    flood = [MemberUpdate("p2", "addr-p2", "suspect", 0, origin=f"fake{i}") for i in range(30)]
+    for i in range(0, 30, 10):
+        node.receive(Ping(2, "addr-p1", tuple(flood[i : i + 10])), "p1", 1.0)
+    # nor does one sender naming every real member as origin: it counts once, as the first
+    real = tuple(MemberUpdate("p2", "addr-p2", "suspect", 0, origin=p) for p in peers)
+    node.receive(Ping(3, "addr-p1", real), "p1", 1.0)
+    shortest, longest = CONFIG.suspicion_timeouts(n)
+    node.tick(1.0 + shortest)
+    assert _state(node, "p2") is MemberState.SUSPECT  # before the fix: dead here
+    node.tick(1.0 + longest - 0.01)
+    assert _state(node, "p2") is MemberState.SUSPECT
+    node.tick(1.0 + longest)
+    assert _state(node, "p2") is MemberState.DEAD
+
+
+def test_independent_suspicions_from_distinct_members_do_shorten_it():
+    peers = ["p1", "p2", "p3", "p4", "p5"]
+    node = _node_knowing(peers)
+    for p in ("p1", "p3", "p4", "p5"):
+        rumour = MemberUpdate("p2", "addr-p2", "suspect", 0, origin=p)
+        node.receive(Ping(4, f"addr-{p}", (rumour,)), p, 1.0)
+    node.tick(1.0 + CONFIG.suspicion_timeouts(len(peers) + 1)[0])
+    assert _state(node, "p2") is MemberState.DEAD
+
+
+def test_listed_strangers_are_capped_and_not_partners_until_they_speak():
+    config = MembershipConfig(max_members=100)
+    node = _node_knowing(["x0"], config)
+    for k in range(50):
+        fakes = tuple(MemberUpdate(f"f{k}-{i}", f"a{i}", "alive", 0) for i in range(256))
+        node.receive(PeerList("addr-x0", fakes), "x0", 1.0)
+    assert len(node.members()) == 100  # before the fix: 12,801 live members
+    assert node.live_peers() == ("x0",)  # second-hand members are never partners
+    # a real newcomer still gets in, replacing an unverified record, and is a partner at once
+    node.receive(Ping(1, "addr-new"), "new", 2.0)
+    assert len(node.members()) == 100
+    assert node.live_peers() == ("new", "x0")
+    # a listed member becomes a partner once it contacts us itself
+    listed = next(m.peer_id for m in node.members() if m.peer_id.startswith("f"))
+    node.receive(Ping(1, "addr-listed"), listed, 3.0)
+    assert listed in node.live_peers()
+    assert node.address_of(listed) == "addr-listed"
+
+
+def test_a_sender_id_that_is_not_a_peer_id_is_refused():
+    node = _node_knowing([])
+    for bad in ("", "a b", "x\x00", "é", "x" * 200):
+        with pytest.raises(RemoteProtocolError):
+            node.receive(Ping(1, "addr-x"), bad, 1.0)
+    assert node.members() == []
+
+
+def _probe_of(node, now):
+    """Tick until the node pings someone; the (seq, target) of that probe."""
+    for send in node.tick(now):
+        if isinstance(send.message, Ping):
+            return send.message.seq, send.peer_id
+    raise AssertionError("no probe sent")
+
+
+def test_an_ack_counts_only_from_the_probed_peer_or_a_helper_we_asked():
+    node = _node_knowing(["p1", "p2", "p3", "p4", "p5"])
+    seq, target = _probe_of(node, 1.0)
+    stranger = next(p for p in ("p1", "p2") if p != target)
+    node.receive(Ack(seq, "addr-x"), stranger, 1.1)  # a spoofed direct Ack
+    node.receive(Ack(seq, "addr-x", indirect=True), stranger, 1.1)  # an unasked helper
+    out = node.tick(1.0 + CONFIG.probe_timeout_s)
+    helpers = {s.peer_id for s in out if isinstance(s.message, PingReq)}
+    assert helpers  # the probe was still open: helpers were asked
+    node.tick(1.0 + CONFIG.probe_interval_s)
+    assert _state(node, target) is MemberState.SUSPECT
+    # the real answers do count
+    seq, target = _probe_of(node, 10.0)
+    node.receive(Ack(seq, "addr-t"), target, 10.2)
+    assert node.drain_rtt_samples()[-1].peer_id == target
+    node.tick(10.0 + CONFIG.probe_interval_s)
+    assert _state(node, target) is MemberState.ALIVE
+    seq, target = _probe_of(node, 20.0)
+    out = node.tick(20.0 + CONFIG.probe_timeout_s)
+    helper = next(s.peer_id for s in out if isinstance(s.message, PingReq))
+    node.receive(Ack(seq, "addr-h", indirect=True), helper, 20.9)
+    node.tick(20.0 + CONFIG.probe_interval_s)
+    assert _state(node, target) is MemberState.ALIVE
+
+
+def test_a_helper_forwards_only_the_targets_own_ack():
+    node = _node_knowing(["req", "target", "other"])
+    out = node.receive(PingReq(77, "addr-req", "target", "addr-target"), "req", 1.0)
+    (ping,) = out
+    node.receive(Ack(ping.message.seq, "addr-other"), "other", 1.1)  # not the target
+    forwarded = node.receive(Ack(ping.message.seq, "addr-target"), "target", 1.2)
+    assert [(s.peer_id, s.message.seq, s.message.indirect) for s in forwarded] == [
+        ("req", 77, True)
+    ]
+
+
+def test_ping_req_dials_only_verified_members_at_our_recorded_address():
+    node = _node_knowing(["req", "target"])
+    node.receive(PeerList("addr-req", (MemberUpdate("heard", "addr-h", "alive", 0),)), "req", 1.0)
+    for target_id in ("unknown", "heard", "req"):
+        assert node.receive(PingReq(1, "addr-req", target_id, "evil:1"), "req", 1.0) == []
+    (send,) = node.receive(PingReq(2, "addr-req", "target", "evil:1"), "req", 1.0)
+    assert (send.address, send.peer_id) == ("addr-target", "target")
+
+
+def test_one_requester_gets_only_a_few_indirect_probes_at_once():
+    node = _node_knowing(["req", "t1", "t2", "t3", "other"])
+    sent = [node.receive(PingReq(i, "addr-req", f"t{i}", "x:1"), "req", 1.0) for i in (1, 2, 3)]
+    assert [len(out) for out in sent] == [1, 1, 0]
+    assert len(node.receive(PingReq(9, "addr-other", "t3", "x:1"), "other", 1.0)) == 1
+    node.tick(1.0 + CONFIG.probe_interval_s)  # the unanswered ones expire
+    assert len(node.receive(PingReq(4, "addr-req", "t3", "x:1"), "req", 4.0)) == 1

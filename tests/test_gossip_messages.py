@@ -7,6 +7,7 @@ import pytest
 
 from gossip._errors import RemoteProtocolError
 from gossip._messages import (
+    MAX_ID_LEN,
     MAX_MEMBERS,
     MAX_UPDATES,
     Ack,
@@ -16,6 +17,7 @@ from gossip._messages import (
     PeerList,
     Ping,
     PingReq,
+    is_peer_id,
     validate_message,
 )
 
@@ -50,6 +52,13 @@ def test_every_message_round_trips_through_msgspec_and_validates(msg):
         (Ping(1, "a", (MemberUpdate("p", "a", "alive", 0, origin="o" * 500),)), "origin"),
         (Ping(1, "a", (MemberUpdate("p", "a", "alive", True),)), "incarnation"),
         (Ack(1, "a", indirect="yes"), "indirect"),
+        (Ping(1, "a", (MemberUpdate("p q", "a", "alive", 0),)), "peer_id"),
+        (Ping(1, "a", (MemberUpdate("p\x00", "a", "alive", 0),)), "peer_id"),
+        (PeerList("a", (MemberUpdate("p", "a", "suspect", 0, origin="o\n"),)), "origin"),
+        (PeerList("a", (MemberUpdate("p", "tcp://a b:1", "alive", 0),)), "address"),
+        (PingReq(1, "a", "t/../x", "b"), "target_id"),
+        (PingReq(1, "a", "t", "b\x7f"), "target_address"),
+        (Join("tcp://a:1\n", 0), "sender_address"),
     ],
 )
 def test_out_of_bounds_input_names_the_field(msg, field):
@@ -61,3 +70,9 @@ def test_msgspec_rejects_wrong_types_before_validation():
     wire = msgspec.msgpack.encode({"seq": "x", "sender_address": "a", "updates": []})
     with pytest.raises(msgspec.ValidationError):
         msgspec.msgpack.decode(wire, type=Ping)
+
+
+def test_peer_ids_of_the_node_format_are_well_formed():
+    assert is_peer_id("gt" + "abcdefghijklmnopqrstuvwxyz234567" + "a" * 20)
+    assert is_peer_id("p0") and is_peer_id("host-1.zone_a:7")
+    assert not any(is_peer_id(v) for v in ("", "x" * (MAX_ID_LEN + 1), "a b", "ü", 7, None))
