@@ -355,3 +355,26 @@ def test_one_requester_gets_only_a_few_indirect_probes_at_once():
     assert len(node.receive(PingReq(9, "addr-other", "t3", "x:1"), "other", 1.0)) == 1
     node.tick(1.0 + CONFIG.probe_interval_s)  # the unanswered ones expire
     assert len(node.receive(PingReq(4, "addr-req", "t3", "x:1"), "req", 4.0)) == 1
+
+
+def test_a_restarted_peer_rejoins_even_below_its_old_incarnation():
+    """Its old incarnation, still held by the others, is not adopted but overruled by its word."""
+    net = _swarm(6, seed=12)
+    peers = list(net.nodes)
+    net.run_until(40.0, stop=lambda: _all_see_alive(net, peers))
+    rumour = MemberUpdate("p4", "addr4", "suspect", 0, origin="p1")
+    for _ in range(3):  # p4 refutes three times: the others hold it at incarnation 3
+        net.send("p1", [Send("addr4", "p4", Ping(10**6, "addr1", (rumour,)))])
+        net.run_until(net.now + 20.0)
+        rumour = MemberUpdate("p4", "addr4", "suspect", net.nodes["p4"].incarnation, "p1")
+    assert net.nodes["p4"].incarnation == 3
+    net.crashed.add("p4")
+    net.run_until(net.now + CONFIG.detection_bound_s(6))
+    assert all(_view(net, p)["p4"] is MemberState.DEAD for p in peers if p != "p4")
+    fresh = Membership("p4", "addr4", CONFIG, random.Random(99))  # state lost: incarnation 0
+    net.crashed.discard("p4")
+    net.add(fresh, "addr4")
+    net.send("p4", fresh.join(["addr0"], net.now))
+    net.run_until(net.now + 120.0, stop=lambda: _all_see_alive(net, peers))
+    assert _all_see_alive(net, peers)
+    assert fresh.incarnation == 0
