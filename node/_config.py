@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-ALGORITHMS = ("adpsgd",)
+ALGORITHMS = ("adpsgd", "dpsgd", "choco", "diloco", "selsync")
 POLICIES = ("uniform", "ring", "exponential", "bandwidth")
 PARTITIONS = ("iid", "dirichlet")
 
@@ -181,14 +181,48 @@ class TrainingConfig:
 class GossipConfig:
     """How this node averages with the swarm.
 
-    algorithm: "adpsgd" (asynchronous pairwise averaging).
-    exchange_every: local steps between two exchanges this node starts.
+    algorithm: what the swarm runs (every node of a swarm must run the same one):
+        "adpsgd" (default): asynchronous pairwise model averaging. Assumes nothing about peers'
+            speed; trades a slower agreement (one partner at a time) for never waiting.
+        "dpsgd": synchronous rounds of exchange_every steps; at each round boundary a node
+            averages with up to dpsgd_degree live neighbours (all of them in a small swarm) with
+            Metropolis-Hastings weights. A neighbour that misses the round's deadline (its link's
+            transfer deadline plus round_slack x this node's own round time) is left out and its
+            weight stays with the node. Assumes peers of similar speed; trades waiting (at most
+            one deadline a round) for the tightest agreement per round.
+        "choco": CHOCO-SGD: pairwise gossip of compressed differences x - x_hat against public
+            estimates kept per neighbour, consensus step choco_gamma. Made for sparse or coarse
+            codecs (e.g. codec = "topk:0.01"), whose error the estimates absorb; trades memory
+            (two model copies per tracked neighbour, at most choco_max_peers) and a slower,
+            gamma-limited agreement for far fewer bytes.
+        "diloco": local SGD: diloco_inner_steps local steps, then the pseudo-gradient (start of
+            round minus now) is compressed, sent to up to diloco_fanout live peers, averaged with
+            what arrives by the deadline (pushed or replied, at most diloco_max_staleness rounds
+            old) and applied by an outer Nesterov step. Assumes a small, well-connected group whose
+            models start equal (same seed); trades slower mixing (models are never averaged, only
+            their updates) for H-fold fewer messages.
+        "selsync": selective synchronization: a pairwise exchange (as adpsgd) only when the
+            model moved more than selsync_threshold (relative L2) since the last one; otherwise
+            it trains alone. Trades agreement for communication when updates are small.
+    exchange_every: local steps between two exchanges this node starts (adpsgd, choco); the
+        length of a dpsgd round; how often selsync checks its threshold.
     probe_interval_s: failure-detection period (SWIM); 2 s suits WAN links, less suits a LAN.
     policy: partner choice: "bandwidth" (measured links), "uniform", "ring" or "exponential".
     codec: "auto" picks per link from its measured bandwidth; or a fixed compress/ spec.
     max_norm_ratio: refuse a peer's model whose norm exceeds this multiple of ours (+1).
     clip: bound the L2 distance a single exchange may move us (clipped gossip); unset = no bound.
     state_sync: a node with no checkpoint first fetches the current model from a peer.
+    dpsgd_degree: most neighbours per dpsgd round (all live peers when there are fewer).
+    round_slack: dpsgd waits for a late neighbour up to this many of its own round times on top of
+        the link's transfer deadline (covers the neighbours' compute jitter, not a straggler).
+    choco_gamma: CHOCO-SGD's consensus step size (0 < gamma <= 1); smaller is safer for harsher
+        compression.
+    choco_max_peers: neighbours whose estimates are kept (least recently used dropped first).
+    diloco_inner_steps: H, local steps per outer round.
+    diloco_outer_lr / diloco_outer_momentum: the outer Nesterov SGD (DiLoCo's 0.7 / 0.9).
+    diloco_fanout: most peers a pseudo-gradient is sent to per outer round.
+    diloco_max_staleness: a peer's pseudo-gradient at most this many rounds older than ours is used.
+    selsync_threshold: relative model change ||w - w_last|| / ||w|| that triggers an exchange.
     """
 
     algorithm: str = "adpsgd"
@@ -199,6 +233,16 @@ class GossipConfig:
     max_norm_ratio: float = 10.0
     clip: float | None = None
     state_sync: bool = True
+    dpsgd_degree: int = 4  # Metropolis-Hastings stays well mixed with a handful of neighbours
+    round_slack: float = 1.0  # one round of our own compute time for a neighbour's jitter
+    choco_gamma: float = 0.05  # topk:0.01, digits-mlp, 4 peers: 0.03-0.1 agree best, 1.0 diverges
+    choco_max_peers: int = 16
+    diloco_inner_steps: int = 20
+    diloco_outer_lr: float = 0.7  # DiLoCo's published outer settings
+    diloco_outer_momentum: float = 0.9
+    diloco_fanout: int = 8
+    diloco_max_staleness: int = 4  # a slower peer's pseudo-gradients still count
+    selsync_threshold: float = 0.01
 
     def __post_init__(self) -> None:
         _check(
@@ -213,6 +257,23 @@ class GossipConfig:
         _check(self.policy in POLICIES, "gossip.policy", self.policy, " or ".join(POLICIES))
         _check(self.max_norm_ratio > 1, "gossip.max_norm_ratio", self.max_norm_ratio, "> 1")
         _check(self.clip is None or self.clip > 0, "gossip.clip", self.clip, "> 0")
+        self._check_algorithms()
+
+    def _check_algorithms(self) -> None:
+        _check(self.dpsgd_degree >= 1, "gossip.dpsgd_degree", self.dpsgd_degree, ">= 1")
+        _check(self.round_slack >= 0, "gossip.round_slack", self.round_slack, ">= 0")
+        _check(0 < self.choco_gamma <= 1, "gossip.choco_gamma", self.choco_gamma, "0 < gamma <= 1")
+        _check(self.choco_max_peers >= 1, "gossip.choco_max_peers", self.choco_max_peers, ">= 1")
+        _check(self.diloco_inner_steps >= 1, "gossip.diloco_inner_steps",
+               self.diloco_inner_steps, ">= 1")
+        _check(self.diloco_outer_lr > 0, "gossip.diloco_outer_lr", self.diloco_outer_lr, "> 0")
+        _check(0 <= self.diloco_outer_momentum < 1, "gossip.diloco_outer_momentum",
+               self.diloco_outer_momentum, "0 <= momentum < 1")
+        _check(self.diloco_fanout >= 1, "gossip.diloco_fanout", self.diloco_fanout, ">= 1")
+        _check(self.diloco_max_staleness >= 0, "gossip.diloco_max_staleness",
+               self.diloco_max_staleness, ">= 0")
+        _check(self.selsync_threshold > 0, "gossip.selsync_threshold", self.selsync_threshold,
+               "> 0")
 
 
 @dataclass(frozen=True)

@@ -25,6 +25,11 @@ from gossip._membership_config import MembershipConfig
 from gossip._partners import PartnerSelector
 
 from ._admission import Admission
+from ._algo_choco import ChocoRuntime
+from ._algo_diloco import DilocoRuntime
+from ._algo_dpsgd import DpsgdRuntime
+from ._algo_selsync import SelsyncRuntime
+from ._algorithm import AlgorithmContext, AlgorithmRuntime
 from ._checkpoint import Checkpoint, CheckpointStore, write_atomically
 from ._config import NodeConfig
 from ._device import resolve_device
@@ -84,6 +89,7 @@ class Node:
         self._step_times: deque[float] = deque(maxlen=50)
         self._wake_membership = trio.Event()
         self._exchange_running = False
+        self.algo: AlgorithmRuntime | None = None
         self._checkpointed_step = -1
         self._running = True
         self._status_lock = trio.Lock()
@@ -131,9 +137,36 @@ class Node:
         self.store = store
         return task, trainer, ckpt
 
+    def _make_algorithm(self) -> AlgorithmRuntime | None:
+        """The runtime of a non-default algorithm (adpsgd runs on the exchange service alone)."""
+        name = self.config.gossip.algorithm
+        if name == "adpsgd":
+            return None
+        ctx = AlgorithmContext(
+            trainer=self.trainer,
+            config=self.config.gossip,
+            links=self.links,
+            request=self.transport.request,
+            live_peers=self.membership.live_peers,
+            address_of=self.membership.address_of,
+            choose_partner=self._choose_partner,
+            choose_codec=self._choose_codec,
+            record_outcome=self.selector.record_outcome,
+            record_busy=self.selector.record_busy,
+            rng=self.rng,
+            start_soon=lambda fn, *args: self._nursery.start_soon(fn, *args),
+        )
+        if name == "selsync":
+            return SelsyncRuntime(ctx, self.exchange)
+        runtimes = {"dpsgd": DpsgdRuntime, "choco": ChocoRuntime, "diloco": DilocoRuntime}
+        return runtimes[name](ctx)
+
     def _restore(self, ckpt: Checkpoint) -> None:
         tensors = ckpt.tensors
         self.trainer.restore(tensors, ckpt.meta, ckpt.step)
+        if self.algo is not None:
+            algo = {k[5:]: v for k, v in tensors.items() if k.startswith("algo/")}
+            self.algo.load_state(algo, ckpt.meta.get("algo") or {})
         ef = {k[3:]: v for k, v in tensors.items() if k.startswith("ef/")}
         self.exchange.feedback.load_state_dict(ef)
         links = ckpt.meta.get("links")
@@ -150,6 +183,9 @@ class Node:
         def write() -> int:
             tensors, meta = self.trainer.state_tensors()
             tensors.update({f"ef/{k}": v for k, v in self.exchange.feedback_state().items()})
+            if self.algo is not None:
+                algo_tensors, meta["algo"] = self.algo.state()
+                tensors.update({f"algo/{k}": v for k, v in algo_tensors.items()})
             meta["links"] = links
             meta["task"] = self.config.training.task
             step = meta["step"]
@@ -197,6 +233,7 @@ class Node:
                 self.selector.record_outcome,
                 self.selector.record_busy,
             )
+            self.algo = self._make_algorithm()
             if ckpt is not None:
                 self._restore(ckpt)
                 log.info("resumed", step=ckpt.step)
@@ -234,7 +271,9 @@ class Node:
             result = await trio.to_thread.run_sync(self.trainer.train_step)
             self._step_times.append(time.monotonic())
             step = result.step
-            if step % g.exchange_every == 0 and not self._exchange_running:
+            if self.algo is not None:
+                await self.algo.after_step(result)
+            elif step % g.exchange_every == 0 and not self._exchange_running:
                 if self.membership.live_peers():
                     self._exchange_running = True
                     self._nursery.start_soon(self._run_exchange)
@@ -377,6 +416,8 @@ class Node:
                     step = await self.exchange.sync_state(peer, address, deadline_s=30.0)
                     if step is not None:
                         log.info("state_synced", peer=peer[:12], peer_step=step)
+                        if self.algo is not None:
+                            await trio.to_thread.run_sync(self.algo.model_replaced)
                         return
                 await trio.sleep(0.2)
         log.warning("state_sync_skipped", reason="no peer answered; training from scratch")
@@ -385,6 +426,8 @@ class Node:
     async def _handle(
         self, peer: PeerInfo, header: Header, payload: memoryview
     ) -> tuple[Header, bytes]:
+        if self.algo is not None and isinstance(header, self.algo.headers):
+            return await self.algo.handle(peer, header, payload)
         if isinstance(header, Exchange):
             return await self.exchange.handle_exchange(peer, header, payload)
         if isinstance(header, Gossip):
@@ -455,6 +498,7 @@ class Node:
             exchanges_ok=self.exchange.ok,
             exchanges_failed=self.exchange.failed,
             rejected_updates=self.exchange.rejected,
+            algorithm_stats=self.algo.statistics() if self.algo is not None else {},
             pid=os.getpid(),
             running=running,
             peers=tuple(peers),

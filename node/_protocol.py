@@ -17,6 +17,7 @@ MAX_SPEC_CHARS = 128
 MAX_GOSSIP_BODY = 48 * 1024
 Spec = Annotated[str, msgspec.Meta(max_length=MAX_SPEC_CHARS)]
 Name = Annotated[str, msgspec.Meta(max_length=64)]
+Degree = Annotated[int, msgspec.Meta(ge=0, le=4096)]
 
 _KINDS: dict[str, type] = {cls.__name__.lower(): cls for cls in MESSAGE_TYPES}
 GossipKind = Literal["join", "ping", "pingreq", "ack", "peerlist", "leave"]
@@ -60,6 +61,55 @@ class StateReply(Header, frozen=True, tag="state_reply"):
     step: U63
 
 
+class RoundRequest(Header, frozen=True, tag="round_request"):
+    """dpsgd: ask a neighbour for its model at the boundary of round `round`.
+
+    The neighbour answers RoundReply once it has reached that round (the requester's deadline
+    bounds the wait) with the model it had there, or a newer one when that round is gone; `degree`
+    is the requester's neighbour count this round (for Metropolis-Hastings weights).
+    """
+
+    algorithm: Name
+    codec: Spec
+    round: U63
+    degree: Degree
+
+
+class RoundReply(Header, frozen=True, tag="round_reply"):
+    round: U63
+    degree: Degree
+
+
+class ChocoExchange(Header, frozen=True, tag="choco_exchange"):
+    """choco: the payload is q = C(x - x_hat) for the sender's estimate kept for this link.
+
+    `seq` counts the exchanges completed on this link as the sender saw them; a responder whose
+    count differs answers ErrorReply(reason "resync: ...") and both ends restart the link's
+    estimates at the initial model, which both hold (same training.seed: `base` must match).
+    """
+
+    codec: Spec
+    seq: U63
+    base: U63  # digest of the initial model the estimates start from (same seed everywhere)
+
+
+class ChocoReply(Header, frozen=True, tag="choco_reply"):
+    seq: U63
+
+
+class DeltaOffer(Header, frozen=True, tag="delta_offer"):
+    """diloco: the payload is the sender's pseudo-gradient of outer round `round`."""
+
+    codec: Spec
+    round: U63
+
+
+class DeltaReply(Header, frozen=True, tag="delta_reply"):
+    """The responder's latest pseudo-gradient (empty payload when it has none yet)."""
+
+    round: U63
+
+
 MAX_PROBE_BYTES = 1 << 20
 
 
@@ -81,6 +131,12 @@ NODE_HEADER_TYPES: tuple[type[Header], ...] = (
     StateReply,
     Probe,
     ProbeReply,
+    RoundRequest,
+    RoundReply,
+    ChocoExchange,
+    ChocoReply,
+    DeltaOffer,
+    DeltaReply,
 )
 
 

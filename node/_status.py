@@ -49,6 +49,7 @@ class NodeStatus:
     pid: int
     running: bool = True
     peers: tuple[PeerStatus, ...] = field(default_factory=tuple)
+    algorithm_stats: dict[str, float | int] = field(default_factory=dict)  # per-algorithm counters
 
     def to_json(self) -> dict[str, Any]:
         data = asdict(self)

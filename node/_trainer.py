@@ -8,6 +8,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 
@@ -17,6 +18,7 @@ from ._checkpoint import optimizer_from_checkpoint, optimizer_to_checkpoint
 from ._tasks import Task
 
 OPTIMIZERS = ("sgd", "adam")
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -113,6 +115,14 @@ class Trainer:
             live = self.params()
             check_update(live, remote, max_norm_ratio=max_norm_ratio)
             return pairwise_mix(live, snapshot, remote, weight=weight, clip=clip)
+
+    def update(self, fn: Callable[[dict[str, torch.Tensor]], T]) -> T:
+        """Run `fn(live parameters)` under the model lock, without autograd; returns its result.
+
+        The algorithms' tensor rules change the model through this, never beside a training step.
+        """
+        with self._lock, torch.no_grad():
+            return fn(self.params())
 
     def load_params(self, remote: dict[str, torch.Tensor], *, max_norm_ratio: float) -> None:
         """Replace the parameters with a peer's (state sync for a node that joins late)."""

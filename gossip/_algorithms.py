@@ -1,0 +1,205 @@
+# The tensor rules and decisions of the synchronous and compressed algorithms (dpsgd, choco,
+# diloco, selsync). Invariants: pure tensor arithmetic on the tensors handed in, no I/O, no clock
+# and no randomness; every rule that mixes changes `live` in place and only there; every weight
+# row built here sums to one (a neighbour left out gives its weight back to the node itself).
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping, MutableMapping
+
+import torch
+
+from ._averaging import params_norm
+
+Params = Mapping[str, torch.Tensor]
+
+
+def metropolis_hastings_weights(
+    degree: int, neighbour_degrees: Mapping[str, int]
+) -> tuple[float, dict[str, float]]:
+    """Metropolis–Hastings gossip weights of one node: w_ij = 1 / (1 + max(d_i, d_j)).
+
+    The weights of the neighbours that answered are kept as they are and the rest of the row goes
+    to the node itself, so a neighbour that missed a round's deadline is renormalised away
+    (its share stays with us) and the row still sums to one. With every neighbour present and
+    symmetric neighbourhoods the matrix is symmetric and doubly stochastic (the average is kept).
+
+    Args:
+        degree: how many neighbours this node asked in this round (d_i >= 0).
+        neighbour_degrees: the degree each answering neighbour reported for its own round.
+
+    Returns:
+        (self weight, {neighbour: weight}).
+    """
+    if degree < 0 or any(d < 0 for d in neighbour_degrees.values()):
+        raise ValueError(f"degrees must be >= 0: {degree}, {dict(neighbour_degrees)}")
+    weights = {p: 1.0 / (1.0 + max(degree, d)) for p, d in neighbour_degrees.items()}
+    return 1.0 - sum(weights.values()), weights
+
+
+def neighbourhood_mix(
+    live: MutableMapping[str, torch.Tensor],
+    sent: Params,
+    remotes: Mapping[str, Params],
+    weights: Mapping[str, float],
+) -> float:
+    """D-PSGD's mixing step, in place: live += sum_j w_ij * (x_j - sent).
+
+    `sent` is this node's model at the round boundary (what its neighbours received), so any
+    progress made since then is kept, as in pairwise_mix.
+
+    Returns:
+        The largest L2 distance ||x_j - sent|| among the neighbours (0.0 with none).
+    """
+    largest = 0.0
+    with torch.no_grad():
+        for peer, remote in remotes.items():
+            diffs = {n: remote[n].to(live[n].dtype) - sent[n] for n in live}
+            largest = max(largest, params_norm(diffs))
+            for name, tensor in live.items():
+                tensor.add_(diffs[name], alpha=weights[peer])
+    return largest
+
+
+def choco_difference(live: Params, estimate: Params) -> dict[str, torch.Tensor]:
+    """What CHOCO-SGD compresses and sends: x - x_hat (our model minus our public estimate)."""
+    return {n: live[n] - estimate[n] for n in live}
+
+
+def choco_update_estimate(estimate: MutableMapping[str, torch.Tensor], q: Params) -> None:
+    """x_hat += q, in place: both ends of a link apply the same q, so their copies stay equal."""
+    with torch.no_grad():
+        for name, tensor in estimate.items():
+            tensor.add_(q[name].to(tensor.dtype))
+
+
+def choco_consensus(
+    live: MutableMapping[str, torch.Tensor],
+    own_estimate: Params,
+    peer_estimate: Params,
+    *,
+    gamma: float,
+    weight: float = 0.5,
+) -> float:
+    """CHOCO-SGD's consensus step for one neighbour, in place: x += gamma * w * (x_hat_j - x_hat_i).
+
+    Returns:
+        ||x_hat_j - x_hat_i||, the distance between the two public estimates.
+    """
+    if not 0.0 < gamma <= 1.0:
+        raise ValueError(f"gamma={gamma}: expected 0 < gamma <= 1")
+    diffs = {n: peer_estimate[n] - own_estimate[n] for n in live}
+    with torch.no_grad():
+        for name, tensor in live.items():
+            tensor.add_(diffs[name], alpha=gamma * weight)
+    return params_norm(diffs)
+
+
+def pseudo_gradient(start: Params, live: Params) -> dict[str, torch.Tensor]:
+    """DiLoCo's outer gradient: the round's starting parameters minus the parameters now."""
+    return {n: start[n] - live[n] for n in start}
+
+
+def average(deltas: Iterable[Params]) -> dict[str, torch.Tensor]:
+    """The element-wise mean of equally named tensor sets (at least one)."""
+    deltas = list(deltas)
+    if not deltas:
+        raise ValueError("average: nothing to average")
+    return {n: torch.stack([d[n] for d in deltas]).mean(dim=0) for n in deltas[0]}
+
+
+class NesterovOuter:
+    """DiLoCo's outer optimizer: SGD with Nesterov momentum on pseudo-gradients.
+
+    buf = momentum * buf + g;  start -= lr * (g + momentum * buf);  the model restarts from start.
+
+    Args:
+        lr: the outer learning rate (DiLoCo uses 0.7).
+        momentum: the Nesterov momentum (DiLoCo uses 0.9).
+    """
+
+    def __init__(self, lr: float, momentum: float) -> None:
+        if lr <= 0 or not 0 <= momentum < 1:
+            raise ValueError(f"lr={lr}, momentum={momentum}: expected lr > 0, 0 <= momentum < 1")
+        self.lr = lr
+        self.momentum = momentum
+        self.buffers: dict[str, torch.Tensor] = {}
+
+    def step(self, start: MutableMapping[str, torch.Tensor], gradient: Params) -> None:
+        """Apply one outer step to `start` in place."""
+        with torch.no_grad():
+            for name, tensor in start.items():
+                g = gradient[name].to(tensor.dtype)
+                buf = self.buffers.get(name)
+                buf = g.clone() if buf is None else buf.mul_(self.momentum).add_(g)
+                self.buffers[name] = buf
+                tensor.sub_(g + self.momentum * buf, alpha=self.lr)
+
+
+def relative_change(live: Params, reference: Params) -> float:
+    """||live - reference|| / ||live|| (selsync's significance measure; inf for a zero model)."""
+    change = math.sqrt(sum(float((live[n] - reference[n]).double().pow(2).sum()) for n in live))
+    norm = params_norm(live)
+    return change / norm if norm > 0 else math.inf
+
+
+def fresh_deltas(
+    own_round: int,
+    offered: Mapping[str, int],
+    used: Mapping[str, int],
+    *,
+    max_staleness: int,
+) -> list[str]:
+    """Which peers' pseudo-gradients a DiLoCo outer step of round `own_round` may use.
+
+    A peer's pseudo-gradient of round r is used when r >= own_round - max_staleness and no
+    pseudo-gradient of that peer of round r or later was used before (each is used at most once).
+
+    Args:
+        offered: peer -> the round of the pseudo-gradient at hand from it.
+        used: peer -> the round of its pseudo-gradient this node used last.
+
+    Returns:
+        The peers to use, sorted.
+    """
+    return sorted(
+        peer
+        for peer, r in offered.items()
+        if r >= own_round - max_staleness and r > used.get(peer, -1)
+    )
+
+
+class RoundAttendance:
+    """Which neighbours a dpsgd round waits for: one that missed rounds is skipped for a while.
+
+    After its k-th consecutive miss a neighbour is not asked for min(2**k, max_skip) rounds, so a
+    straggler costs the others one deadline now and then instead of one every round; an answer
+    resets it. Pure bookkeeping: rounds are numbers handed in.
+    """
+
+    def __init__(self, max_skip: int = 32) -> None:
+        if max_skip < 1:
+            raise ValueError(f"max_skip={max_skip}: expected >= 1")
+        self.max_skip = max_skip
+        self._misses: dict[str, int] = {}
+        self._skip_until: dict[str, int] = {}
+
+    def eligible(self, peers: Iterable[str], round_: int) -> list[str]:
+        """The peers worth asking in round `round_`, in the order given."""
+        return [p for p in peers if self._skip_until.get(p, -1) < round_]
+
+    def record(self, peer: str, round_: int, answered: bool) -> None:
+        if answered:
+            self._misses.pop(peer, None)
+            self._skip_until.pop(peer, None)
+            return
+        misses = self._misses.get(peer, 0) + 1
+        self._misses[peer] = misses
+        self._skip_until[peer] = round_ + min(2**misses, self.max_skip)
+
+    def forget(self, keep: Iterable[str]) -> None:
+        """Drop the records of peers not in `keep` (dead or gone)."""
+        keep = set(keep)
+        for table in (self._misses, self._skip_until):
+            for peer in [p for p in table if p not in keep]:
+                del table[peer]

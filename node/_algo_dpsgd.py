@@ -1,0 +1,180 @@
+# dpsgd: synchronous neighbourhood averaging in rounds of `exchange_every` steps. Invariants: a
+# round's model is published before its neighbours are asked, so two nodes in the same round
+# never wait on each other; a request for a round this node has not reached waits at most
+# ROUND_WAIT_CAP_S; a reply is used only when it is of the requested round or newer; the round
+# ends at its deadline with whoever answered (Metropolis-Hastings weights, the rest stays with us).
+from __future__ import annotations
+
+import structlog
+import trio
+
+import compress
+from gossip._algorithms import RoundAttendance, metropolis_hastings_weights, neighbourhood_mix
+from gossip._averaging import RejectedUpdate
+
+from ._algorithm import AlgorithmContext, Tensors
+from ._messages import ErrorReply, Header
+from ._protocol import RoundReply, RoundRequest
+from ._trainer import StepResult
+from ._transport import PeerInfo, TransportError
+
+ROUND_WAIT_CAP_S = 30.0  # the most a responder holds a request for a round it has not reached
+KEEP_ROUNDS = 2
+log = structlog.get_logger()
+
+
+class DpsgdRuntime:
+    """D-PSGD with deadlines (see GossipConfig's `algorithm` for what it assumes and trades)."""
+
+    headers = (RoundRequest,)
+
+    def __init__(self, ctx: AlgorithmContext) -> None:
+        self.ctx = ctx
+        self.round = -1  # the newest round published
+        self._models: dict[int, tuple[Tensors, int]] = {}  # round -> (model, degree)
+        self._published = trio.Event()
+        self._attendance = RoundAttendance()
+        self._step_s = 0.0
+        self.rounds = self.full_rounds = self.missed = self.late_ignored = 0
+
+    def statistics(self) -> dict[str, float | int]:
+        return {
+            "rounds": self.rounds,
+            "full_rounds": self.full_rounds,
+            "missed_neighbours": self.missed,
+            "late_replies_ignored": self.late_ignored,
+        }
+
+    def state(self) -> tuple[Tensors, dict]:
+        return {}, {"round": self.round}
+
+    def load_state(self, tensors: Tensors, meta: dict) -> None:
+        self.round = int(meta.get("round", -1))
+
+    def model_replaced(self) -> None:
+        pass  # the next round publishes the new model
+
+    def _neighbours(self, round_: int) -> list[str]:
+        live = sorted(self.ctx.live_peers())
+        self._attendance.forget(live)
+        if len(live) > self.ctx.config.dpsgd_degree:
+            live = sorted(self.ctx.rng.sample(live, self.ctx.config.dpsgd_degree))
+        return self._attendance.eligible(live, round_)
+
+    def _publish(self, round_: int, model: Tensors, degree: int) -> None:
+        self._models[round_] = (model, degree)
+        for old in [r for r in self._models if r <= round_ - KEEP_ROUNDS]:
+            del self._models[old]
+        self.round = round_
+        self._published.set()
+        self._published = trio.Event()
+
+    async def after_step(self, result: StepResult) -> None:
+        self._step_s = (
+            result.seconds if not self._step_s else 0.9 * self._step_s + 0.1 * result.seconds
+        )
+        every = self.ctx.config.exchange_every
+        if result.step % every:
+            return
+        round_ = result.step // every
+        neighbours = self._neighbours(round_)
+        sent = await trio.to_thread.run_sync(self.ctx.trainer.snapshot)
+        self._publish(round_, sent, len(neighbours))
+        if neighbours:
+            await self._round(round_, sent, neighbours)
+
+    async def _round(self, round_: int, sent: Tensors, neighbours: list[str]) -> None:
+        ctx = self.ctx
+        nbytes = compress.expected_nbytes_named(
+            [(n, tuple(t.shape)) for n, t in sorted(sent.items())], compress.get_codec(self._spec())
+        )
+        slack = ctx.config.round_slack * ctx.config.exchange_every * self._step_s
+        deadline = max(ctx.round_deadline(p, nbytes) for p in neighbours) + slack
+        started = ctx.now()
+        got: dict[str, tuple[Tensors, int]] = {}
+        reasons: dict[str, str] = {}
+        with trio.move_on_after(deadline):
+            async with trio.open_nursery() as nursery:
+                for peer in neighbours:
+                    nursery.start_soon(
+                        self._ask, peer, round_, len(neighbours), deadline, got, reasons
+                    )
+        missing = [p for p in neighbours if p not in got]
+        for peer in neighbours:
+            self._attendance.record(peer, round_, peer in got)
+            ctx.record_outcome(peer, peer in got, ctx.now())
+        self_w, weights = metropolis_hastings_weights(
+            len(neighbours), {p: d for p, (_, d) in got.items()}
+        )
+        remotes = {p: m for p, (m, _) in got.items()}
+        await trio.to_thread.run_sync(
+            lambda: ctx.trainer.update(lambda live: neighbourhood_mix(live, sent, remotes, weights))
+        )
+        self.rounds += 1
+        self.full_rounds += not missing
+        self.missed += len(missing)
+        log.info(
+            "round_done",
+            round=round_,
+            answered=sorted(p[:12] for p in got),
+            missing=sorted(p[:12] for p in missing),
+            reasons={p[:12]: r for p, r in reasons.items()},
+            self_weight=round(self_w, 4),
+            deadline_s=round(deadline, 3),
+            waited_s=round(ctx.now() - started, 3),
+        )
+
+    def _spec(self, peer: str | None = None) -> str:
+        if self.ctx.config.codec != "auto":
+            return self.ctx.config.codec
+        return self.ctx.choose_codec(peer, self.ctx.now()) if peer else "fp16"
+
+    async def _ask(self, peer, round_, degree, deadline, got, reasons) -> None:
+        address = self.ctx.address_of(peer)
+        if address is None:
+            reasons[peer] = "no address"
+            return
+        header = RoundRequest(
+            algorithm="dpsgd", codec=self._spec(peer), round=round_, degree=degree
+        )
+        try:
+            reply, payload, _ = await self.ctx.request(
+                address, header, b"", deadline_s=deadline, expect_peer=peer
+            )
+        except TransportError as exc:
+            reasons[peer] = f"{type(exc).__name__}: {exc}"[:200]
+            return
+        if not isinstance(reply, RoundReply):
+            reasons[peer] = getattr(reply, "reason", type(reply).__name__)[:200]
+            return
+        if reply.round < round_:  # an answer for an older round: never mixed into this one
+            self.late_ignored += 1
+            reasons[peer] = f"reply for round {reply.round}"
+            return
+        try:
+            remote = await trio.to_thread.run_sync(self.ctx.decode_checked, bytes(payload))
+        except (RejectedUpdate, compress.DecodeError) as exc:
+            reasons[peer] = f"rejected: {exc}"[:200]
+            log.warning("update_rejected", peer=peer[:12], reason=str(exc))
+            return
+        got[peer] = (remote, reply.degree)
+
+    async def handle(
+        self, peer: PeerInfo, header: Header, payload: memoryview
+    ) -> tuple[Header, bytes]:
+        assert isinstance(header, RoundRequest)
+        if header.algorithm != "dpsgd":
+            return ErrorReply(
+                code="bad_request", reason=f"this node runs dpsgd, not {header.algorithm}"
+            ), b""
+        if not self.ctx.acceptable(header.codec):
+            return ErrorReply(code="bad_request", reason=f"codec {header.codec!r} refused"), b""
+        with trio.move_on_after(ROUND_WAIT_CAP_S):
+            while self.round < header.round:
+                await self._published.wait()
+        if self.round < header.round:
+            return ErrorReply(code="busy", reason=f"round {header.round} not reached"), b""
+        round_ = header.round if header.round in self._models else self.round
+        model, degree = self._models[round_]
+        data = await trio.to_thread.run_sync(self.ctx.encode, model, header.codec, round_)
+        return RoundReply(round=round_, degree=degree), data
