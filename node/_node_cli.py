@@ -82,12 +82,21 @@ def node_run(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"geotrain node run: {exc}", file=sys.stderr)
         return 2
+    refused: list[BaseException] = []
     try:
         trio.run(_run, node)
-    except (ResumeError, ValueError) as exc:
+    except* (ResumeError, ValueError) as group:  # raised inside the nursery: grouped by trio
+        refused = _leaves(group)
+    for exc in refused:
         print(f"geotrain node run: {exc}", file=sys.stderr)
-        return 2
-    return 0
+    return 2 if refused else 0
+
+
+def _leaves(group: BaseExceptionGroup) -> list[BaseException]:
+    out: list[BaseException] = []
+    for exc in group.exceptions:
+        out += _leaves(exc) if isinstance(exc, BaseExceptionGroup) else [exc]
+    return out
 
 
 def status(args: argparse.Namespace) -> int:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import random
 
 import pytest
@@ -250,3 +251,87 @@ def test_choco_converges_with_topk_where_plain_topk_averaging_does_not(one_threa
         for _ in range(300):
             t.train_step()
     assert choco_spread < 0.5 * consensus_distance([t.params() for t in alone])
+
+
+# -- the choco runtime's link protocol, two runtimes joined by an in-memory request ---------------
+
+
+def _choco_pair():
+    import trio
+
+    from gossip._links import LinkTable
+    from node._algo_choco import ChocoRuntime
+    from node._algorithm import AlgorithmContext
+    from node._config import GossipConfig
+    from node._transport import PeerInfo, TransportError
+
+    runtimes: dict[str, ChocoRuntime] = {}
+    lose_next_reply = []
+
+    def make(me: str, other: str) -> ChocoRuntime:
+        async def request(address, header, payload, *, deadline_s, expect_peer):
+            peer = PeerInfo(me, b"", "tcp://x", "inbound")
+            with trio.fail_after(deadline_s):
+                reply = await runtimes[expect_peer].handle(peer, header, memoryview(payload))
+            if lose_next_reply:
+                lose_next_reply.pop()
+                raise TransportError("reply lost")
+            return (*reply, None)
+
+        task = resolve_task("synthetic-linreg")(
+            TaskContext(shard_index=int(me == "b"), num_shards=2)
+        )
+        ctx = AlgorithmContext(
+            trainer=Trainer(task),
+            config=GossipConfig(algorithm="choco", codec="topk:0.1", choco_gamma=0.5),
+            links=LinkTable(),
+            request=request,
+            live_peers=lambda: (other,),
+            address_of=lambda p: "tcp://x",
+            choose_partner=lambda now: other,
+            choose_codec=lambda p, now: "topk:0.1",
+            record_outcome=lambda p, ok, now: None,
+            record_busy=lambda p, now: None,
+            rng=random.Random(0),
+            start_soon=lambda fn, *a: None,
+        )
+        return ChocoRuntime(ctx)
+
+    runtimes["a"], runtimes["b"] = make("a", "b"), make("b", "a")
+    return runtimes, lose_next_reply
+
+
+def _same_estimates(x, y) -> bool:
+    return all(torch.equal(x.mine[n], y.theirs[n]) for n in x.mine) and all(
+        torch.equal(x.theirs[n], y.mine[n]) for n in x.theirs
+    )
+
+
+async def test_choco_links_stay_equal_resync_after_a_lost_reply_and_survive_a_checkpoint():
+    torch.manual_seed(0)
+    rt, lose_next_reply = _choco_pair()
+    a, b = rt["a"], rt["b"]
+    for _ in range(3):
+        a.ctx.trainer.train_step()
+        b.ctx.trainer.train_step()
+        await a._exchange("b")
+        await b._exchange("a")
+    assert a.links["b"].seq == b.links["a"].seq == 6
+    assert _same_estimates(a.links["b"], b.links["a"])
+    # b applies an exchange whose reply never reaches a: the counts now differ ...
+    lose_next_reply.append(True)
+    await a._exchange("b")
+    assert (a.links["b"].seq, b.links["a"].seq) == (6, 7) and a.failed == 1
+    # ... the next exchange finds out, and both ends restart the link from the initial model
+    await a._exchange("b")
+    assert a.resyncs == b.resyncs == 1
+    assert a.links["b"].seq == b.links["a"].seq == 0
+    await a._exchange("b")
+    assert a.links["b"].seq == b.links["a"].seq == 1
+    assert _same_estimates(a.links["b"], b.links["a"])
+    # a checkpoint round trip keeps the link's count and estimates
+    tensors, meta = a.state()
+    restored = _choco_pair()[0]["a"]
+    restored.load_state(tensors, json.loads(json.dumps(meta)))
+    assert restored.links["b"].seq == 1
+    assert _same_estimates(restored.links["b"], b.links["a"])
