@@ -40,6 +40,19 @@ from ._simulator import consensus_distance as consensus_distance
 from ._simulator import simulate as simulate
 
 _AVERAGING = ("RejectedUpdate", "check_update", "pairwise_mix", "params_norm")
+_ALGORITHMS = (
+    "NesterovOuter",
+    "RoundAttendance",
+    "average",
+    "choco_consensus",
+    "choco_difference",
+    "choco_update_estimate",
+    "fresh_deltas",
+    "metropolis_hastings_weights",
+    "neighbourhood_mix",
+    "pseudo_gradient",
+    "relative_change",
+)
 
 
 def __getattr__(name: str):
@@ -49,4 +62,8 @@ def __getattr__(name: str):
         from . import _averaging
 
         return getattr(_averaging, name)
+    if name in _ALGORITHMS:
+        from . import _algorithms
+
+        return getattr(_algorithms, name)
     raise AttributeError(f"module 'gossip' has no attribute {name!r}")
