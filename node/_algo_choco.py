@@ -52,7 +52,17 @@ def model_digest(params: Tensors) -> int:
 
 
 class ChocoRuntime:
-    """CHOCO-SGD (see GossipConfig's `algorithm` for what it assumes and trades)."""
+    """CHOCO-SGD over pairwise exchanges, every `exchange_every` steps with one partner.
+
+    Per link, both ends hold x_hat (ours) and x_hat_j (the peer's); an exchange sends
+    q = C(x - x_hat) each way, both ends add the decoded q's to their copies and mix
+    x += gamma / 2 * (x_hat_j - x_hat).
+
+    Assumes: every node starts from the same model (same training.seed; checked) and a codec
+    that is a contraction (top-k, quantizers). Trades: two model copies per tracked neighbour
+    (at most `choco_max_peers`) and a gamma-limited agreement speed for sending only what the
+    codec keeps (topk:0.01 sends ~1% of the values); a lost exchange restarts that link.
+    """
 
     headers = (ChocoExchange,)
 

@@ -23,7 +23,19 @@ log = structlog.get_logger()
 
 
 class DilocoRuntime:
-    """DiLoCo-style local SGD (see GossipConfig's `algorithm` for what it assumes and trades)."""
+    """DiLoCo-style local SGD: H inner steps, then an outer Nesterov step on averaged updates.
+
+    At a round end the pseudo-gradient (round start minus now) is encoded once (error feedback
+    keeps what the codec dropped), offered to up to `diloco_fanout` live peers, and averaged with
+    the peers' pseudo-gradients that arrived (replies, or offers pushed to us) within the
+    deadline and at most `diloco_max_staleness` rounds old; the outer optimizer then moves the
+    round's start and the model restarts there.
+
+    Assumes: a small, well-connected group whose models start equal (same seed): only updates
+    are averaged, never models, so models drift apart when nodes average different sets.
+    Trades: agreement for H-fold fewer, compressible messages; a round end waits at most one
+    deadline, and late partners are left out.
+    """
 
     headers = (DeltaOffer,)
 
@@ -95,9 +107,7 @@ class DilocoRuntime:
         self.latest, self.latest_delta = (round_, payload, spec), delta
         replies: dict[str, tuple[int, Tensors]] = {}
         if partners:
-            deadline = max(
-                ctx.links.exchange_deadline(p, len(payload), ctx.now()) for p in partners
-            )
+            deadline = max(ctx.round_deadline(p, len(payload)) for p in partners)
             with trio.move_on_after(deadline):
                 async with trio.open_nursery() as nursery:
                     for peer in partners:

@@ -24,7 +24,19 @@ log = structlog.get_logger()
 
 
 class DpsgdRuntime:
-    """D-PSGD with deadlines (see GossipConfig's `algorithm` for what it assumes and trades)."""
+    """D-PSGD with deadlines: synchronous rounds of `exchange_every` steps.
+
+    At each round boundary the node publishes its model, asks up to `dpsgd_degree` live
+    neighbours (all of them in a small swarm; a random subset otherwise, so the weights are then
+    only row-stochastic) for theirs and mixes with Metropolis-Hastings weights. The round's
+    deadline is the slowest link's transfer deadline plus `round_slack` x our own round time; who
+    misses it is left out (its weight stays with us) and skipped for 2, 4, ... 32 rounds.
+
+    Assumes: peers of similar speed that start together (a late joiner or a straggler mostly
+    pulls from the others). Trades: training pauses at every round boundary (at most one
+    deadline) for the tightest agreement per round; a neighbour slower than the deadline simply
+    drops out of the others' rounds.
+    """
 
     headers = (RoundRequest,)
 

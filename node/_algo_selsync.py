@@ -20,7 +20,14 @@ log = structlog.get_logger()
 
 
 class SelsyncRuntime:
-    """Selective synchronization (see GossipConfig's `algorithm` for what it assumes and trades).
+    """Selective synchronization: an adpsgd exchange only when the model changed enough.
+
+    Every `exchange_every` steps the relative change ||w - w_ref|| / ||w|| since the last
+    exchange (started or answered) is compared with `selsync_threshold`; above it, a pairwise
+    exchange starts. `statistics()` reports the fraction of steps at which one was started.
+
+    Assumes: that small updates can wait (late training, flat regions). Trades: agreement between
+    peers for fewer exchanges; with a high threshold the peers drift as if training alone.
 
     Args:
         ctx: the node's services.

@@ -4,8 +4,9 @@
 
 For each algorithm: start 4 `geotrain node run` processes (open swarm on 127.0.0.1, shards of
 digits, one torch thread each), wait until every node reports the target test accuracy, stop them
-cleanly and print time to target (from the moment all four are training), bytes sent per node
-(all traffic: models, membership, link probes) at that moment, and the final accuracy. Loopback
+cleanly and print time to target (from the first training step of any node), bytes sent per node
+(all traffic: models, membership, link probes) at that moment, and the final accuracy. Nodes
+start from the same initial model (state_sync off) and wait for each other before training. Loopback
 has no WAN delay or bandwidth limit: this ranks the algorithms' compute and message overheads, not
 their behaviour on slow links (that is the testbed's job). Every process is killed at exit.
 """
@@ -63,6 +64,7 @@ def _start(root: Path, i: int, algorithm: str, bootstrap: str | None) -> subproc
         },
         "gossip": {
             "algorithm": algorithm,
+            "state_sync": False,  # all start from the seed's model at once, none copies another
             "probe_interval_s": 0.5,
             "exchange_every": 2,
             **SETTINGS[algorithm],
@@ -107,7 +109,7 @@ def run_one(algorithm: str, target: float, timeout: float) -> dict:
             deadline = time.monotonic() + timeout
             while time.monotonic() < deadline and reached is None:
                 statuses = [_status(s) for s in states]
-                if started is None and all(s.get("step", 0) > 0 for s in statuses):
+                if started is None and any(s.get("step", 0) > 0 for s in statuses):
                     started = time.monotonic()
                 if started and all((s.get("metric") or 0) >= target for s in statuses):
                     reached = time.monotonic()
@@ -138,6 +140,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--timeout", type=float, default=150.0)
     parser.add_argument("--algorithms", default=",".join(SETTINGS))
     args = parser.parse_args(argv)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))  # so the nodes are killed on the way out
     print(f"4 nodes, loopback, digits-mlp, target {args.target:.0%}")
     print(
         f"{'algorithm':<9} {'settings':<38} {'s to target':>11} {'MB/node':>8} "
