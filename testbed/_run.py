@@ -65,7 +65,10 @@ class RunOptions:
         emulation: auto, netem, userspace or none.
         baseline: "ddp" or "none".
         link_check: measure RTT and throughput of each region pair before training.
-        eval_every: steps between evaluations, for both systems.
+        eval_every: steps between a geotrain node's evaluations (a node takes hundreds of steps
+            a second on small tasks: every 20 steps is a few times a second).
+        ddp_eval_every: the same for DDP ranks. Every step by default: a DDP step over WAN links
+            takes seconds, and evaluating every 20 would blur its time to target by minutes.
         progress_every_s: seconds between progress lines.
     """
 
@@ -80,13 +83,15 @@ class RunOptions:
     higher_is_better: bool = True
     link_check: bool = True
     eval_every: int = 20
+    ddp_eval_every: int = 1
     progress_every_s: float = 5.0
 
     def __post_init__(self) -> None:
         if self.baseline not in ("ddp", "none"):
             raise ValueError(f"RunOptions.baseline={self.baseline!r}: expected 'ddp' or 'none'")
-        if self.eval_every < 1:
-            raise ValueError(f"RunOptions.eval_every={self.eval_every!r}: expected >= 1")
+        for name in ("eval_every", "ddp_eval_every"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"RunOptions.{name}={getattr(self, name)!r}: expected >= 1")
 
 
 def run_testbed(options: RunOptions, echo: Echo = print) -> dict[str, Any]:
@@ -191,11 +196,14 @@ def _check_links(namespaces: NamespaceSet, sc: TestbedScenario, echo: Echo) -> l
 def _node_config(options: RunOptions, host, files, state: Path, bootstrap: list[str]) -> dict:
     sc = options.scenario
     key, cert, swarm = files
-    port = NODE_PORT if host.fixed_port else 0
-    listen = f"tcp://{host.address}:{port}"
+    network: dict[str, Any] = {"bootstrap": bootstrap}
+    if host.fixed_port:  # its own namespace and address: a known port
+        network["listen"] = network["advertise"] = f"tcp://{host.address}:{NODE_PORT}"
+    else:  # shared loopback: the node picks a free port and advertises what it got
+        network["listen"] = f"tcp://{host.address}:0"
     return {
         "identity": {"key": key, "certificate": cert, "swarm": swarm},
-        "network": {"listen": listen, "advertise": listen, "bootstrap": bootstrap},
+        "network": network,
         "training": {
             "task": sc.task, "params": dict(sc.params), "seed": 0, "shard_index": host.index,
             "num_shards": sc.n_peers, "wait_for_peers": sc.n_peers - 1,
@@ -272,7 +280,7 @@ def _run_ddp(options, hosts, meter: BytesMeter, faults: FaultRunner, echo: Echo)
             argv = ddp_argv(
                 rank=host.index, world=sc.n_peers, master=master, task=sc.task,
                 params=dict(sc.params), seed=0, slowdown=sc.slowdown(host.index),
-                duration=sc.duration_s, target=options.target, eval_every=options.eval_every,
+                duration=sc.duration_s, target=options.target, eval_every=options.ddp_eval_every,
                 metrics=metrics,
             )  # fmt: skip
             env = child_env({"GLOO_SOCKET_IFNAME": host.ifname})
