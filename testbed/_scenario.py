@@ -48,7 +48,8 @@ class Fault:
     """One event of the fault timeline.
 
     Attributes:
-        at_s: seconds after the peers were launched.
+        at_s: seconds after the system's first training step (start-up is not counted: it
+            varies with the machine's load).
         action: "kill" (SIGKILL peer), "restart" (start it again; it resumes from its checkpoint),
             "partition" (regions a and b cannot reach each other), "heal" (every link back to the
             scenario's spec), "degrade" (the link from region a to region b becomes `link`).

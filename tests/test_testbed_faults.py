@@ -1,0 +1,99 @@
+"""The fault timeline against a fake emulator and fake peer processes."""
+
+from __future__ import annotations
+
+import signal
+
+from testbed._faults import FaultRunner
+from testbed._linkspec import LinkMatrix, LinkSpec
+from testbed._scenario import scenario_from_dict
+
+SCENARIO = {
+    "regions": [{"name": "a", "peers": 1}, {"name": "b", "peers": 2}],
+    "links": {"inside": {"delay_ms": 1}, "between": [{"regions": ["a", "b"], "delay_ms": 30}]},
+    "faults": [
+        {"at_s": 3, "action": "partition", "regions": ["a", "b"]},
+        {"at_s": 1, "action": "kill", "peer": 2},
+        {"at_s": 5, "action": "heal"},
+        {"at_s": 6, "action": "degrade", "regions": ["b", "a"], "delay_ms": 200, "rate_mbit": 1},
+        {"at_s": 2, "action": "restart", "peer": 2},
+    ],
+}
+
+
+class FakeLinks:
+    def __init__(self, matrix: LinkMatrix) -> None:
+        self.matrix = matrix
+        self.history: list[LinkMatrix] = []
+
+    def set_matrix(self, matrix: LinkMatrix) -> None:
+        self.matrix = matrix
+        self.history.append(matrix)
+
+
+class FakeProcess:
+    def __init__(self) -> None:
+        self.running = True
+        self.signals: list[int] = []
+        self.starts = 0
+        self.proc = self
+
+    def signal(self, signum: int) -> None:
+        self.signals.append(signum)
+        self.running = False
+
+    def wait(self) -> int:
+        return -9
+
+    def start(self) -> None:
+        self.starts += 1
+        self.running = True
+
+
+class FakePeers:
+    def __init__(self, n: int) -> None:
+        self.procs = [FakeProcess() for _ in range(n)]
+
+
+def test_faults_apply_in_time_order_once_each():
+    sc = scenario_from_dict(SCENARIO)
+    links, peers, said = FakeLinks(sc.matrix()), FakePeers(3), []
+    runner = FaultRunner(sc, links, said.append)
+    runner.apply_due(0.5, peers)
+    assert runner.applied_all == [] and runner.restart_pending(2)
+    runner.apply_due(1.0, peers)
+    assert peers.procs[2].signals == [signal.SIGKILL] and not peers.procs[2].running
+    runner.apply_due(3.5, peers)  # restart and partition, in order
+    assert peers.procs[2].starts == 1 and not runner.restart_pending(2)
+    assert links.matrix.spec("a", "b").partitioned and links.matrix.spec("b", "a").partitioned
+    assert not links.matrix.spec("b", "b").partitioned
+    runner.apply_due(5.0, peers)
+    assert links.matrix == sc.matrix()
+    runner.apply_due(100.0, peers)
+    assert links.matrix.spec("b", "a") == LinkSpec(delay_ms=200, rate_mbit=1)
+    assert links.matrix.spec("a", "b") == LinkSpec(delay_ms=30)  # one direction only
+    runner.apply_due(200.0, peers)
+    assert [f["at_s"] for f in runner.applied_all] == [1, 2, 3, 5, 6]
+    assert all(f["applied"] for f in runner.applied_all)
+    runner.reset()
+    assert links.matrix == sc.matrix()
+
+
+def test_ddp_run_skips_process_faults_and_says_so():
+    sc = scenario_from_dict(SCENARIO)
+    links, peers, said = FakeLinks(sc.matrix()), FakePeers(3), []
+    runner = FaultRunner(sc, links, said.append, system="ddp")
+    runner.apply_due(10.0, peers)
+    skipped = [f for f in runner.applied_all if not f["applied"]]
+    assert [f["fault"] for f in skipped] == ["t=1s kill peer 2", "t=2s restart peer 2"]
+    assert all("DDP" in f["note"] for f in skipped)
+    assert peers.procs[2].signals == [] and any("SKIPPED" in line for line in said)
+    assert links.matrix.spec("b", "a").delay_ms == 200  # link faults still apply
+
+
+def test_without_emulation_link_faults_are_recorded_as_skipped():
+    sc = scenario_from_dict(SCENARIO)
+    runner = FaultRunner(sc, None, lambda _: None)
+    runner.apply_due(10.0, FakePeers(3))
+    notes = {f["fault"].split()[1]: f["note"] for f in runner.applied_all}
+    assert notes["partition"] == "no link emulation" and notes["kill"] is None
