@@ -98,14 +98,22 @@ class ExchangeService:
                 sorted(params.items()), codec, error_feedback=self.feedback, seed=self._seed
             )
 
-    def _decode(self, payload) -> dict[str, torch.Tensor]:
+    def _decode(self, payload, spec: str) -> dict[str, torch.Tensor]:
+        """Decode a peer's model, accepting only the codecs of the agreed `spec`."""
         pairs = compress.decode_named(
-            payload, max_numel=self.numel, device=self.trainer.task_device
+            payload,
+            max_numel=self.numel,
+            device=self.trainer.task_device,
+            allowed=compress.codec_family(compress.get_codec(spec)),
         )
         return dict(pairs)
 
-    def _mix(self, snapshot, payload) -> float:
-        remote = self._decode(payload)
+    def acceptable_specs(self) -> frozenset[str]:
+        """Codec specs a peer may ask this node to exchange with (others cost us unknown work)."""
+        return frozenset({*ADPSGD_LADDER, self.config.codec} - {"auto"})
+
+    def _mix(self, snapshot, payload, spec: str) -> float:
+        remote = self._decode(payload, spec)
         return self.trainer.mix(
             snapshot,
             remote,
@@ -150,7 +158,7 @@ class ExchangeService:
         if not isinstance(reply, ExchangeReply):
             return self._failed(partner, started, f"unexpected {type(reply).__name__}", deadline)
         try:
-            distance = await trio.to_thread.run_sync(self._mix, snapshot, reply_payload)
+            distance = await trio.to_thread.run_sync(self._mix, snapshot, reply_payload, spec)
         except (RejectedUpdate, compress.DecodeError) as exc:
             return self._rejected(partner, str(exc))
         elapsed = trio.current_time() - started
@@ -198,10 +206,9 @@ class ExchangeService:
         if header.algorithm != self.config.algorithm:
             reason = f"this node runs {self.config.algorithm}, not {header.algorithm}"
             return ErrorReply(code="bad_request", reason=reason), b""
-        try:
-            compress.get_codec(header.codec)
-        except ValueError as exc:
-            return ErrorReply(code="bad_request", reason=f"codec: {exc}"[:500]), b""
+        if header.codec not in self.acceptable_specs():
+            reason = f"codec {header.codec!r} not among {sorted(self.acceptable_specs())}"
+            return ErrorReply(code="bad_request", reason=reason[:500]), b""
         if self._responding >= MAX_RESPONSES:
             return ErrorReply(code="busy", reason="already averaging with others"), b""
         self._responding += 1
@@ -214,7 +221,7 @@ class ExchangeService:
                 log.warning("exchange_refused", peer=peer.short_id, reason=str(exc))
                 return ErrorReply(code="internal", reason=f"cannot encode: {exc}"[:500]), b""
             try:
-                await trio.to_thread.run_sync(self._mix, snapshot, data)
+                await trio.to_thread.run_sync(self._mix, snapshot, data, header.codec)
             except (RejectedUpdate, compress.DecodeError) as exc:
                 self._rejected(peer.peer_id, str(exc))
                 return ErrorReply(code="bad_request", reason=f"update rejected: {exc}"[:500]), b""
@@ -248,7 +255,7 @@ class ExchangeService:
             )
             if not isinstance(reply, StateReply):
                 raise TransportError(f"answered {type(reply).__name__}")
-            remote = await trio.to_thread.run_sync(self._decode, payload)
+            remote = await trio.to_thread.run_sync(self._decode, payload, "none")
             await trio.to_thread.run_sync(
                 lambda: self.trainer.load_params(remote, max_norm_ratio=float("inf"))
             )
