@@ -256,7 +256,8 @@ def test_choco_converges_with_topk_where_plain_topk_averaging_does_not(one_threa
 # -- the choco runtime's link protocol, two runtimes joined by an in-memory request ---------------
 
 
-def _choco_pair():
+def _pair(runtime_cls=None, **gossip):
+    """Two runtimes "a" and "b" whose requests go straight to each other's handle()."""
     import trio
 
     from gossip._links import LinkTable
@@ -265,10 +266,12 @@ def _choco_pair():
     from node._config import GossipConfig
     from node._transport import PeerInfo, TransportError
 
-    runtimes: dict[str, ChocoRuntime] = {}
+    runtime_cls = runtime_cls or ChocoRuntime
+    gossip = gossip or {"algorithm": "choco", "codec": "topk:0.1", "choco_gamma": 0.5}
+    runtimes: dict = {}
     lose_next_reply = []
 
-    def make(me: str, other: str) -> ChocoRuntime:
+    def make(me: str, other: str):
         async def request(address, header, payload, *, deadline_s, expect_peer):
             peer = PeerInfo(me, b"", "tcp://x", "inbound")
             with trio.fail_after(deadline_s):
@@ -283,7 +286,7 @@ def _choco_pair():
         )
         ctx = AlgorithmContext(
             trainer=Trainer(task),
-            config=GossipConfig(algorithm="choco", codec="topk:0.1", choco_gamma=0.5),
+            config=GossipConfig(**gossip),
             links=LinkTable(),
             request=request,
             live_peers=lambda: (other,),
@@ -295,7 +298,7 @@ def _choco_pair():
             rng=random.Random(0),
             start_soon=lambda fn, *a: None,
         )
-        return ChocoRuntime(ctx)
+        return runtime_cls(ctx)
 
     runtimes["a"], runtimes["b"] = make("a", "b"), make("b", "a")
     return runtimes, lose_next_reply
@@ -309,7 +312,7 @@ def _same_estimates(x, y) -> bool:
 
 async def test_choco_links_stay_equal_resync_after_a_lost_reply_and_survive_a_checkpoint():
     torch.manual_seed(0)
-    rt, lose_next_reply = _choco_pair()
+    rt, lose_next_reply = _pair()
     a, b = rt["a"], rt["b"]
     for _ in range(3):
         a.ctx.trainer.train_step()
@@ -331,7 +334,84 @@ async def test_choco_links_stay_equal_resync_after_a_lost_reply_and_survive_a_ch
     assert _same_estimates(a.links["b"], b.links["a"])
     # a checkpoint round trip keeps the link's count and estimates
     tensors, meta = a.state()
-    restored = _choco_pair()[0]["a"]
+    restored = _pair()[0]["a"]
     restored.load_state(tensors, json.loads(json.dumps(meta)))
     assert restored.links["b"].seq == 1
     assert _same_estimates(restored.links["b"], b.links["a"])
+
+
+def _step(runtime, step: int):
+    from node._trainer import StepResult
+
+    return StepResult(step=step, loss=0.0, seconds=0.001)
+
+
+async def test_dpsgd_round_mixes_both_ways_and_a_responder_waits_for_the_round():
+    import trio
+
+    from node._algo_dpsgd import DpsgdRuntime
+
+    torch.manual_seed(0)
+    rt, _ = _pair(DpsgdRuntime, algorithm="dpsgd", codec="none", exchange_every=1)
+    a, b = rt["a"], rt["b"]
+    a.ctx.trainer.train_step()  # the two models differ
+    a_model, b_model = a.ctx.trainer.snapshot(), b.ctx.trainer.snapshot()
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(a.after_step, _step(a, 1))  # a asks b for round 1 before b is there
+        await trio.sleep(0.05)
+        assert a.rounds == 0  # still waiting for b
+        await b.after_step(_step(b, 1))
+    assert a.rounds == b.rounds == a.full_rounds == 1
+    # degree 1 each: weight 1/2, both hold the average of the two round-1 models
+    expected = (a_model["weight"] + b_model["weight"]) / 2
+    assert torch.allclose(a.ctx.trainer.params()["weight"], expected)
+    assert torch.allclose(b.ctx.trainer.params()["weight"], expected)
+
+
+async def test_dpsgd_ignores_a_reply_for_an_older_round():
+    from node._algo_dpsgd import DpsgdRuntime
+    from node._protocol import RoundReply
+
+    rt, _ = _pair(DpsgdRuntime, algorithm="dpsgd", codec="none", exchange_every=1)
+    a = rt["a"]
+    payload = a.ctx.encode(a.ctx.trainer.snapshot(), "none")
+
+    async def stale_request(address, header, data, *, deadline_s, expect_peer):
+        return RoundReply(round=header.round - 1, degree=1), payload, None
+
+    a.ctx.request = stale_request
+    before = a.ctx.trainer.snapshot()
+    await a.after_step(_step(a, 5))
+    assert a.late_ignored == 1 and a.missed == 1 and a.full_rounds == 0
+    assert all(torch.equal(before[k], v) for k, v in a.ctx.trainer.params().items())
+
+
+async def test_diloco_outer_step_uses_the_partner_update_and_its_state_survives_a_checkpoint():
+    from node._algo_diloco import DilocoRuntime
+
+    torch.manual_seed(0)
+    settings = {"algorithm": "diloco", "codec": "none", "diloco_inner_steps": 2}
+    rt, _ = _pair(DilocoRuntime, **settings)
+    a, b = rt["a"], rt["b"]
+    for _ in range(2):
+        b.ctx.trainer.train_step()
+    await b.after_step(_step(b, 2))  # b ends its round first: a gets b's update pushed
+    assert "b" in a.inbox
+    for _ in range(2):
+        a.ctx.trainer.train_step()
+    delta_a = pseudo_gradient(a.start, a.ctx.trainer.params())
+    start_a = {k: v.clone() for k, v in a.start.items()}
+    await a.after_step(_step(a, 2))
+    assert a.peer_deltas_used == 1 and a.outer_steps == 1
+    # the outer step is Nesterov on the mean of both updates, and the model restarts there
+    mean = average([delta_a, b.latest_delta])
+    expected = dict(start_a)
+    NesterovOuter(0.7, 0.9).step(expected, mean)
+    assert all(torch.allclose(a.start[k], expected[k], atol=1e-6) for k in expected)
+    assert all(torch.equal(a.start[k], v) for k, v in a.ctx.trainer.params().items())
+    tensors, meta = a.state()
+    restored = _pair(DilocoRuntime, **settings)[0]["a"]
+    restored.load_state(tensors, json.loads(json.dumps(meta)))
+    assert restored.round == 1
+    assert all(torch.equal(restored.outer.buffers[k], a.outer.buffers[k]) for k in expected)
+    assert all(torch.equal(restored.start[k], a.start[k]) for k in expected)
