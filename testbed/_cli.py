@@ -38,6 +38,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     run.add_argument("--duration", type=float, help="seconds of training per system at most")
     run.add_argument("--target", type=float, help="metric value to reach (default: task's)")
     run.add_argument("--out", type=Path, help="output directory (default: testbed-runs/<time>)")
+    run.add_argument("--node-set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                     help="a node config override for every peer, e.g. gossip.policy=uniform "
+                          "(repeatable)")  # fmt: skip
     run.add_argument("--no-link-check", action="store_true",
                      help="skip measuring RTT/throughput of each region pair")  # fmt: skip
     run.set_defaults(handler=cmd_run)
@@ -86,13 +89,18 @@ def _sigterm_as_interrupt() -> None:
 def cmd_run(args: argparse.Namespace) -> int:
     from ._run import RunOptions, TestbedError, run_testbed
 
+    out = args.out or Path("testbed-runs") / time.strftime("%Y%m%d-%H%M%S")
     try:
         sc = _scenario_from_args(args)
         target, metric, higher = _task_target(sc, args.target)
+        options = RunOptions(
+            scenario=sc, out=out, target=target, metric=metric, higher_is_better=higher,
+            emulation=args.emulation, baseline=args.baseline,
+            link_check=not args.no_link_check, node_overrides=tuple(args.node_set),
+        )  # fmt: skip
     except (ScenarioError, ValueError) as exc:
         print(f"geotrain testbed run: {exc}", file=sys.stderr)
         return 2
-    out = args.out or Path("testbed-runs") / time.strftime("%Y%m%d-%H%M%S")
     print(f"scenario {sc.name}: {sc.description}")
     print(f"{sc.n_peers} peers in {', '.join(f'{r.name} ({r.peers})' for r in sc.regions)}; "
           f"task {sc.task}, target {metric} {target:g}, at most {sc.duration_s:g} s per system; "
@@ -102,11 +110,6 @@ def cmd_run(args: argparse.Namespace) -> int:
     _sigterm_as_interrupt()
     started = time.monotonic()
     try:
-        options = RunOptions(
-            scenario=sc, out=out, target=target, metric=metric, higher_is_better=higher,
-            emulation=args.emulation, baseline=args.baseline,
-            link_check=not args.no_link_check,
-        )  # fmt: skip
         run_testbed(options, echo=lambda line: print(line, flush=True))
     except (TestbedError, BackendUnavailable, ValueError) as exc:
         print(f"geotrain testbed run: {exc}", file=sys.stderr)

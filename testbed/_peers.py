@@ -28,6 +28,12 @@ CERT_LIFETIME_S = 7 * 24 * 3600.0
 STOP_GRACE_S = 30.0  # SIGTERM -> checkpoint + leave; SIGKILL after this
 
 
+class TestbedError(RuntimeError):
+    """The run could not go on (a peer did not start, a backend is unusable); message says why."""
+
+    __test__ = False
+
+
 @dataclass(frozen=True)
 class Host:
     """Where one peer's processes run.
@@ -167,9 +173,13 @@ def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     return {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", **(extra or {})}
 
 
-def node_argv(config: Path) -> list[str]:
-    return [sys.executable, "-m", "node", "--log-format", "json", "node", "run", "--config",
+def node_argv(config: Path, overrides: Sequence[str] = ()) -> list[str]:
+    """`geotrain node run` with `config` and `--set` overrides (e.g. "gossip.policy=uniform")."""
+    argv = [sys.executable, "-m", "node", "--log-format", "json", "node", "run", "--config",
             str(config)]  # fmt: skip
+    for item in overrides:
+        argv += ["--set", item]
+    return argv
 
 
 def ddp_argv(
@@ -211,7 +221,7 @@ def wait_for_address(state: Path, proc: PeerProcess, timeout_s: float = 120.0) -
     """The address peer `proc` listens on, once its node.json names its pid.
 
     Raises:
-        RuntimeError: it exited first or did not get there in time (the log's tail is included).
+        TestbedError: it exited first or did not get there in time (the log's tail is included).
     """
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -222,7 +232,7 @@ def wait_for_address(state: Path, proc: PeerProcess, timeout_s: float = 120.0) -
             break
         time.sleep(0.1)
     tail = proc.log.read_text()[-2000:] if proc.log.exists() else ""
-    raise RuntimeError(f"peer {proc.host.index} did not start (log {proc.log}):\n{tail}")
+    raise TestbedError(f"peer {proc.host.index} did not start (log {proc.log}):\n{tail}")
 
 
 def free_port() -> int:

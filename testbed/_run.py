@@ -25,6 +25,7 @@ from ._peers import (
     NODE_PORT,
     PeerProcess,
     Peers,
+    TestbedError,
     child_env,
     ddp_argv,
     free_port,
@@ -47,12 +48,6 @@ LINK_CHECK_MAX_BYTES = 32 << 20
 Echo = Callable[[str], None]
 
 
-class TestbedError(RuntimeError):
-    """The run could not go on (a peer did not start, a backend is unusable); message says why."""
-
-    __test__ = False
-
-
 @dataclass(frozen=True)
 class RunOptions:
     """One `geotrain testbed run`.
@@ -70,6 +65,7 @@ class RunOptions:
         ddp_eval_every: the same for DDP ranks. Every step by default: a DDP step over WAN links
             takes seconds, and evaluating every 20 would blur its time to target by minutes.
         progress_every_s: seconds between progress lines.
+        node_overrides: `--set section.key=value` items for every node (e.g. gossip.policy).
     """
 
     __test__ = False
@@ -85,10 +81,15 @@ class RunOptions:
     eval_every: int = 20
     ddp_eval_every: int = 1
     progress_every_s: float = 5.0
+    node_overrides: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.baseline not in ("ddp", "none"):
             raise ValueError(f"RunOptions.baseline={self.baseline!r}: expected 'ddp' or 'none'")
+        for item in self.node_overrides:
+            key = item.partition("=")[0]
+            if "=" not in item or "." not in key:
+                raise ValueError(f"--node-set {item!r}: expected section.key=value")
         for name in ("eval_every", "ddp_eval_every"):
             if getattr(self, name) < 1:
                 raise ValueError(f"RunOptions.{name}={getattr(self, name)!r}: expected >= 1")
@@ -124,6 +125,7 @@ def run_testbed(options: RunOptions, echo: Echo = print) -> dict[str, Any]:
         "algorithm": sc.algorithm, "target_value": options.target, "metric": options.metric,
         "higher_is_better": options.higher_is_better, "rate_scale": sc.rate_scale,
         "duration_s": sc.duration_s, "systems": {}, "faults": [], "links": [],
+        "node_overrides": list(options.node_overrides),
     }  # fmt: skip
     with contextlib.ExitStack() as stack:
         namespaces = links = None
@@ -229,8 +231,8 @@ def _run_geotrain(options, hosts, meter: BytesMeter, faults: FaultRunner, echo: 
             config = root / f"peer-{host.index:02d}.toml"
             doc = _node_config(options, host, files[host.index], state, bootstrap)
             config.write_text(toml_text(doc))
-            proc = peers.add(PeerProcess(host, node_argv(config), state.with_suffix(".log"),
-                                         child_env()))  # fmt: skip
+            argv = node_argv(config, options.node_overrides)
+            proc = peers.add(PeerProcess(host, argv, state.with_suffix(".log"), child_env()))
             proc.start()
             if host.index == 0:
                 bootstrap = [wait_for_address(state, proc)]

@@ -41,6 +41,7 @@ def test_testbed_is_a_geotrain_command(capsys):
         (["--scenario", "mars"], "scenario.name = 'mars'"),
         (["--peers", "1"], "scenario.peers = 1"),
         (["--task", "no-such-task"], "no-such-task"),
+        (["--node-set", "policy"], "--node-set 'policy'"),
     ],
 )
 def test_bad_input_exits_2_naming_it_before_anything_starts(argv, needle, capsys, tmp_path):
