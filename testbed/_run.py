@@ -110,12 +110,12 @@ def run_testbed(options: RunOptions, echo: Echo = print) -> dict[str, Any]:
         raise TestbedError(f"--out {str(out)!r}: exists and is not empty")
     out.mkdir(parents=True, exist_ok=True)
     choice = choose_backend(options.emulation)
-    echo(f"emulation: {choice.backend} ({choice.reason})")
     if choice.user_namespace:
-        raise TestbedError(
-            "not root: running peers inside an unprivileged user namespace is not implemented "
-            "yet; run as root or with --emulation none"
-        )
+        why = "not root, and running peers in an unprivileged user namespace is not built yet"
+        if options.emulation != "auto":
+            raise TestbedError(f"--emulation {options.emulation}: {why}; run as root")
+        choice = BackendChoice("none", f"NO LINK EMULATION: {why}; peers talk over plain loopback")
+    echo(f"emulation: {choice.backend} ({choice.reason})")
     if sc.rate_scale != 1.0:
         echo(f"NOTE: link rates scaled to {sc.rate_scale:g}x the published figures")
     (out / "scenario.json").write_text(json.dumps(sc.to_json(), indent=2) + "\n")
