@@ -16,3 +16,13 @@ class RemoteProtocolError(GossipError):
 
     Raised before any state changes, so the receiving state machine is as it was.
     """
+
+
+def require_config(config: str, ok: bool, field: str, value: object, expected: str) -> None:
+    """Validate one field of a gossip config dataclass.
+
+    Raises:
+        ValueError: "<config>.<field> = <value>: expected <expected>" when `ok` is false.
+    """
+    if not ok:
+        raise ValueError(f"{config}.{field} = {value!r}: expected {expected}")

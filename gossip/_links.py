@@ -4,17 +4,16 @@
 # [deadline_floor_s, deadline_cap_s]; state_dict() holds only JSON types and ages, never clocks.
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
-from ._errors import LocalProtocolError
+from ._errors import LocalProtocolError, require_config
 
 STATE_VERSION = 1
 
 
-def _require(ok: bool, field: str, value: object, expected: str) -> None:
-    if not ok:
-        raise ValueError(f"LinkConfig.{field} = {value!r}: expected {expected}")
+_require = functools.partial(require_config, "LinkConfig")
 
 
 @dataclass(frozen=True)

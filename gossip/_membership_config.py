@@ -2,15 +2,14 @@
 # from these fields and the current swarm size, so a config fully states the timing behaviour.
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
+from ._errors import require_config
 from ._messages import MAX_MEMBERS, MAX_UPDATES
 
-
-def _require(ok: bool, field: str, value: object, expected: str) -> None:
-    if not ok:
-        raise ValueError(f"MembershipConfig.{field} = {value!r}: expected {expected}")
+_require = functools.partial(require_config, "MembershipConfig")
 
 
 @dataclass(frozen=True)

@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import bisect
+import functools
 import itertools
 import math
 import random
@@ -13,7 +14,7 @@ from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
-from ._errors import LocalProtocolError
+from ._errors import LocalProtocolError, require_config
 from ._links import LinkTable
 
 POLICIES = ("uniform", "ring", "exponential", "bandwidth")
@@ -23,9 +24,7 @@ bandwidth: the partner whose exchange is expected to finish soonest, kept mixing
 PartnerConfig)."""
 
 
-def _require(ok: bool, field: str, value: object, expected: str) -> None:
-    if not ok:
-        raise ValueError(f"PartnerConfig.{field} = {value!r}: expected {expected}")
+_require = functools.partial(require_config, "PartnerConfig")
 
 
 @dataclass(frozen=True)

@@ -4,6 +4,7 @@
 # up to float error (it is recomputed every `n` exchanges); everything random is seeded.
 from __future__ import annotations
 
+import functools
 import heapq
 import math
 import random
@@ -11,6 +12,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ._errors import require_config
 from ._links import LinkConfig, LinkTable
 from ._partners import POLICIES, Candidates, PartnerConfig, PartnerSelector
 from ._scenarios import Scenario
@@ -18,10 +20,7 @@ from ._scenarios import Scenario
 DECLINE_NBYTES = 64
 """Bytes of a "busy" reply (a header), counted in bytes_total."""
 
-
-def _require(ok: bool, field: str, value: object, expected: str) -> None:
-    if not ok:
-        raise ValueError(f"SimConfig.{field} = {value!r}: expected {expected}")
+_require = functools.partial(require_config, "SimConfig")
 
 
 @dataclass(frozen=True)
