@@ -127,7 +127,7 @@ class ChocoRuntime:
         self._seed += 1
         diff = self.ctx.trainer.update(lambda live: choco_difference(live, link.mine))
         payload = self.ctx.encode(diff, spec, seed=self._seed)
-        return payload, self.ctx.decode(payload)
+        return payload, self.ctx.decode(payload, spec)
 
     def _apply(self, link: _Link, q_mine: Tensors, q_theirs: Tensors) -> float:
         def rule(live: Tensors) -> float:
@@ -139,10 +139,10 @@ class ChocoRuntime:
         link.seq += 1
         return self.ctx.trainer.update(rule)
 
-    def _decode_q(self, payload: bytes) -> Tensors:
+    def _decode_q(self, payload: bytes, spec: str) -> Tensors:
         # a difference, not a model: its norm is bounded by the model's (ratio + 1), names/shapes
         # and finiteness as for a model
-        return self.ctx.decode_checked(payload)
+        return self.ctx.decode_checked(payload, spec)
 
     # -- initiator ------------------------------------------------------------------------------
     async def after_step(self, result: StepResult) -> None:
@@ -196,7 +196,7 @@ class ChocoRuntime:
         if not isinstance(reply, ChocoReply) or reply.seq != link.seq + 1:
             return self._failed(partner, f"unexpected {type(reply).__name__}")
         try:
-            q_theirs = await trio.to_thread.run_sync(self._decode_q, bytes(data))
+            q_theirs = await trio.to_thread.run_sync(self._decode_q, bytes(data), spec)
         except (RejectedUpdate, compress.DecodeError) as exc:
             self.rejected += 1
             log.warning("update_rejected", peer=partner[:12], reason=str(exc))
@@ -243,7 +243,7 @@ class ChocoRuntime:
         try:
             data = bytes(payload)
             try:
-                q_theirs = await trio.to_thread.run_sync(self._decode_q, data)
+                q_theirs = await trio.to_thread.run_sync(self._decode_q, data, header.codec)
             except (RejectedUpdate, compress.DecodeError) as exc:
                 self.rejected += 1
                 log.warning("update_rejected", peer=peer.short_id, reason=str(exc))

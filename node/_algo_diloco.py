@@ -178,12 +178,15 @@ class DilocoRuntime:
         if not data:
             return
         try:
-            replies[peer] = (reply.round, await trio.to_thread.run_sync(self._check, bytes(data)))
+            replies[peer] = (
+                reply.round,
+                await trio.to_thread.run_sync(self._check, bytes(data), spec),
+            )
         except (RejectedUpdate, compress.DecodeError) as exc:
             log.warning("update_rejected", peer=peer[:12], reason=str(exc))
 
-    def _check(self, data: bytes) -> Tensors:
-        return self.ctx.decode_checked(data)
+    def _check(self, data: bytes, spec: str) -> Tensors:
+        return self.ctx.decode_checked(data, spec)
 
     async def handle(
         self, peer: PeerInfo, header: Header, payload: memoryview
@@ -193,7 +196,7 @@ class DilocoRuntime:
             return ErrorReply(code="bad_request", reason=f"codec {header.codec!r} refused"), b""
         data = bytes(payload)
         try:
-            delta = await trio.to_thread.run_sync(self._check, data)
+            delta = await trio.to_thread.run_sync(self._check, data, header.codec)
         except (RejectedUpdate, compress.DecodeError) as exc:
             log.warning("update_rejected", peer=peer.short_id, reason=str(exc))
             return ErrorReply(code="bad_request", reason=f"update rejected: {exc}"[:500]), b""

@@ -164,7 +164,9 @@ class DpsgdRuntime:
             reasons[peer] = f"reply for round {reply.round}"
             return
         try:
-            remote = await trio.to_thread.run_sync(self.ctx.decode_checked, bytes(payload))
+            remote = await trio.to_thread.run_sync(
+                self.ctx.decode_checked, bytes(payload), header.codec
+            )
         except (RejectedUpdate, compress.DecodeError) as exc:
             reasons[peer] = f"rejected: {exc}"[:200]
             log.warning("update_rejected", peer=peer[:12], reason=str(exc))

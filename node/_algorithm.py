@@ -61,22 +61,26 @@ class AlgorithmContext:
     def encode(self, tensors: Tensors, spec: str, seed: int = 0) -> bytes:
         return compress.encode_named(sorted(tensors.items()), compress.get_codec(spec), seed=seed)
 
-    def decode(self, payload: bytes | memoryview) -> Tensors:
-        """Decode a peer's tensors within the model's size budget (DecodeError when bad)."""
+    def decode(self, payload: bytes | memoryview, spec: str) -> Tensors:
+        """Decode a peer's tensors made with `spec`: only that codec family, within the model's
+        size budget (DecodeError when bad)."""
         pairs = compress.decode_named(
-            payload, max_numel=self.numel, device=self.trainer.task_device
+            payload,
+            max_numel=self.numel,
+            device=self.trainer.task_device,
+            allowed=compress.codec_family(compress.get_codec(spec)),
         )
         return dict(pairs)
 
-    def decode_checked(self, payload: bytes | memoryview, *, ratio: float | None = None) -> Tensors:
-        """Decode and check names, shapes, finiteness and norm against the live model.
+    def decode_checked(self, payload: bytes | memoryview, spec: str) -> Tensors:
+        """Decode (see `decode`) and check names, shapes, finiteness and norm against our model.
 
         Raises:
             DecodeError, RejectedUpdate: the peer sent something we must not use.
         """
-        remote = self.decode(payload)
+        remote = self.decode(payload, spec)
         live = self.trainer.params()
-        check_update(live, remote, max_norm_ratio=ratio or self.config.max_norm_ratio)
+        check_update(live, remote, max_norm_ratio=self.config.max_norm_ratio)
         return remote
 
     def now(self) -> float:
