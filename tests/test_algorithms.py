@@ -415,3 +415,22 @@ async def test_diloco_outer_step_uses_the_partner_update_and_its_state_survives_
     assert restored.round == 1
     assert all(torch.equal(restored.outer.buffers[k], a.outer.buffers[k]) for k in expected)
     assert all(torch.equal(restored.start[k], a.start[k]) for k in expected)
+
+
+async def test_dpsgd_leaves_out_a_neighbour_whose_model_is_not_finite():
+    from node._algo_dpsgd import DpsgdRuntime
+    from node._protocol import RoundReply
+
+    rt, _ = _pair(DpsgdRuntime, algorithm="dpsgd", codec="none", exchange_every=1)
+    a = rt["a"]
+    poisoned = {k: torch.full_like(v, float("nan")) for k, v in a.ctx.trainer.snapshot().items()}
+    payload = a.ctx.encode(poisoned, "none")
+
+    async def poisoned_request(address, header, data, *, deadline_s, expect_peer):
+        return RoundReply(round=header.round, degree=1), payload, None
+
+    a.ctx.request = poisoned_request
+    before = a.ctx.trainer.snapshot()
+    await a.after_step(_step(a, 1))
+    assert a.rounds == 1 and a.missed == 1
+    assert all(torch.equal(before[k], v) for k, v in a.ctx.trainer.params().items())
