@@ -44,6 +44,8 @@ from ._protocol import (
     Probe,
     ProbeReply,
     StateRequest,
+    StatusReply,
+    StatusRequest,
     node_header_codec,
     unwrap_gossip,
     wrap_gossip,
@@ -448,6 +450,8 @@ class Node:
             return ProbeReply(received=len(payload)), b""
         if isinstance(header, StateRequest):
             return await self.exchange.handle_state_request(header)
+        if isinstance(header, StatusRequest):  # any admitted peer may ask (`geotrain status`)
+            return StatusReply(), json.dumps(self.status(self._running).to_json()).encode()
         return self._bad_request(peer, "unexpected", type(header).__name__)
 
     def _bad_request(self, peer: PeerInfo, kind: str, reason: str) -> tuple[Header, bytes]:

@@ -15,8 +15,11 @@ import trio
 from ._admission import Admission, MembershipCertificate, SwarmInfo
 from ._config import ConfigError, IdentityConfig, NodeConfig, load_config
 from ._identity import Identity
+from ._messages import ErrorReply
 from ._node import Node, ResumeError
-from ._status import read_status, render_status
+from ._protocol import StatusReply, StatusRequest, node_header_codec
+from ._status import parse_status, read_status, render_status
+from ._transport import TransportConfig, TransportError, open_transport
 
 log = structlog.get_logger()
 
@@ -40,6 +43,15 @@ def admission_from_config(cfg: IdentityConfig) -> Admission:
 
 
 def load_node(config: NodeConfig) -> Node:
+    return Node(config, *load_identity(config))
+
+
+def load_identity(config: NodeConfig) -> tuple[Identity, Admission]:
+    """The node's key and admission policy, checked against each other.
+
+    Raises:
+        ConfigError: a file is missing or unreadable, or the certificate names another key.
+    """
     try:
         identity = Identity.load(config.identity.key)
     except Exception as exc:  # KeyFileError, OSError: say which file and why
@@ -52,7 +64,7 @@ def load_node(config: NodeConfig) -> Node:
             f"identity.certificate = {str(config.identity.certificate)!r}: issued to another key "
             f"than identity.key"
         )
-    return Node(config, identity, admission)
+    return identity, admission
 
 
 async def _run(node: Node) -> None:
@@ -99,13 +111,55 @@ def _leaves(group: BaseExceptionGroup) -> list[BaseException]:
     return out
 
 
+async def fetch_status(address: str, config: NodeConfig, deadline_s: float) -> dict:
+    """Ask the node at `address` for its status, as the node `config` describes (its identity and
+    admission: the node asked must admit it).
+
+    Raises:
+        ConfigError: the identity or admission files are wrong.
+        ValueError: no answer, or an answer that is not a status.
+    """
+    identity, admission = load_identity(config)
+
+    async def refuse(peer, header, payload):
+        return ErrorReply(code="bad_request", reason="a status client serves nothing"), b""
+
+    async with open_transport(
+        TransportConfig(listen="tcp://127.0.0.1:0"),
+        identity,
+        admission,
+        refuse,
+        codec=node_header_codec(),
+    ) as transport:
+        try:
+            reply, payload, _ = await transport.request(
+                address, StatusRequest(), deadline_s=deadline_s
+            )
+        except TransportError as exc:
+            failure = exc  # raised below, outside the transport's nursery (no exception group)
+        else:
+            failure = None
+    if failure is not None:
+        raise ValueError(f"{address}: {failure}")
+    if not isinstance(reply, StatusReply):
+        raise ValueError(f"{address}: answered {type(reply).__name__}, not a status")
+    return parse_status(bytes(payload), address)
+
+
 def status(args: argparse.Namespace) -> int:
-    path = Path(args.node)
-    if path.is_dir():
-        path = path / "status.json"
     try:
-        data = read_status(path)
-    except ValueError as exc:
+        if args.node.startswith("tcp://"):
+            if args.config is None:
+                raise ValueError(
+                    f"--node {args.node}: asking a node over the network needs --config "
+                    "(an identity the node admits)"
+                )
+            config = load_config(args.config)
+            data = trio.run(fetch_status, args.node, config, args.timeout)
+        else:
+            path = Path(args.node)
+            data = read_status(path / "status.json" if path.is_dir() else path)
+    except ValueError as exc:  # ConfigError is a ValueError
         print(f"geotrain status: {exc}", file=sys.stderr)
         return 1
     print(json.dumps(data, indent=1) if args.json else render_status(data))
@@ -126,7 +180,15 @@ def register_node(sub: argparse._SubParsersAction) -> None:
 def register_status(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("status", help="show a node's training, traffic and peers")
     p.add_argument(
-        "--node", default="state", help="the node's state directory (default: ./state)"
+        "--node",
+        default="state",
+        help="the node's state directory (default: ./state), or its address tcp://HOST:PORT",
     )
+    p.add_argument(
+        "--config",
+        type=Path,
+        help="with a tcp:// address: a node config whose identity the node admits",
+    )
+    p.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for an answer")
     p.add_argument("--json", action="store_true", help="print the raw status JSON")
     p.set_defaults(handler=status)

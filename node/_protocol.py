@@ -121,6 +121,14 @@ class ProbeReply(Header, frozen=True, tag="probe_reply"):
     received: U63
 
 
+class StatusRequest(Header, frozen=True, tag="status_request"):
+    """Ask a node for its status (answered StatusReply; payload: the status as JSON)."""
+
+
+class StatusReply(Header, frozen=True, tag="status_reply"):
+    pass
+
+
 NODE_HEADER_TYPES: tuple[type[Header], ...] = (
     *HEADER_TYPES,
     Gossip,
@@ -137,6 +145,8 @@ NODE_HEADER_TYPES: tuple[type[Header], ...] = (
     ChocoReply,
     DeltaOffer,
     DeltaReply,
+    StatusRequest,
+    StatusReply,
 )
 
 

@@ -76,13 +76,27 @@ def read_status(path: Path) -> dict[str, Any]:
         ValueError: not there, not JSON, or not a geotrain status file.
     """
     try:
-        data = json.loads(path.read_text())
+        raw = path.read_bytes()
     except OSError as exc:
         raise ValueError(f"{path}: {exc.strerror}; is a node running with this state dir?") from exc
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"{path}: not JSON ({exc})") from exc
+    return parse_status(raw, str(path))
+
+
+def parse_status(raw: bytes, where: str) -> dict[str, Any]:
+    """Parse a status document (from a file or a node's StatusReply).
+
+    Raises:
+        ValueError: not JSON, or not a geotrain status document.
+    """
+    try:
+        data = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ValueError(f"{where}: not JSON ({exc})") from exc
     if not isinstance(data, dict) or data.get("format") != STATUS_FORMAT:
-        raise ValueError(f"{path}: not a geotrain status file")
+        raise ValueError(f"{where}: not a geotrain status document")
+    for key in ("peer_id", "address", "step", "task", "algorithm", "metric_name"):
+        if key not in data:
+            raise ValueError(f"{where}: status without {key!r}")
     return data
 
 

@@ -124,3 +124,31 @@ async def test_a_node_answers_bad_messages_with_errors_and_keeps_serving(tmp_pat
         assert node.rejected_messages["gossip"] == 1 and node.rejected_messages["probe"] == 1
         assert node.exchange.rejected == 1
         node.request_stop()
+
+
+async def test_status_over_the_network(tmp_path: Path):
+    from node._node_cli import fetch_status
+    from node._status import render_status
+
+    config = config_from_toml(CONFIG, base=tmp_path, overrides=[f'state.dir="{tmp_path}/state"'])
+    node = Node(config, Identity.generate(), Admission.open_swarm("geotrain"))
+    Identity.generate().save(tmp_path / "client.key")
+    client = config_from_toml(CONFIG, base=tmp_path, overrides=['identity.key="client.key"'])
+    async with trio.open_nursery() as nursery:
+        address = await nursery.start(node.run)
+        data = await fetch_status(address, client, deadline_s=10)
+        assert data["peer_id"] == node.identity.peer_id and data["task"] == "synthetic-linreg"
+        assert "synthetic-linreg / adpsgd" in render_status(data)
+        other_swarm = config_from_toml(
+            CONFIG, base=tmp_path, overrides=['identity.key="client.key"', 'identity.swarm_id="x"']
+        )
+        with pytest.raises(ValueError, match=address):
+            await fetch_status(address, other_swarm, deadline_s=3)
+        node.request_stop()
+
+
+def test_status_from_an_address_needs_a_config(capsys):
+    from node._cli import main
+
+    assert main(["status", "--node", "tcp://127.0.0.1:9"]) == 1
+    assert "needs --config" in capsys.readouterr().err
