@@ -18,12 +18,12 @@ from gossip._averaging import check_update
 from gossip._links import LinkTable
 
 from ._config import GossipConfig
+from ._exchange import acceptable_codecs
 from ._messages import Header
 from ._trainer import StepResult, Trainer
 from ._transport import PeerInfo
 
 Tensors = dict[str, torch.Tensor]
-DENSE_LADDER = ("none", "fp16", "int8", "int4")  # what codec = "auto" picks from (as adpsgd)
 
 
 @dataclass
@@ -52,7 +52,7 @@ class AlgorithmContext:
 
     def acceptable(self, spec: str) -> bool:
         """Whether a peer may make us encode with `spec`: our fixed codec or the dense ladder."""
-        return spec in ({*DENSE_LADDER, self.config.codec} - {"auto"})
+        return spec in acceptable_codecs(self.config)
 
     @property
     def numel(self) -> int:

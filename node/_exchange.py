@@ -26,6 +26,12 @@ MAX_RESPONSES = 2
 # What adpsgd may send: dense codecs only. A sparse codec of a whole model (not of a change) would
 # zero most weights; sparse codecs belong to algorithms that send changes (choco, diloco).
 ADPSGD_LADDER = ("none", "fp16", "int8", "int4")
+
+
+def acceptable_codecs(config: GossipConfig) -> frozenset[str]:
+    """Codec specs a peer may ask this node to encode with: its fixed codec or the dense ladder
+    (any other spec would cost us work we never agreed to). Shared by every algorithm."""
+    return frozenset({*ADPSGD_LADDER, config.codec} - {"auto"})
 log = structlog.get_logger()
 
 
@@ -107,10 +113,6 @@ class ExchangeService:
             allowed=compress.codec_family(compress.get_codec(spec)),
         )
         return dict(pairs)
-
-    def acceptable_specs(self) -> frozenset[str]:
-        """Codec specs a peer may ask this node to exchange with (others cost us unknown work)."""
-        return frozenset({*ADPSGD_LADDER, self.config.codec} - {"auto"})
 
     def _mix(self, snapshot, payload, spec: str) -> float:
         remote = self._decode(payload, spec)
@@ -206,8 +208,9 @@ class ExchangeService:
         if header.algorithm != self.config.algorithm:
             reason = f"this node runs {self.config.algorithm}, not {header.algorithm}"
             return ErrorReply(code="bad_request", reason=reason), b""
-        if header.codec not in self.acceptable_specs():
-            reason = f"codec {header.codec!r} not among {sorted(self.acceptable_specs())}"
+        acceptable = acceptable_codecs(self.config)
+        if header.codec not in acceptable:
+            reason = f"codec {header.codec!r} not among {sorted(acceptable)}"
             return ErrorReply(code="bad_request", reason=reason[:500]), b""
         if self._responding >= MAX_RESPONSES:
             return ErrorReply(code="busy", reason="already averaging with others"), b""
