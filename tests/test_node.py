@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import signal
 import statistics
+import time
 
 import pytest
 from _swarm import LocalSwarm, consensus_distance
@@ -34,18 +35,18 @@ def start_swarm(swarm: LocalSwarm, n: int, special=None, **training) -> list:
     """
     training.setdefault("wait_for_peers", n - 1)
     special = special or {}
-    first = swarm.start(swarm.add("n0", training={"shard_index": 0, **training}))
-    bootstrap = first.address()
-    nodes = [first]
-    for i in range(1, n):
+    nodes, bootstrap = [], []
+    for i in range(n):
         extra = special.get(i, {})
-        node = swarm.add(
-            f"n{i}",
-            training={"shard_index": i, **training, **extra.get("training", {})},
-            network={"bootstrap": [bootstrap]},
-            gossip={**COMMON["gossip"], **extra.get("gossip", {})},
-        )
-        nodes.append(swarm.start(node))
+        sections = {  # on top of swarm.common's, section by section (LocalSwarm.add merges)
+            **extra,
+            "training": {"shard_index": i, **training, **extra.get("training", {})},
+        }
+        if bootstrap:
+            sections["network"] = {"bootstrap": bootstrap, **extra.get("network", {})}
+        nodes.append(swarm.start(swarm.add(f"n{i}", **sections)))
+        if i == 0:
+            bootstrap = [nodes[0].address()]
     for node in nodes:
         node.address()
     return nodes
@@ -159,6 +160,17 @@ def test_poisoned_peer_does_not_change_the_others_accuracy(swarm):
     assert bad.status()["metric"] < 0.2  # it really was broken
 
 
+def rates_over(nodes, seconds: float) -> list[float]:
+    """Steps a second of each node over the same `seconds` of wall time (from status.json)."""
+    before = [n.status() for n in nodes]
+    time.sleep(seconds)
+    after = [n.status() for n in nodes]
+    return [
+        (a["step"] - b["step"]) / (a["elapsed_s"] - b["elapsed_s"])
+        for a, b in zip(after, before, strict=True)
+    ]
+
+
 def test_slow_peer_does_not_slow_the_others(tmp_path):
     # Two swarms of three run side by side, so both see the same load on this shared machine;
     # in one of them, n2 is 10x slower.
@@ -175,11 +187,15 @@ def test_slow_peer_does_not_slow_the_others(tmp_path):
             for slowdown, s in swarms.items()
         }
         swarms[1.0].wait_until(
-            lambda: all(n.status()["step"] >= 300 for n in runs[1.0][:2] + runs[10.0][:2]),
+            lambda: all(n.status()["step"] >= 300 for n in runs[1.0][:2] + runs[10.0][:2])
+            and runs[10.0][2].status()["step"] >= 20,
             240,
-            "300 steps on every fast node",
+            "300 steps on every fast node, 20 on the slow one",
         )
-        rates = {k: [n.status()["steps_per_s"] for n in nodes[:2]] for k, nodes in runs.items()}
+        # Past start-up on all six, measure every fast node over the same 8 s of wall time.
+        fast = [n for nodes in runs.values() for n in nodes[:2]]
+        measured = iter(rates_over(fast, 8.0))
+        rates = {k: [next(measured) for _ in nodes[:2]] for k, nodes in runs.items()}
         slow_steps = runs[10.0][2].status()["step"]
         fast_steps = min(n.status()["step"] for n in runs[10.0][:2])
         exchanged_with_slow = runs[10.0][2].status()["exchanges_ok"]
