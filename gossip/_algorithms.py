@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import math
+from collections import deque
 from collections.abc import Iterable, Mapping, MutableMapping
 
 import torch
@@ -174,24 +175,71 @@ class RoundAttendance:
 
     After its k-th consecutive miss a neighbour is not asked for min(2**k, max_skip) rounds, so a
     straggler costs the others one deadline now and then instead of one every round; an answer
-    resets it. Pure bookkeeping: rounds are numbers handed in.
+    resets it.
+
+    A miss is forgiven instead while the neighbour is catching up: it told us its round lately
+    (`heard`: its own round requests, its replies) and, at the pace it has been going, reaches the
+    round we asked for within `catch_up_s`. Waiting for it is then what keeps the rounds together;
+    skipping it would let a node that started first (or a peer that was paused) train alone, ever
+    further ahead, since rounds without neighbours cost nothing. At most `max_forgiven` misses are
+    forgiven between two answers, so a neighbour we hear from but never get an answer from (a
+    one-way link, or one that lies about its round) is skipped like any other.
+    Pure bookkeeping: rounds and times are numbers handed in.
     """
 
-    def __init__(self, max_skip: int = 32) -> None:
+    def __init__(
+        self, max_skip: int = 32, *, catch_up_s: float = 5.0, max_forgiven: int = 8
+    ) -> None:
         if max_skip < 1:
             raise ValueError(f"max_skip={max_skip}: expected >= 1")
+        if catch_up_s < 0 or max_forgiven < 0:
+            raise ValueError(
+                f"catch_up_s={catch_up_s}, max_forgiven={max_forgiven}: expected >= 0"
+            )
         self.max_skip = max_skip
+        self.catch_up_s = catch_up_s
+        self.max_forgiven = max_forgiven
+        self.forgiven = 0  # misses forgiven so far (a statistic)
         self._misses: dict[str, int] = {}
         self._skip_until: dict[str, int] = {}
+        self._forgiven_since_answer: dict[str, int] = {}
+        self._heard: dict[str, deque[tuple[float, int]]] = {}
 
     def eligible(self, peers: Iterable[str], round_: int) -> list[str]:
         """The peers worth asking in round `round_`, in the order given."""
         return [p for p in peers if self._skip_until.get(p, -1) < round_]
 
-    def record(self, peer: str, round_: int, answered: bool) -> None:
+    def heard(self, peer: str, round_: int, now: float) -> None:
+        """`peer` was at round `round_` at time `now` (it asked us for that round, or answered)."""
+        seen = self._heard.setdefault(peer, deque(maxlen=8))
+        if not seen or round_ > seen[-1][1]:
+            seen.append((now, round_))
+
+    def catching_up(self, peer: str, round_: int, now: float) -> bool:
+        """Whether `peer`, behind round `round_`, gets there within catch_up_s at its pace."""
+        seen = self._heard.get(peer)
+        if not seen or len(seen) < 2 or now - seen[-1][0] > self.catch_up_s:
+            return False
+        (t0, r0), (t1, r1) = seen[0], seen[-1]
+        pace = (r1 - r0) / max(now - t0, 1e-9)  # rounds a second; falls while it is silent
+        behind = round_ - (r1 + pace * (now - t1))
+        return 0 < behind <= pace * self.catch_up_s
+
+    def record(self, peer: str, round_: int, answered: bool, now: float | None = None) -> None:
+        """The outcome of asking `peer` in round `round_` (`now` enables forgiving a catch-up)."""
         if answered:
             self._misses.pop(peer, None)
             self._skip_until.pop(peer, None)
+            self._forgiven_since_answer.pop(peer, None)
+            return
+        forgiven = self._forgiven_since_answer.get(peer, 0)
+        if (
+            now is not None
+            and forgiven < self.max_forgiven
+            and self.catching_up(peer, round_, now)
+        ):
+            self._forgiven_since_answer[peer] = forgiven + 1
+            self.forgiven += 1
             return
         misses = self._misses.get(peer, 0) + 1
         self._misses[peer] = misses
@@ -200,6 +248,6 @@ class RoundAttendance:
     def forget(self, keep: Iterable[str]) -> None:
         """Drop the records of peers not in `keep` (dead or gone)."""
         keep = set(keep)
-        for table in (self._misses, self._skip_until):
+        for table in (self._misses, self._skip_until, self._forgiven_since_answer, self._heard):
             for peer in [p for p in table if p not in keep]:
                 del table[peer]

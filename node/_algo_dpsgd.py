@@ -1,8 +1,9 @@
 # dpsgd: synchronous neighbourhood averaging in rounds of `exchange_every` steps. Invariants: a
 # round's model is published before its neighbours are asked, so two nodes in the same round
-# never wait on each other; a request for a round this node has not reached waits at most
-# ROUND_WAIT_CAP_S; a reply is used only when it is of the requested round or newer; the round
-# ends at its deadline with whoever answered (Metropolis-Hastings weights, the rest stays with us).
+# never wait on each other; a request for a round this node has not reached waits at most its
+# asker's deadline (never over ROUND_WAIT_CAP_S); a reply is used only when it is of the requested
+# round or newer; the round ends at its deadline with whoever answered (Metropolis-Hastings
+# weights, the rest stays with us).
 from __future__ import annotations
 
 import structlog
@@ -35,7 +36,8 @@ class DpsgdRuntime:
     Assumes: peers of similar speed that start together (a late joiner or a straggler mostly
     pulls from the others). Trades: training pauses at every round boundary (at most one
     deadline) for the tightest agreement per round; a neighbour slower than the deadline simply
-    drops out of the others' rounds.
+    drops out of the others' rounds, while one that is behind but catching up (a later start) is
+    waited for, so a node that started first does not train alone ever further ahead.
     """
 
     headers = (RoundRequest,)
@@ -55,6 +57,7 @@ class DpsgdRuntime:
             "full_rounds": self.full_rounds,
             "missed_neighbours": self.missed,
             "late_replies_ignored": self.late_ignored,
+            "forgiven_misses": self._attendance.forgiven,
         }
 
     def state(self) -> tuple[Tensors, dict]:
@@ -112,9 +115,10 @@ class DpsgdRuntime:
                         self._ask, peer, round_, len(neighbours), deadline, got, reasons
                     )
         missing = [p for p in neighbours if p not in got]
+        now = ctx.now()
         for peer in neighbours:
-            self._attendance.record(peer, round_, peer in got)
-            ctx.record_outcome(peer, peer in got, ctx.now())
+            self._attendance.record(peer, round_, peer in got, now)
+            ctx.record_outcome(peer, peer in got, now)
         self_w, weights = metropolis_hastings_weights(
             len(neighbours), {p: d for p, (_, d) in got.items()}
         )
@@ -147,7 +151,7 @@ class DpsgdRuntime:
             reasons[peer] = "no address"
             return
         header = RoundRequest(
-            algorithm="dpsgd", codec=self._spec(peer), round=round_, degree=degree
+            algorithm="dpsgd", codec=self._spec(peer), round=round_, degree=degree, wait_s=deadline
         )
         try:
             reply, payload, _ = await self.ctx.request(
@@ -159,6 +163,7 @@ class DpsgdRuntime:
         if not isinstance(reply, RoundReply):
             reasons[peer] = getattr(reply, "reason", type(reply).__name__)[:200]
             return
+        self._attendance.heard(peer, reply.round, self.ctx.now())
         if reply.round < round_:  # an answer for an older round: never mixed into this one
             self.late_ignored += 1
             reasons[peer] = f"reply for round {reply.round}"
@@ -183,7 +188,8 @@ class DpsgdRuntime:
             ), b""
         if not self.ctx.acceptable(header.codec):
             return ErrorReply(code="bad_request", reason=f"codec {header.codec!r} refused"), b""
-        with trio.move_on_after(ROUND_WAIT_CAP_S):
+        self._attendance.heard(peer.peer_id, header.round, self.ctx.now())  # its own round
+        with trio.move_on_after(min(header.wait_s, ROUND_WAIT_CAP_S)):
             while self.round < header.round:
                 await self._published.wait()
         if self.round < header.round:

@@ -64,15 +64,17 @@ class StateReply(Header, frozen=True, tag="state_reply"):
 class RoundRequest(Header, frozen=True, tag="round_request"):
     """dpsgd: ask a neighbour for its model at the boundary of round `round`.
 
-    The neighbour answers RoundReply once it has reached that round (the requester's deadline
-    bounds the wait) with the model it had there, or a newer one when that round is gone; `degree`
-    is the requester's neighbour count this round (for Metropolis-Hastings weights).
+    The neighbour answers RoundReply once it has reached that round with the model it had there,
+    or a newer one when that round is gone; it waits for that at most `wait_s` (the requester's
+    deadline: after it nobody listens, and a held request ties up one of its inbound workers).
+    `degree` is the requester's neighbour count this round (for Metropolis-Hastings weights).
     """
 
     algorithm: Name
     codec: Spec
     round: U63
     degree: Degree
+    wait_s: Annotated[float, msgspec.Meta(ge=0.0, le=3600.0)] = 30.0
 
 
 class RoundReply(Header, frozen=True, tag="round_reply"):

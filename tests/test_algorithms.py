@@ -79,6 +79,54 @@ def test_round_attendance_skips_a_straggler_longer_each_time_and_forgives():
     assert att.eligible(["a"], 11) == ["a"]
 
 
+def test_round_attendance_waits_for_a_neighbour_that_is_behind_but_catching_up():
+    # We started first and are at round 40; b started late and has been asking us for its rounds
+    # at 100 rounds a second: it misses round 40 now, but gets there in well under catch_up_s.
+    att = RoundAttendance(catch_up_s=5.0)
+    for i in range(8):
+        att.heard("b", 10 + i, now=1.0 + i * 0.01)
+    att.record("b", 40, answered=False, now=1.08)
+    assert att.eligible(["b"], 41) == ["b"]  # asked again next round, not skipped
+    assert att.forgiven == 1
+
+
+def test_round_attendance_still_skips_a_straggler_and_a_silent_or_unknown_neighbour():
+    att = RoundAttendance(catch_up_s=5.0)
+    att.heard("slow", 1, now=0.0)  # one round every 6 s: 40 rounds behind is minutes away
+    att.heard("slow", 2, now=6.0)
+    att.heard("gone", 30, now=0.0)  # was fast, then nothing for 10 s
+    att.heard("gone", 38, now=0.08)
+    for peer in ("slow", "gone", "never-heard"):
+        att.record(peer, 40, answered=False, now=10.0)
+    assert att.eligible(["slow", "gone", "never-heard"], 41) == []
+    assert att.forgiven == 0
+    att.heard("ahead", 45, now=9.9)  # fast, and already past the round we asked for:
+    att.heard("ahead", 46, now=9.95)
+    att.record("ahead", 41, answered=False, now=10.0)  # its miss is not a catch-up
+    assert att.eligible(["ahead"], 42) == []
+
+
+def test_round_attendance_forgives_a_bounded_number_of_misses_between_answers():
+    # A neighbour that keeps telling us it is close behind but never answers (a one-way link, or
+    # a liar) is forgiven max_forgiven times, then skipped like any other; an answer resets that.
+    att = RoundAttendance(catch_up_s=5.0, max_forgiven=3)
+    now, skipped_at = 0.0, None
+    for r in range(100, 120):
+        for i in range(2):
+            now += 0.01
+            att.heard("liar", r - 3 + i, now)
+        if "liar" not in att.eligible(["liar"], r):
+            skipped_at = r
+            break
+        att.record("liar", r, answered=False, now=now)
+    assert skipped_at == 104 and att.forgiven == 3  # 3 forgiven, the 4th miss counts
+    att.record("liar", 110, answered=True)
+    att.record("liar", 111, answered=False, now=now)  # still close behind: forgiven again
+    assert att.forgiven == 4 and att.eligible(["liar"], 112) == ["liar"]
+    att.forget([])
+    assert att.catching_up("liar", 112, now) is False  # its record went with it
+
+
 def test_choco_estimates_stay_equal_on_both_ends_and_absorb_the_compression_error():
     torch.manual_seed(0)
     codec = compress.get_codec("topk:0.1")
@@ -384,6 +432,29 @@ async def test_dpsgd_ignores_a_reply_for_an_older_round():
     await a.after_step(_step(a, 5))
     assert a.late_ignored == 1 and a.missed == 1 and a.full_rounds == 0
     assert all(torch.equal(before[k], v) for k, v in a.ctx.trainer.params().items())
+
+
+async def test_dpsgd_responder_holds_a_request_only_as_long_as_its_asker_waits():
+    # A request for a round b has not reached ties up one of b's inbound workers: b lets it go
+    # when the asker's deadline (wait_s) has passed, not after ROUND_WAIT_CAP_S, and notes a's
+    # round (so a's next miss can be judged: is a catching up or a straggler?).
+    import trio
+
+    from node._algo_dpsgd import ROUND_WAIT_CAP_S, DpsgdRuntime
+    from node._messages import ErrorReply
+    from node._protocol import RoundRequest
+    from node._transport import PeerInfo
+
+    rt, _ = _pair(DpsgdRuntime, algorithm="dpsgd", codec="none", exchange_every=1)
+    b = rt["b"]
+    asker = PeerInfo("a", b"", "tcp://x", "inbound")
+    request = RoundRequest(algorithm="dpsgd", codec="none", round=7, degree=1, wait_s=0.3)
+    started = trio.current_time()
+    with trio.fail_after(ROUND_WAIT_CAP_S / 2):
+        reply, _ = await b.handle(asker, request, memoryview(b""))
+    assert isinstance(reply, ErrorReply) and reply.code == "busy"
+    assert 0.3 <= trio.current_time() - started < 5.0
+    assert b._attendance._heard["a"][-1][1] == 7
 
 
 async def test_diloco_outer_step_uses_the_partner_update_and_its_state_survives_a_checkpoint():
