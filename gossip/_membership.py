@@ -109,7 +109,8 @@ class Membership:
         self._joined = True
         inf = float("-inf")
         self._next_probe_at = self._next_exchange_at = self._next_reconnect_at = inf
-        self._join_retry_at = inf
+        self._join_retry_at = self._next_verify_at = inf
+        self._verify_pinged: dict[str, float] = {}  # unverified member -> when we last pinged it
 
     # -- public queries ------------------------------------------------------------------------
     @property
@@ -166,6 +167,8 @@ class Membership:
             deadlines.append(self._probe.sent_at + self._config.probe_interval_s)
         if not self._joined:
             deadlines.append(self._join_retry_at)
+        if self._config.verify_batch and self._table.unverified_live_count():
+            deadlines.append(self._next_verify_at)
         return min(deadlines)
 
     # -- commands ------------------------------------------------------------------------------
@@ -197,6 +200,7 @@ class Membership:
         out: list[Send] = []
         self._table.expire(now)
         self._probe_step(now, out)
+        self._verify_step(now, out)
         if not self._joined and now >= self._join_retry_at:
             self._send_joins(now, out)
         if now >= self._next_exchange_at:
@@ -310,6 +314,27 @@ class Membership:
                 self._probe = _Probe(self._next_seq(), target, now)
                 ping = Ping(self._probe.seq, self._table.self_address, self._piggyback(target))
                 out.append(self._send_to(target, ping))
+
+    def _verify_step(self, now: float, out: list[Send]) -> None:
+        """Ping up to verify_batch members known only second-hand: their Ack verifies them."""
+        cfg = self._config
+        if not cfg.verify_batch or now < self._next_verify_at:
+            return
+        if not self._table.unverified_live_count():
+            self._verify_pinged.clear()
+            return
+        self._next_verify_at = now + cfg.probe_interval_s
+        unverified = self._table.unverified_live_ids()
+        keep = set(unverified)
+        for peer in [p for p in self._verify_pinged if p not in keep]:
+            del self._verify_pinged[peer]
+        quiet_since, never = now - 4 * cfg.probe_interval_s, float("-inf")
+        due = [p for p in unverified if self._verify_pinged.get(p, never) <= quiet_since]
+        self._rng.shuffle(due)
+        due.sort(key=lambda p: self._verify_pinged.get(p, never))  # never pinged first
+        for peer in due[: cfg.verify_batch]:
+            self._verify_pinged[peer] = now
+            out.append(self._send_to(peer, Ping(self._next_seq(), self._table.self_address)))
 
     def _send_ping_reqs(self, probe: _Probe, out: list[Send]) -> None:
         helpers = [p for p in self._table.verified_live_ids() if p != probe.target]

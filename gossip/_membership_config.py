@@ -37,6 +37,10 @@ class MembershipConfig:
             it knows nobody alive), so that a partitioned swarm re-merges after healing.
         dead_retention_s: dead and left members are remembered (and tried for re-merge) this long.
         leave_fanout: members told directly of a graceful leave; they spread it further.
+        verify_batch: members heard of only second-hand that are pinged at once per probe period
+            (each at most once per 4 periods), besides the round-robin probe, so a new swarm's
+            members verify each other within a period or two instead of one member a period;
+            also the most a listed stranger can make this node dial per period.
         max_members: most members remembered, in any state. Members learned second-hand beyond it
             are ignored; one heard from directly replaces the oldest never-verified record. 4096
             is far above the swarms this targets (tens to hundreds of nodes) and bounds the memory
@@ -56,6 +60,7 @@ class MembershipConfig:
     reconnect_interval_s: float = 15.0
     dead_retention_s: float = 900.0
     leave_fanout: int = 8
+    verify_batch: int = 8
     max_members: int = 4096
 
     def __post_init__(self) -> None:
@@ -92,6 +97,7 @@ class MembershipConfig:
         ):
             _require(getattr(self, name) > 0, name, getattr(self, name), "> 0")
         _require(self.leave_fanout >= 1, "leave_fanout", self.leave_fanout, ">= 1")
+        _require(self.verify_batch >= 0, "verify_batch", self.verify_batch, ">= 0")
         _require(self.max_members >= 1, "max_members", self.max_members, ">= 1")
 
     def suspicion_timeouts(self, n_members: int) -> tuple[float, float]:

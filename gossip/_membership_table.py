@@ -105,6 +105,14 @@ class MembershipTable:
             self._verified_cache = tuple(p for p in self.live_ids() if self._records[p].verified)
         return self._verified_cache
 
+    def unverified_live_count(self) -> int:
+        """How many alive or suspect members are known only second-hand (cheap: cached ids)."""
+        return len(self.live_ids()) - len(self.verified_live_ids())
+
+    def unverified_live_ids(self) -> list[str]:
+        """Ids of alive and suspect members known only second-hand, sorted."""
+        return [p for p in self.live_ids() if not self._records[p].verified]
+
     def is_verified_live(self, peer_id: str) -> bool:
         r = self._records.get(peer_id)
         return r is not None and r.verified and r.state in _LIVE

@@ -52,6 +52,41 @@ def test_peers_learn_the_whole_swarm_beyond_their_bootstrap_list():
     assert all(net.nodes[p].joined for p in peers)
 
 
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_a_new_swarm_verifies_every_member_within_one_probe_period(seed):
+    # live_peers() (partners, wait_for_peers) counts only members that spoke to us themselves.
+    # Without pinging the ones heard of second-hand, round-robin probing verified one member per
+    # 2 s period: 12-14 s for 8 peers, so nodes of one swarm started training seconds apart.
+    net = _swarm(8, seed=seed)
+    peers = list(net.nodes)
+    net.run_until(60.0, stop=lambda: all(len(net.nodes[p].live_peers()) == 7 for p in peers))
+    assert all(len(net.nodes[p].live_peers()) == 7 for p in peers)
+    assert net.now <= CONFIG.probe_interval_s, net.now
+
+
+def test_a_listed_stranger_is_pinged_at_most_verify_batch_at_a_time_and_not_again_soon():
+    node = _node_knowing(["x0"])
+    fakes = tuple(MemberUpdate(f"f{i}", f"a{i}", "alive", 0) for i in range(256))
+    node.receive(PeerList("addr-x0", fakes), "x0", 1.0)
+    period = CONFIG.probe_interval_s
+    pinged: list[str] = []
+    for k in range(8):  # 8 probe periods
+        now = 1.0 + k * period
+        sends = node.tick(now)
+        assert node.next_deadline() <= now + period
+        to_fakes = [s.peer_id for s in sends if s.peer_id and s.peer_id.startswith("f")]
+        # one round-robin probe plus at most verify_batch verification pings a period
+        assert len(to_fakes) <= CONFIG.verify_batch + 1, to_fakes
+        probed = node._probe.target if node._probe is not None else None  # the round robin's
+        pinged += [p for p in to_fakes if p != probed]
+    assert len(pinged) == 8 * CONFIG.verify_batch
+    assert len(set(pinged)) == len(pinged)  # the ones never pinged go first
+    # with verify_batch = 0 only the round-robin probe reaches strangers
+    quiet = _node_knowing(["x0"], MembershipConfig(verify_batch=0))
+    quiet.receive(PeerList("addr-x0", fakes), "x0", 1.0)
+    assert sum(s.peer_id.startswith("f") for s in quiet.tick(1.0) if s.peer_id) <= 1
+
+
 def test_a_crashed_peer_is_declared_dead_by_all_within_the_bound():
     net = _swarm(10, seed=2)
     peers = list(net.nodes)
