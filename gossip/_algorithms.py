@@ -212,6 +212,8 @@ class RoundAttendance:
     def heard(self, peer: str, round_: int, now: float) -> None:
         """`peer` was at round `round_` at time `now` (it asked us for that round, or answered)."""
         seen = self._heard.setdefault(peer, deque(maxlen=8))
+        if seen and round_ < seen[-1][1]:  # it went back (restarted from a checkpoint): anew
+            seen.clear()
         if not seen or round_ > seen[-1][1]:
             seen.append((now, round_))
 

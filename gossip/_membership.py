@@ -133,8 +133,9 @@ class Membership:
     def live_peers(self) -> tuple[str, ...]:
         """Ids of alive and suspect members that contacted this node themselves, sorted.
 
-        Members only heard of second-hand are left out (they are probed, so a real one is
-        verified within a few probe periods). One tuple object until membership changes.
+        Members only heard of second-hand are left out (they are pinged, verify_batch a probe
+        period, so a real one is verified within a period or two). One tuple object until
+        membership changes.
         """
         return self._table.verified_live_ids()
 
@@ -194,7 +195,8 @@ class Membership:
         return [self._send_to(peer, msg) for peer in told]
 
     def tick(self, now: float) -> list[Send]:
-        """Run every timer that is due: probes, indirect probes, suspicion, exchange, rejoin."""
+        """Run every timer that is due: probes, indirect probes, verification pings, suspicion,
+        exchange, rejoin."""
         if self._table.left:
             return []
         out: list[Send] = []

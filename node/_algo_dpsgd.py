@@ -20,6 +20,7 @@ from ._trainer import StepResult
 from ._transport import PeerInfo, TransportError
 
 ROUND_WAIT_CAP_S = 30.0  # the most a responder holds a request for a round it has not reached
+CATCH_UP_FLOOR_S = 5.0  # a neighbour that reaches our round within this (or 4 rounds) is waited for
 KEEP_ROUNDS = 2
 log = structlog.get_logger()
 
@@ -116,6 +117,9 @@ class DpsgdRuntime:
                     )
         missing = [p for p in neighbours if p not in got]
         now = ctx.now()
+        # "catching up" is judged over a few of our rounds, however long a round takes
+        round_s = deadline + ctx.config.exchange_every * self._step_s
+        self._attendance.catch_up_s = max(CATCH_UP_FLOOR_S, 4 * round_s)
         for peer in neighbours:
             self._attendance.record(peer, round_, peer in got, now)
             ctx.record_outcome(peer, peer in got, now)
@@ -151,7 +155,11 @@ class DpsgdRuntime:
             reasons[peer] = "no address"
             return
         header = RoundRequest(
-            algorithm="dpsgd", codec=self._spec(peer), round=round_, degree=degree, wait_s=deadline
+            algorithm="dpsgd",
+            codec=self._spec(peer),
+            round=round_,
+            degree=degree,
+            wait_s=min(deadline, ROUND_WAIT_CAP_S),  # the responder never holds it longer
         )
         try:
             reply, payload, _ = await self.ctx.request(
@@ -188,7 +196,8 @@ class DpsgdRuntime:
             ), b""
         if not self.ctx.acceptable(header.codec):
             return ErrorReply(code="bad_request", reason=f"codec {header.codec!r} refused"), b""
-        self._attendance.heard(peer.peer_id, header.round, self.ctx.now())  # its own round
+        if peer.peer_id in self.ctx.live_peers():  # its own round (strangers are not tracked)
+            self._attendance.heard(peer.peer_id, header.round, self.ctx.now())
         with trio.move_on_after(min(header.wait_s, ROUND_WAIT_CAP_S)):
             while self.round < header.round:
                 await self._published.wait()

@@ -9,7 +9,7 @@ from typing import Annotated, Literal
 
 import msgspec
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: RoundRequest.wait_s (a v1 node would refuse it as an unknown field)
 MAX_HEADER_BYTES = 64 * 1024
 MAX_REASON_CHARS = 512
 

@@ -106,6 +106,17 @@ def test_round_attendance_still_skips_a_straggler_and_a_silent_or_unknown_neighb
     assert att.eligible(["ahead"], 42) == []
 
 
+def test_round_attendance_starts_a_restarted_neighbours_pace_anew():
+    # b got to round 500, restarted from a checkpoint at round 100, and is racing back up
+    att = RoundAttendance(catch_up_s=5.0)
+    att.heard("b", 499, now=0.0)
+    att.heard("b", 500, now=0.1)
+    for i in range(4):
+        att.heard("b", 100 + i, now=10.0 + i * 0.01)
+    att.record("b", 120, answered=False, now=10.05)
+    assert att.eligible(["b"], 121) == ["b"] and att.forgiven == 1
+
+
 def test_round_attendance_forgives_a_bounded_number_of_misses_between_answers():
     # A neighbour that keeps telling us it is close behind but never answers (a one-way link, or
     # a liar) is forgiven max_forgiven times, then skipped like any other; an answer resets that.

@@ -164,7 +164,10 @@ def rates_over(nodes, seconds: float) -> list[float]:
     """Steps a second of each node over the same `seconds` of wall time (from status.json)."""
     before = [n.status() for n in nodes]
     time.sleep(seconds)
+    for n in nodes:
+        n.check_alive()
     after = [n.status() for n in nodes]
+    assert all(a["elapsed_s"] > b["elapsed_s"] for a, b in zip(after, before, strict=True))
     return [
         (a["step"] - b["step"]) / (a["elapsed_s"] - b["elapsed_s"])
         for a, b in zip(after, before, strict=True)

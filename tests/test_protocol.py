@@ -15,7 +15,7 @@ from gossip._messages import Ack, MemberUpdate, PeerList, Ping
 from node._admission import Admission
 from node._config import config_from_toml
 from node._identity import Identity
-from node._messages import ErrorReply, Pong
+from node._messages import PROTOCOL_VERSION, ErrorReply, Pong
 from node._messages import Ping as TransportPing
 from node._node import Node
 from node._protocol import (
@@ -67,7 +67,8 @@ def test_random_bodies_only_raise_our_error(kind, body):
 
 def test_unknown_gossip_kind_is_a_header_error():
     codec = node_header_codec()
-    raw = msgspec.msgpack.encode((1, {"type": "gossip", "kind": "shout", "body": b""}))
+    envelope = (PROTOCOL_VERSION, {"type": "gossip", "kind": "shout", "body": b""})
+    raw = msgspec.msgpack.encode(envelope)
     with pytest.raises(Exception, match="invalid 'gossip' header"):
         codec.decode(raw)
 
