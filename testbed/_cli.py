@@ -50,7 +50,27 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     report.set_defaults(handler=cmd_report)
 
     down = sub.add_parser("down", help="remove namespaces/processes left by a crashed run")
+    down.add_argument("--run", metavar="PREFIX", type=_run_prefix,
+                      help="only this run's leftovers, e.g. gt-3fa9c1 (as printed by `testbed run`"
+                           " after 'namespaces:'); default: every testbed run's")  # fmt: skip
     down.set_defaults(handler=cmd_down)
+
+
+def _run_prefix(text: str) -> str:
+    """A run's name prefix as `testbed run` prints it (`gt-3fa9c1` or `gt-3fa9c1-`)."""
+    from ._namespaces import PREFIX
+
+    prefix = text if text.endswith("-") else text + "-"
+    hex_part = prefix[len(PREFIX) : -1]
+    if not prefix.startswith(PREFIX) or len(hex_part) != 6 or not _is_hex(hex_part):
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: expected a run prefix such as {PREFIX}3fa9c1 (from `testbed run`'s output)"
+        )
+    return prefix
+
+
+def _is_hex(text: str) -> bool:
+    return all(c in "0123456789abcdef" for c in text)
 
 
 def _scenario_from_args(args: argparse.Namespace) -> TestbedScenario:
@@ -135,16 +155,18 @@ def cmd_report(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_down(args: argparse.Namespace) -> int:  # noqa: ARG001
+def cmd_down(args: argparse.Namespace) -> int:
     from ._namespaces import PREFIX, cleanup_leftovers, list_namespaces
 
-    running = list_namespaces(PREFIX)
-    if running:
+    prefix = args.run or PREFIX
+    running = list_namespaces(prefix)
+    if running and args.run is None:
         print(f"WARNING: this removes every testbed namespace ({len(running)} found), including "
-              "those of a testbed run that is still going; its peers are killed.")  # fmt: skip
+              "those of a testbed run that is still going; its peers are killed "
+              "(--run PREFIX limits it to one run).")  # fmt: skip
     removed = []
     with contextlib.suppress(KeyboardInterrupt):
-        removed = cleanup_leftovers(PREFIX)
+        removed = cleanup_leftovers(prefix)
     for item in removed:
         print(f"removed {item}")
     if not removed:

@@ -109,3 +109,29 @@ def test_cleanup_leftovers_removes_what_a_killed_run_left_and_nothing_else():
         assert not process_running(sleeper)
         assert list_namespaces(bystander) == [f"{bystander}p00"]
     assert cleanup_leftovers(victim) == []
+
+
+def test_testbed_down_with_run_removes_that_run_only():
+    # `geotrain testbed down --run PREFIX`, the prefix as `testbed run` prints it (no trailing -)
+    victim, bystander = new_run_prefix(), new_run_prefix()
+    run = subprocess.Popen([sys.executable, "-c", textwrap.dedent(CRASHING_RUN), victim],
+                           stdout=subprocess.PIPE, text=True)  # fmt: skip
+    with NamespaceSet(1, run_prefix=bystander):
+        try:
+            assert run.stdout is not None
+            sleeper = int(run.stdout.readline())
+        finally:
+            run.send_signal(signal.SIGKILL)
+            run.wait()
+            run.stdout.close()  # type: ignore[union-attr]
+        down = [sys.executable, "-m", "node", "testbed", "down", "--run", victim.rstrip("-")]
+        out = subprocess.run(down, capture_output=True, text=True, timeout=60, check=True).stdout
+        assert f"removed netns {victim}p00" in out and f"removed pid {sleeper}" in out
+        assert "WARNING" not in out  # only the named run was touched
+        assert leftovers(victim) == ([], [])
+        assert not process_running(sleeper)
+        assert list_namespaces(bystander) == [f"{bystander}p00"]
+        again = subprocess.run(down, capture_output=True, text=True, timeout=60, check=True)
+        assert "nothing left over" in again.stdout
+    bad = subprocess.run([*down[:-1], "gt-nothex"], capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "expected a run prefix" in bad.stderr
