@@ -18,7 +18,7 @@ from gossip._averaging import check_update
 from gossip._links import LinkTable
 
 from ._config import GossipConfig
-from ._exchange import acceptable_codecs
+from ._exchange import acceptable_codecs, decode_model
 from ._messages import Header
 from ._trainer import StepResult, Trainer
 from ._transport import PeerInfo
@@ -64,13 +64,7 @@ class AlgorithmContext:
     def decode(self, payload: bytes | memoryview, spec: str) -> Tensors:
         """Decode a peer's tensors made with `spec`: only that codec family, within the model's
         size budget (DecodeError when bad)."""
-        pairs = compress.decode_named(
-            payload,
-            max_numel=self.numel,
-            device=self.trainer.task_device,
-            allowed=compress.codec_family(compress.get_codec(spec)),
-        )
-        return dict(pairs)
+        return decode_model(payload, spec, self.numel, self.trainer.task_device)
 
     def decode_checked(self, payload: bytes | memoryview, spec: str) -> Tensors:
         """Decode (see `decode`) and check names, shapes, finiteness and norm against our model.

@@ -32,6 +32,22 @@ def acceptable_codecs(config: GossipConfig) -> frozenset[str]:
     """Codec specs a peer may ask this node to encode with: its fixed codec or the dense ladder
     (any other spec would cost us work we never agreed to). Shared by every algorithm."""
     return frozenset({*ADPSGD_LADDER, config.codec} - {"auto"})
+
+
+def decode_model(
+    payload: bytes | memoryview, spec: str, max_numel: int, device: torch.device
+) -> dict[str, torch.Tensor]:
+    """Decode a peer's tensors made with `spec`: only that codec family, within the model's size
+    budget (compress.DecodeError when bad). Shared by every algorithm."""
+    pairs = compress.decode_named(
+        payload,
+        max_numel=max_numel,
+        device=device,
+        allowed=compress.codec_family(compress.get_codec(spec)),
+    )
+    return dict(pairs)
+
+
 log = structlog.get_logger()
 
 
@@ -106,13 +122,7 @@ class ExchangeService:
 
     def _decode(self, payload, spec: str) -> dict[str, torch.Tensor]:
         """Decode a peer's model, accepting only the codecs of the agreed `spec`."""
-        pairs = compress.decode_named(
-            payload,
-            max_numel=self.numel,
-            device=self.trainer.task_device,
-            allowed=compress.codec_family(compress.get_codec(spec)),
-        )
-        return dict(pairs)
+        return decode_model(payload, spec, self.numel, self.trainer.task_device)
 
     def _mix(self, snapshot, payload, spec: str) -> float:
         remote = self._decode(payload, spec)
