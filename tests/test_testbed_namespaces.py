@@ -87,18 +87,23 @@ time.sleep(600)
 """
 
 
-def test_cleanup_leftovers_removes_what_a_killed_run_left_and_nothing_else():
-    victim, bystander = new_run_prefix(), new_run_prefix()
+def crash_a_run(victim: str) -> int:
+    """Start CRASHING_RUN under `victim`, SIGKILL it once set up; the pid it left sleeping."""
     run = subprocess.Popen([sys.executable, "-c", textwrap.dedent(CRASHING_RUN), victim],
                            stdout=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        assert run.stdout is not None
+        return int(run.stdout.readline())
+    finally:
+        run.send_signal(signal.SIGKILL)
+        run.wait()
+        run.stdout.close()  # type: ignore[union-attr]
+
+
+def test_cleanup_leftovers_removes_what_a_killed_run_left_and_nothing_else():
+    victim, bystander = new_run_prefix(), new_run_prefix()
     with NamespaceSet(1, run_prefix=bystander):
-        try:
-            assert run.stdout is not None
-            sleeper = int(run.stdout.readline())
-        finally:
-            run.send_signal(signal.SIGKILL)
-            run.wait()
-            run.stdout.close()  # type: ignore[union-attr]
+        sleeper = crash_a_run(victim)
         assert leftovers(victim) == ([f"{victim}p00", f"{victim}p01"], [f"{victim}d0"])
         assert process_running(sleeper)
 
@@ -114,16 +119,8 @@ def test_cleanup_leftovers_removes_what_a_killed_run_left_and_nothing_else():
 def test_testbed_down_with_run_removes_that_run_only():
     # `geotrain testbed down --run PREFIX`, the prefix as `testbed run` prints it (no trailing -)
     victim, bystander = new_run_prefix(), new_run_prefix()
-    run = subprocess.Popen([sys.executable, "-c", textwrap.dedent(CRASHING_RUN), victim],
-                           stdout=subprocess.PIPE, text=True)  # fmt: skip
     with NamespaceSet(1, run_prefix=bystander):
-        try:
-            assert run.stdout is not None
-            sleeper = int(run.stdout.readline())
-        finally:
-            run.send_signal(signal.SIGKILL)
-            run.wait()
-            run.stdout.close()  # type: ignore[union-attr]
+        sleeper = crash_a_run(victim)
         down = [sys.executable, "-m", "node", "testbed", "down", "--run", victim.rstrip("-")]
         out = subprocess.run(down, capture_output=True, text=True, timeout=60, check=True).stdout
         assert f"removed netns {victim}p00" in out and f"removed pid {sleeper}" in out
