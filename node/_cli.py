@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Callable, Sequence
 from importlib import metadata
@@ -75,6 +76,11 @@ def build_parser(commands: Sequence[Register] | None = None) -> argparse.Argumen
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `geotrain` console script. Returns the process exit status."""
+    # A task named `module:function` is found in the working directory, as with `python -m`
+    # (a console script's sys.path starts at its own folder instead); after site-packages, so a
+    # stray file there never shadows an installed module.
+    if os.getcwd() not in sys.path and "" not in sys.path:
+        sys.path.append(os.getcwd())
     parser = build_parser()
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     configure_logging(args.log_level, args.log_format)

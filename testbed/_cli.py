@@ -109,7 +109,7 @@ def _sigterm_as_interrupt() -> None:
 def cmd_run(args: argparse.Namespace) -> int:
     from ._run import RunOptions, TestbedError, run_testbed
 
-    out = args.out or Path("testbed-runs") / time.strftime("%Y%m%d-%H%M%S")
+    out = (args.out or Path("testbed-runs") / time.strftime("%Y%m%d-%H%M%S")).resolve()
     try:
         sc = _scenario_from_args(args)
         target, metric, higher = _task_target(sc, args.target)

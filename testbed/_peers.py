@@ -169,8 +169,15 @@ class Peers:
 
 
 def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
-    """Environment of peer processes: one BLAS/OpenMP thread (the testbed shares few cores)."""
-    return {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", **(extra or {})}
+    """Environment of peer processes: one BLAS/OpenMP thread (the testbed shares few cores), and a
+    PYTHONPATH of absolute folders that starts with the working directory, so a task module found
+    here (`--task my_tasks:fn`) is found by every peer, whatever folder it runs in."""
+    entries = [os.getcwd(), *os.environ.get("PYTHONPATH", "").split(os.pathsep)]
+    path = os.pathsep.join(dict.fromkeys(os.path.abspath(e) for e in entries if e))
+    return {
+        **os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONPATH": path,
+        **(extra or {}),
+    }  # fmt: skip
 
 
 def node_argv(config: Path, overrides: Sequence[str] = ()) -> list[str]:

@@ -84,6 +84,9 @@ class RunOptions:
     node_overrides: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
+        # Every path handed to a peer is absolute: a peer's config resolves relative paths
+        # against the config file's own folder, which would apply a relative `out` twice.
+        object.__setattr__(self, "out", Path(self.out).expanduser().resolve())
         if self.baseline not in ("ddp", "none"):
             raise ValueError(f"RunOptions.baseline={self.baseline!r}: expected 'ddp' or 'none'")
         for item in self.node_overrides:

@@ -124,11 +124,7 @@ def victim_id(node) -> str:
 
 def test_late_joiner_syncs_state_and_catches_up(swarm):
     nodes = start_swarm(swarm, 3, max_steps=0)
-    swarm.wait_until(
-        lambda: all((n.status() or {}).get("metric") or 0 >= 0.9 for n in nodes),
-        120,
-        "first three at 90%",
-    )
+    swarm.wait_until(lambda: reached(nodes, 0.90), 120, "first three at 90%")
     late = swarm.start(
         swarm.add(
             "late",

@@ -104,3 +104,36 @@ def test_sigterm_mid_run_stops_cleanly_and_leaves_nothing(tmp_path: Path):
     node_log = (out / "geotrain" / "peer-00.log").read_text()
     assert "stop_requested" in node_log, node_log[-2000:]
     assert json.loads((out / "scenario.json").read_text())["name"] == "tiny"
+
+
+def _readme_task_example() -> str:
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    section = readme[readme.index("### Your own task") :]
+    return section.split("```python\n", 1)[1].split("```", 1)[0]
+
+
+@pytest.mark.slow
+def test_relative_out_scenario_and_task_module_from_another_directory(tmp_path: Path):
+    # A user's own folder, not the clone: a scenario file, a task module and an output directory,
+    # all named relative to it, through the installed `geotrain` command (whose sys.path does not
+    # start at the working directory, unlike `python -m`).
+    work = tmp_path / "elsewhere"
+    work.mkdir()
+    (work / "tiny.toml").write_text(TINY.replace("duration_s = 120", "duration_s = 20"))
+    (work / "my_tasks.py").write_text(_readme_task_example())
+    geotrain = Path(sys.executable).parent / "geotrain"
+    cmd = [str(geotrain), "testbed", "run", "--scenario", "tiny.toml", "--task",
+           "my_tasks:my_task", "--emulation", "none", "--baseline", "none", "--target", "0.6",
+           "--out", "runs/first"]  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    done = subprocess.run(cmd, cwd=work, env=env, capture_output=True, text=True, timeout=300)
+    log = done.stdout + done.stderr
+    assert done.returncode == 0, log
+    out = work / "runs" / "first"
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["systems"][0]["time_to_target_s"] is not None, log
+    # every path a peer was handed is absolute, and inside the run's folder
+    config = (out / "geotrain" / "peer-00.toml").read_text()
+    paths = [line.split(" = ")[1].strip('"') for line in config.splitlines()
+             if line.split(" = ")[0] in ("key", "certificate", "swarm", "dir")]  # fmt: skip
+    assert len(paths) == 4 and all(Path(p).is_absolute() and str(out) in p for p in paths), config
