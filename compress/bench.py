@@ -2,7 +2,7 @@
 # ratios between rows (codec vs memcpy, topk vs torch.topk) are the meaningful figures; absolute
 # GB/s are of float32 input bytes (4 * numel / seconds), best of `repeat` interleaved rounds (the
 # box is shared: the minimum is the least disturbed run).
-"""Codec speed benchmark: `python -m compress.bench [--json] [--sizes 1000000,...] [--quick]`.
+"""Codec speed benchmark: `python -m geotrain.compress.bench [--json] [--sizes N,...] [--quick]`.
 
 Rows per size: every codec in CODECS, plus baselines measured in the same run:
 `memcpy` (copy into a fresh buffer, as every encoder must produce one), `memcpy_prealloc` (copy
@@ -129,7 +129,7 @@ def _table(result: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m compress.bench", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m geotrain.compress.bench", description=__doc__)
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument(
         "--sizes",

@@ -3,6 +3,7 @@
 from ._codec_choice import DEFAULT_LADDER as DEFAULT_LADDER
 from ._codec_choice import choose_codec as choose_codec
 from ._codec_choice import nominal_nbytes as nominal_nbytes
+from ._consensus import consensus_distance as consensus_distance
 from ._errors import GossipError as GossipError
 from ._errors import LocalProtocolError as LocalProtocolError
 from ._errors import RemoteProtocolError as RemoteProtocolError
@@ -16,6 +17,7 @@ from ._membership_config import MembershipConfig as MembershipConfig
 from ._membership_table import Member as Member
 from ._membership_table import MembershipEvent as MembershipEvent
 from ._membership_table import MemberState as MemberState
+from ._messages import MESSAGE_TYPES as MESSAGE_TYPES
 from ._messages import Ack as Ack
 from ._messages import Join as Join
 from ._messages import Leave as Leave
@@ -36,7 +38,6 @@ from ._scenarios import Scenario as Scenario
 from ._simulator import PolicyResult as PolicyResult
 from ._simulator import SimConfig as SimConfig
 from ._simulator import compare_policies as compare_policies
-from ._simulator import consensus_distance as consensus_distance
 from ._simulator import simulate as simulate
 
 _AVERAGING = ("RejectedUpdate", "check_update", "pairwise_mix", "params_norm")
@@ -53,11 +54,13 @@ _ALGORITHMS = (
     "pseudo_gradient",
     "relative_change",
 )
+_CHOCO = ("ChocoLink", "ChocoLinks")
 
 
 def __getattr__(name: str):
     # The averaging rules need torch; the protocol and the simulator do not. Importing them lazily
-    # keeps `import gossip` (and `python -m gossip.sim`) free of torch's start-up cost.
+    # keeps `import geotrain.gossip` (and `python -m geotrain.gossip.sim`) free of torch's
+    # start-up cost.
     if name in _AVERAGING:
         from . import _averaging
 
@@ -66,4 +69,8 @@ def __getattr__(name: str):
         from . import _algorithms
 
         return getattr(_algorithms, name)
+    if name in _CHOCO:
+        from . import _choco
+
+        return getattr(_choco, name)
     raise AttributeError(f"module 'gossip' has no attribute {name!r}")

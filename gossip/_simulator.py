@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ._consensus import consensus_distance
 from ._errors import require_config
 from ._links import LinkConfig, LinkTable
 from ._partners import POLICIES, Candidates, PartnerConfig, PartnerSelector
@@ -87,11 +88,6 @@ class PolicyResult:
     cross_region_share: float
     final_distance: float
     curve: tuple[tuple[float, float, float], ...]  # (sim time s, rounds, consensus distance)
-
-
-def consensus_distance(x: np.ndarray) -> float:
-    """Mean squared distance of the rows of x (n_peers, dim) to their mean."""
-    return float(((x - x.mean(axis=0)) ** 2).sum(axis=1).mean())
 
 
 class _Links:

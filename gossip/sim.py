@@ -1,5 +1,5 @@
-# `python -m gossip.sim`: the averaging simulator's command line. Invariants: this module only
-# parses arguments and prints; the simulation itself is gossip._simulator, which has no I/O.
+# `python -m geotrain.gossip.sim`: the averaging simulator's command line. Invariants: this module
+# only parses arguments and prints; the simulation itself is gossip._simulator, which has no I/O.
 from __future__ import annotations
 
 import argparse
@@ -14,7 +14,7 @@ from ._simulator import SimConfig, compare_policies
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m gossip.sim",
+        prog="python -m geotrain.gossip.sim",
         description="Simulate pure gossip averaging under every partner-choice policy.",
     )
     parser.add_argument("--scenario", default="geo3", choices=sorted(SCENARIOS))

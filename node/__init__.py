@@ -1,30 +1,65 @@
-"""The geotrain node daemon: config, identity, secure transport, trainer and the `geotrain` CLI."""
+"""The geotrain node: config, identity, secure transport, algorithms, training, state, CLI.
 
-from ._admission import Admission as Admission
-from ._admission import AdmissionRefused as AdmissionRefused
-from ._admission import MembershipCertificate as MembershipCertificate
-from ._admission import SwarmAuthority as SwarmAuthority
-from ._admission import SwarmInfo as SwarmInfo
-from ._identity import Identity as Identity
-from ._identity import KeyFileError as KeyFileError
-from ._identity import peer_id_from_public_key as peer_id_from_public_key
-from ._identity import public_key_from_peer_id as public_key_from_peer_id
-from ._messages import HEADER_TYPES as HEADER_TYPES
-from ._messages import PROTOCOL_VERSION as PROTOCOL_VERSION
-from ._messages import DecodeError as DecodeError
-from ._messages import ErrorReply as ErrorReply
-from ._messages import Header as Header
-from ._messages import HeaderCodec as HeaderCodec
-from ._messages import Ping as Ping
-from ._messages import Pong as Pong
-from ._transport import HandshakeError as HandshakeError
-from ._transport import LocalProtocolError as LocalProtocolError
-from ._transport import PeerInfo as PeerInfo
-from ._transport import PeerUnreachable as PeerUnreachable
-from ._transport import RemoteProtocolError as RemoteProtocolError
-from ._transport import RequestTimeout as RequestTimeout
-from ._transport import Transport as Transport
-from ._transport import TransportConfig as TransportConfig
-from ._transport import TransportError as TransportError
-from ._transport import TransportStatistics as TransportStatistics
-from ._transport import open_transport as open_transport
+    async with open_node(load_config(Path("node.toml"))) as node:
+        await node.wait_stopped()            # or do other work; leaving the block stops it
+
+Names that need torch (the node, tasks, algorithms) load on first use, so that importing the
+transport or the config stays cheap (the testbed imports this package and never torch).
+"""
+
+from importlib import import_module
+
+from ._config import ConfigError as ConfigError
+from ._config import GossipConfig as GossipConfig
+from ._config import IdentityConfig as IdentityConfig
+from ._config import NetworkConfig as NetworkConfig
+from ._config import NodeConfig as NodeConfig
+from ._config import StateConfig as StateConfig
+from ._config import TrainingConfig as TrainingConfig
+from ._config import config_from_toml as config_from_toml
+from ._config import config_to_toml as config_to_toml
+from ._config import load_config as load_config
+from ._credentials import load_identity as load_identity
+from ._launch import ManagedProcess as ManagedProcess
+from ._launch import NodeProcess as NodeProcess
+from ._launch import node_argv as node_argv
+from .identity import Admission as Admission
+from .identity import AdmissionRefused as AdmissionRefused
+from .identity import Identity as Identity
+from .identity import KeyFileError as KeyFileError
+from .identity import MembershipCertificate as MembershipCertificate
+from .identity import SwarmAuthority as SwarmAuthority
+from .identity import SwarmInfo as SwarmInfo
+from .transport import HandshakeError as HandshakeError
+from .transport import LocalTransportError as LocalTransportError
+from .transport import PeerUnreachable as PeerUnreachable
+from .transport import RemoteTransportError as RemoteTransportError
+from .transport import RequestTimeout as RequestTimeout
+from .transport import TransportError as TransportError
+
+# name -> module (relative to this package) for the names that import torch
+_LAZY = {
+    "Node": "._node",
+    "open_node": "._node",
+    "ResumeError": "._checkpointer",
+    "Task": ".training",
+    "TaskContext": ".training",
+    "Trainer": ".training",
+    "endless_batches": ".training",
+    "shard_indices": ".training",
+    "resolve_task": ".training",
+    "Algorithm": ".algorithms",
+    "AlgorithmContext": ".algorithms",
+    "AlgorithmSpec": ".algorithms",
+    "register_algorithm": ".algorithms",
+    "algorithm_specs": ".algorithms",
+    "CheckpointError": ".state",
+    "NodeStatus": ".state",
+}
+_LAZY_NAMES = tuple(_LAZY)
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        return getattr(import_module(_LAZY[name], __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

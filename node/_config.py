@@ -1,9 +1,11 @@
 # Node configuration. Invariants: one frozen dataclass per component, each validated in
 # __post_init__; a bad value raises ConfigError naming the field (section.key), the value and what
-# was expected, before anything starts; relative paths are resolved against the config's folder.
+# was expected, before anything starts; relative paths are resolved against the config's folder;
+# each algorithm's own table ([gossip.<name>]) is the dataclass its module registers.
 from __future__ import annotations
 
 import dataclasses
+import json
 import tomllib
 import types
 import typing
@@ -11,7 +13,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-ALGORITHMS = ("adpsgd", "dpsgd", "choco", "diloco", "selsync")
 POLICIES = ("uniform", "ring", "exponential", "bandwidth")
 PARTITIONS = ("iid", "dirichlet")
 
@@ -24,9 +25,13 @@ def _fail(name: str, value: Any, expected: str) -> typing.NoReturn:
     raise ConfigError(f"{name} = {value!r}: expected {expected}")
 
 
-def _check(ok: bool, name: str, value: Any, expected: str) -> None:
+def check_field(ok: bool, name: str, value: Any, expected: str) -> None:
+    """Raise ConfigError naming `name`, `value` and what was `expected` unless `ok`."""
     if not ok:
         _fail(name, value, expected)
+
+
+_check = check_field
 
 
 @dataclass(frozen=True)
@@ -181,29 +186,18 @@ class TrainingConfig:
 class GossipConfig:
     """How this node averages with the swarm.
 
-    algorithm: what the swarm runs (every node of a swarm must run the same one):
+    algorithm: what the swarm runs (every node of a swarm must run the same one); see
+        node/algorithms/ and the README's table:
         "adpsgd" (default): asynchronous pairwise model averaging. Assumes nothing about peers'
             speed; trades a slower agreement (one partner at a time) for never waiting.
-        "dpsgd": synchronous rounds of exchange_every steps; at each round boundary a node
-            averages with up to dpsgd_degree live neighbours (all of them in a small swarm) with
-            Metropolis-Hastings weights. A neighbour that misses the round's deadline (its link's
-            transfer deadline plus round_slack x this node's own round time) is left out and its
-            weight stays with the node. Assumes peers of similar speed; trades waiting (at most
-            one deadline a round) for the tightest agreement per round.
-        "choco": CHOCO-SGD: pairwise gossip of compressed differences x - x_hat against public
-            estimates kept per neighbour, consensus step choco_gamma. Made for sparse or coarse
-            codecs (e.g. codec = "topk:0.01"), whose error the estimates absorb; trades memory
-            (two model copies per tracked neighbour, at most choco_max_peers) and a slower,
-            gamma-limited agreement for far fewer bytes.
-        "diloco": local SGD: diloco_inner_steps local steps, then the pseudo-gradient (start of
-            round minus now) is compressed, sent to up to diloco_fanout live peers, averaged with
-            what arrives by the deadline (pushed or replied, at most diloco_max_staleness rounds
-            old) and applied by an outer Nesterov step. Assumes a small, well-connected group whose
-            models start equal (same seed); trades slower mixing (models are never averaged, only
-            their updates) for H-fold fewer messages.
-        "selsync": selective synchronization: a pairwise exchange (as adpsgd) only when the
-            model moved more than selsync_threshold (relative L2) since the last one; otherwise
-            it trains alone. Trades agreement for communication when updates are small.
+        "dpsgd": synchronous rounds of exchange_every steps with up to [gossip.dpsgd] degree
+            neighbours; a neighbour that misses the round's deadline is left out.
+        "choco": CHOCO-SGD, pairwise gossip of compressed differences against public estimates,
+            made for sparse or coarse codecs (e.g. codec = "topk:0.01").
+        "diloco": local SGD: [gossip.diloco] inner_steps local steps, then the compressed
+            pseudo-gradient is gossip-averaged and applied by an outer Nesterov step.
+        "selsync": a pairwise exchange (as adpsgd) only when the model moved more than
+            [gossip.selsync] threshold since the last one.
     exchange_every: local steps between two exchanges this node starts (adpsgd, choco); the
         length of a dpsgd round; how often selsync checks its threshold.
     probe_interval_s: failure-detection period (SWIM); 2 s suits WAN links, less suits a LAN.
@@ -212,17 +206,8 @@ class GossipConfig:
     max_norm_ratio: refuse a peer's model whose norm exceeds this multiple of ours (+1).
     clip: bound the L2 distance a single exchange may move us (clipped gossip); unset = no bound.
     state_sync: a node with no checkpoint first fetches the current model from a peer.
-    dpsgd_degree: most neighbours per dpsgd round (all live peers when there are fewer).
-    round_slack: dpsgd waits for a late neighbour up to this many of its own round times on top of
-        the link's transfer deadline (covers the neighbours' compute jitter, not a straggler).
-    choco_gamma: CHOCO-SGD's consensus step size (0 < gamma <= 1); smaller is safer for harsher
-        compression.
-    choco_max_peers: neighbours whose estimates are kept (least recently used dropped first).
-    diloco_inner_steps: H, local steps per outer round.
-    diloco_outer_lr / diloco_outer_momentum: the outer Nesterov SGD (DiLoCo's 0.7 / 0.9).
-    diloco_fanout: most peers a pseudo-gradient is sent to per outer round.
-    diloco_max_staleness: a peer's pseudo-gradient at most this many rounds older than ours is used.
-    selsync_threshold: relative model change ||w - w_last|| / ||w|| that triggers an exchange.
+    algorithm_settings: each algorithm's own table by name ([gossip.dpsgd], [gossip.choco], ...);
+        `settings` is the chosen algorithm's (its defaults when the table is absent).
     """
 
     algorithm: str = "adpsgd"
@@ -233,47 +218,63 @@ class GossipConfig:
     max_norm_ratio: float = 10.0
     clip: float | None = None
     state_sync: bool = True
-    dpsgd_degree: int = 4  # Metropolis-Hastings stays well mixed with a handful of neighbours
-    round_slack: float = 1.0  # one round of our own compute time for a neighbour's jitter
-    choco_gamma: float = 0.05  # topk:0.01, digits-mlp, 4 peers: 0.03-0.1 agree best, 1.0 diverges
-    choco_max_peers: int = 16
-    diloco_inner_steps: int = 20
-    diloco_outer_lr: float = 0.7  # DiLoCo's published outer settings
-    diloco_outer_momentum: float = 0.9
-    diloco_fanout: int = 8
-    diloco_max_staleness: int = 4  # a slower peer's pseudo-gradients still count
-    selsync_threshold: float = 0.01
+    algorithm_settings: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        _check(
-            self.algorithm in ALGORITHMS,
-            "gossip.algorithm",
-            self.algorithm,
-            " or ".join(ALGORITHMS),
-        )
+        from .algorithms import algorithm_specs  # the registry imports this module
+
+        specs = algorithm_specs()
+        _check(self.algorithm in specs, "gossip.algorithm", self.algorithm, " or ".join(specs))
         _check(self.exchange_every >= 1, "gossip.exchange_every", self.exchange_every, ">= 1")
         _check(self.probe_interval_s >= 0.05, "gossip.probe_interval_s", self.probe_interval_s,
                ">= 0.05 seconds")
         _check(self.policy in POLICIES, "gossip.policy", self.policy, " or ".join(POLICIES))
         _check(self.max_norm_ratio > 1, "gossip.max_norm_ratio", self.max_norm_ratio, "> 1")
         _check(self.clip is None or self.clip > 0, "gossip.clip", self.clip, "> 0")
-        self._check_algorithms()
+        self._check_codec()
+        for name, settings in self.algorithm_settings.items():
+            spec = specs.get(name)
+            _check(spec is not None and spec.settings is not None, f"gossip.{name}", settings,
+                   f"a table of an algorithm with settings: {_with_settings(specs)}")
+            _check(isinstance(settings, spec.settings), f"gossip.{name}", settings,  # type: ignore
+                   f"a {spec.settings.__name__}")  # type: ignore[union-attr]
 
-    def _check_algorithms(self) -> None:
-        _check(self.dpsgd_degree >= 1, "gossip.dpsgd_degree", self.dpsgd_degree, ">= 1")
-        _check(self.round_slack >= 0, "gossip.round_slack", self.round_slack, ">= 0")
-        _check(0 < self.choco_gamma <= 1, "gossip.choco_gamma", self.choco_gamma, "0 < gamma <= 1")
-        _check(self.choco_max_peers >= 1, "gossip.choco_max_peers", self.choco_max_peers, ">= 1")
-        _check(self.diloco_inner_steps >= 1, "gossip.diloco_inner_steps",
-               self.diloco_inner_steps, ">= 1")
-        _check(self.diloco_outer_lr > 0, "gossip.diloco_outer_lr", self.diloco_outer_lr, "> 0")
-        _check(0 <= self.diloco_outer_momentum < 1, "gossip.diloco_outer_momentum",
-               self.diloco_outer_momentum, "0 <= momentum < 1")
-        _check(self.diloco_fanout >= 1, "gossip.diloco_fanout", self.diloco_fanout, ">= 1")
-        _check(self.diloco_max_staleness >= 0, "gossip.diloco_max_staleness",
-               self.diloco_max_staleness, ">= 0")
-        _check(self.selsync_threshold > 0, "gossip.selsync_threshold", self.selsync_threshold,
-               "> 0")
+    def _check_codec(self) -> None:
+        if self.codec == "auto":
+            return
+        from geotrain import compress
+
+        try:
+            compress.get_codec(self.codec)
+        except ValueError as exc:
+            _fail("gossip.codec", self.codec, f"'auto' or a codec spec ({exc})")
+
+    @property
+    def settings(self) -> Any:
+        """The chosen algorithm's settings: its [gossip.<algorithm>] table, or its defaults."""
+        from .algorithms import get_algorithm
+
+        given = self.algorithm_settings.get(self.algorithm)
+        return given if given is not None else get_algorithm(self.algorithm).default_settings()
+
+
+def _with_settings(specs) -> str:
+    return ", ".join(name for name, spec in specs.items() if spec.settings is not None)
+
+
+# Settings that moved into their algorithm's table (geotrain < 0.2 had them flat in [gossip]).
+MOVED_GOSSIP_KEYS = {
+    "dpsgd_degree": "dpsgd.degree",
+    "round_slack": "dpsgd.round_slack",
+    "choco_gamma": "choco.gamma",
+    "choco_max_peers": "choco.max_peers",
+    "diloco_inner_steps": "diloco.inner_steps",
+    "diloco_outer_lr": "diloco.outer_lr",
+    "diloco_outer_momentum": "diloco.outer_momentum",
+    "diloco_fanout": "diloco.fanout",
+    "diloco_max_staleness": "diloco.max_staleness",
+    "selsync_threshold": "selsync.threshold",
+}
 
 
 @dataclass(frozen=True)
@@ -346,6 +347,8 @@ def _coerce(name: str, value: Any, hint: Any, base: Path) -> Any:
 
 def _section(cls: type, table: Any, section: str, base: Path) -> Any:
     _check(isinstance(table, dict), section, table, "a table")
+    if cls is GossipConfig:
+        table = _algorithm_tables(table, base)
     hints = typing.get_type_hints(cls)
     known = {f.name for f in dataclasses.fields(cls)}
     for key in table:
@@ -353,6 +356,31 @@ def _section(cls: type, table: Any, section: str, base: Path) -> Any:
             _fail(f"{section}.{key}", table[key], f"one of the keys {sorted(known)}")
     values = {k: _coerce(f"{section}.{k}", v, hints[k], base) for k, v in table.items()}
     return cls(**values)
+
+
+def _algorithm_tables(table: dict, base: Path) -> dict:
+    """[gossip] with each algorithm's sub-table parsed into its settings dataclass."""
+    from .algorithms import algorithm_specs
+
+    specs = algorithm_specs()
+    rest, settings = {}, {}
+    for key, value in table.items():
+        if key in MOVED_GOSSIP_KEYS:
+            where = MOVED_GOSSIP_KEYS[key]
+            name, field_name = where.split(".")
+            _fail(f"gossip.{key}", value, f"it moved: write [gossip.{name}] {field_name} = ... "
+                  f"(or --set gossip.{where}=...)")  # fmt: skip
+        spec = specs.get(key)
+        if spec is None:
+            rest[key] = value
+            continue
+        _check(spec.settings is not None, f"gossip.{key}", value,
+               f"nothing: {key} has no settings of its own (those that do: "
+               f"{_with_settings(specs)})")  # fmt: skip
+        settings[key] = _section(spec.settings, value, f"gossip.{key}", base)
+    _check("algorithm_settings" not in rest, "gossip.algorithm_settings", "...",
+           "per-algorithm tables such as [gossip.dpsgd]")  # fmt: skip
+    return {**rest, "algorithm_settings": settings} if settings else rest
 
 
 def _parse_override(item: str) -> tuple[list[str], Any]:
@@ -397,6 +425,29 @@ def config_from_toml(text: str, *, base: Path, overrides: typing.Sequence[str] =
     hints = typing.get_type_hints(NodeConfig)
     built = {name: _section(hints[name], doc[name], name, base) for name in doc}
     return NodeConfig(**built)
+
+
+def config_to_toml(doc: typing.Mapping[str, typing.Mapping[str, Any]]) -> str:
+    """TOML text of a config document: sections of scalars, lists and tables (e.g.
+    [training.params], [gossip.dpsgd]); Path values are written as strings. The one writer of
+    node configs (the testbed's peers, the test and benchmark launchers)."""
+
+    def value(v: Any) -> str:
+        if isinstance(v, Path):
+            v = str(v)
+        if isinstance(v, tuple):
+            v = list(v)
+        return json.dumps(v)  # JSON scalars, strings and lists are valid TOML
+
+    lines: list[str] = []
+    for section, table in doc.items():
+        lines.append(f"[{section}]")
+        lines += [f"{k} = {value(v)}" for k, v in table.items() if not isinstance(v, dict)]
+        for key, sub in table.items():
+            if isinstance(sub, dict):
+                lines.append(f"[{section}.{key}]")
+                lines += [f"{k} = {value(v)}" for k, v in sub.items()]
+    return "\n".join(lines) + "\n"
 
 
 def load_config(path: Path, overrides: typing.Sequence[str] = ()) -> NodeConfig:

@@ -1,133 +1,85 @@
 """Compare the gossip algorithms on one scenario: 4 local nodes over loopback, digits-mlp.
 
-    python -m node.bench_algorithms [--target 0.9] [--timeout 150] [--algorithms dpsgd,choco]
+    python -m geotrain.node.bench_algorithms [--target 0.9] [--timeout 150]
+        [--algorithms dpsgd,choco]
 
 For each algorithm: start 4 `geotrain node run` processes (open swarm on 127.0.0.1, shards of
-digits, one torch thread each), wait until every node reports the target test accuracy, stop them
-cleanly and print time to target (from the first training step of any node), bytes sent per node
-(all traffic: models, membership, link probes) at that moment, and the final accuracy. Nodes
-start from the same initial model (state_sync off) and wait for each other before training. Loopback
-has no WAN delay or bandwidth limit: this ranks the algorithms' compute and message overheads, not
-their behaviour on slow links (that is the testbed's job). Every process is killed at exit.
+digits, one torch thread each), wait until every node's held-out accuracy reaches the target,
+and report the seconds from the first step to that moment, the bytes each node sent by then,
+and the final accuracies and steps. Loopback has no WAN delay: this measures the algorithms'
+own costs (rounds, compression, staleness), not link emulation (the testbed does that).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import signal
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from ._identity import Identity
+from .testing import LocalSwarm
 
-SETTINGS = {
+SETTINGS: dict[str, dict] = {
     "adpsgd": {},
     "dpsgd": {},
     "choco": {"codec": "topk:0.01"},
-    "diloco": {"diloco_inner_steps": 10, "codec": "int8"},
+    "diloco": {"diloco": {"inner_steps": 10}, "codec": "int8"},
     "selsync": {"exchange_every": 1},
 }
+COMMON = {
+    "training": {"task": "digits-mlp", "threads": 1, "eval_every": 25, "num_shards": 4,
+                 "wait_for_peers": 3},
+    # state_sync off: all start from the seed's model at once, none copies another
+    "gossip": {"state_sync": False, "probe_interval_s": 0.5, "exchange_every": 2},
+    "state": {"status_every_s": 0.25},
+}  # fmt: skip
 
 
-def _toml(sections: dict[str, dict]) -> str:
-    lines = []
-    for name, table in sections.items():
-        lines.append(f"[{name}]")
-        lines += [f"{k} = {json.dumps(v)}" for k, v in table.items()]
-    return "\n".join(lines) + "\n"
+def start_swarm(root: Path, n: int, gossip: dict, special: dict | None = None) -> tuple:
+    """n nodes of `gossip` (on top of COMMON's) with n0 as everyone's bootstrap, started."""
+    swarm = LocalSwarm(root, common={**COMMON, "gossip": {**COMMON["gossip"], **gossip}})
+    nodes, bootstrap = [], []
+    for i in range(n):
+        extra = (special or {}).get(i, {})
+        sections = {**extra, "training": {"shard_index": i, **extra.get("training", {})}}
+        if bootstrap:
+            sections["network"] = {"bootstrap": bootstrap}
+        nodes.append(swarm.start(swarm.add(f"n{i}", **sections)))
+        if i == 0:
+            bootstrap = [nodes[0].address()]
+    return swarm, nodes
 
 
-def _status(state: Path) -> dict:
-    try:
-        return json.loads((state / "status.json").read_text())
-    except (OSError, json.JSONDecodeError):
-        return {}
-
-
-def _start(root: Path, i: int, algorithm: str, bootstrap: str | None) -> subprocess.Popen:
-    Identity.generate().save(root / f"n{i}.key")
-    sections = {
-        "identity": {"key": str(root / f"n{i}.key"), "open_swarm": True},
-        "network": {"bootstrap": [bootstrap] if bootstrap else []},
-        "training": {
-            "task": "digits-mlp",
-            "threads": 1,
-            "eval_every": 25,
-            "num_shards": 4,
-            "shard_index": i,
-            "wait_for_peers": 3,
-        },
-        "gossip": {
-            "algorithm": algorithm,
-            "state_sync": False,  # all start from the seed's model at once, none copies another
-            "probe_interval_s": 0.5,
-            "exchange_every": 2,
-            **SETTINGS[algorithm],
-        },
-        "state": {"dir": str(root / f"state-{i}"), "status_every_s": 0.25},
-    }
-    (root / f"n{i}.toml").write_text(_toml(sections))
-    cmd = [
-        sys.executable,
-        "-m",
-        "node",
-        "--log-format",
-        "json",
-        "node",
-        "run",
-        "--config",
-        str(root / f"n{i}.toml"),
-    ]
-    log = open(root / f"n{i}.log", "w")
-    return subprocess.Popen(cmd, stdout=log, stderr=log, env={**os.environ, "OMP_NUM_THREADS": "1"})
-
-
-def _address(state: Path, proc: subprocess.Popen) -> str:
-    while True:
-        try:
-            return json.loads((state / "node.json").read_text())["address"]
-        except (OSError, json.JSONDecodeError, KeyError):
-            if proc.poll() is not None:
-                raise RuntimeError(f"node exited {proc.returncode}") from None
-            time.sleep(0.1)
+def stop(swarm: LocalSwarm, nodes) -> None:
+    for node in nodes:
+        node.signal(signal.SIGTERM)  # a clean stop: checkpoint, leave
+    swarm.wait_all(timeout=60)
 
 
 def run_one(algorithm: str, target: float, timeout: float) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
-        root = Path(tmp)
-        states = [root / f"state-{i}" for i in range(4)]
-        procs = [_start(root, 0, algorithm, None)]
+        swarm, nodes = start_swarm(Path(tmp), 4, {"algorithm": algorithm, **SETTINGS[algorithm]})
         try:
-            bootstrap = _address(states[0], procs[0])
-            procs += [_start(root, i, algorithm, bootstrap) for i in range(1, 4)]
             started = reached = None
+            sent: list[int] = []
             deadline = time.monotonic() + timeout
             while time.monotonic() < deadline and reached is None:
-                statuses = [_status(s) for s in states]
+                statuses = [n.status() or {} for n in nodes]
                 if started is None and any(s.get("step", 0) > 0 for s in statuses):
                     started = time.monotonic()
                 if started and all((s.get("metric") or 0) >= target for s in statuses):
                     reached = time.monotonic()
                     sent = [s["bytes_out"] for s in statuses]
                 time.sleep(0.1)
-            for p in procs:
-                p.send_signal(signal.SIGTERM)
-            for p in procs:
-                p.wait(60)
-            finals = [_status(s) for s in states]
+            stop(swarm, nodes)
+            finals = [n.status() or {} for n in nodes]
         finally:
-            for p in procs:
-                if p.poll() is None:
-                    p.kill()
-                    p.wait()
+            swarm.stop_all()
     return {
         "algorithm": algorithm,
-        "seconds": None if reached is None else reached - started,
+        "seconds": None if reached is None or started is None else reached - started,
         "bytes_per_node": None if reached is None else sum(sent) / len(sent),
         "final": [f.get("metric") for f in finals],
         "steps": [f.get("step") for f in finals],

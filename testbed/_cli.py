@@ -87,7 +87,7 @@ def _scenario_from_args(args: argparse.Namespace) -> TestbedScenario:
 
 def _task_target(sc: TestbedScenario, target: float | None) -> tuple[float, str, bool]:
     """(target, metric name, higher is better) from the task itself (imports torch)."""
-    from node._tasks import TaskContext, resolve_task
+    from geotrain.node import TaskContext, resolve_task
 
     task = resolve_task(sc.task)(TaskContext(params=dict(sc.params)))
     value = target if target is not None else sc.target

@@ -16,13 +16,13 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from node._tasks import TaskContext, resolve_task
+from geotrain.node import TaskContext, resolve_task
 
 STOP_CHECK_EVERY = 10
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m testbed._ddp", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m geotrain.testbed._ddp", description=__doc__)
     p.add_argument("--rank", type=int, required=True)
     p.add_argument("--world", type=int, required=True)
     p.add_argument("--master", required=True, help="HOST:PORT of rank 0's rendezvous store")

@@ -228,9 +228,9 @@ def _bench(peers: int, delay_ms: float, rate_mbit: float | None, jitter_ms: floa
     spec vs measured per flow, the loss the emulator applied, then unshaped headroom (1 flow)."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from testbed._linkspec import LinkMatrix, LinkSpec
-    from testbed._namespaces import NamespaceSet
-    from testbed._userspace import UserspaceLinks
+    from ._linkspec import LinkMatrix, LinkSpec
+    from ._namespaces import NamespaceSet
+    from ._userspace import UserspaceLinks
 
     spec = LinkSpec(delay_ms=delay_ms, jitter_ms=jitter_ms, loss=loss, rate_mbit=rate_mbit)
     out: dict = {"peers": peers, "spec": spec.to_json(), "spec_rtt_ms": 2 * delay_ms}

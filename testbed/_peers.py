@@ -10,15 +10,13 @@ import contextlib
 import json
 import os
 import signal
-import subprocess
 import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
-from node import Identity, SwarmAuthority
+from geotrain.node import Identity, ManagedProcess, NodeProcess, SwarmAuthority
 
 from ._namespaces import NamespaceSet
 
@@ -67,25 +65,6 @@ def hosts_for(namespaces: NamespaceSet | None, n: int, backend: str) -> list[Hos
     ]
 
 
-def _toml_value(value: Any) -> str:
-    if isinstance(value, Path):
-        return json.dumps(str(value))
-    return json.dumps(value)
-
-
-def toml_text(doc: dict[str, dict[str, Any]]) -> str:
-    """A small TOML writer for node configs: sections of scalars, lists and one level of tables."""
-    lines: list[str] = []
-    for section, table in doc.items():
-        lines.append(f"[{section}]")
-        lines += [f"{k} = {_toml_value(v)}" for k, v in table.items() if not isinstance(v, dict)]
-        for key, sub in table.items():
-            if isinstance(sub, dict):
-                lines.append(f"[{section}.{key}]")
-                lines += [f"{k} = {_toml_value(v)}" for k, v in sub.items()]
-    return "\n".join(lines) + "\n"
-
-
 def write_swarm_files(directory: Path, n: int, now: float) -> list[tuple[Path, Path, Path]]:
     """Create a throwaway swarm authority and admit `n` fresh peer identities.
 
@@ -107,47 +86,17 @@ def write_swarm_files(directory: Path, n: int, now: float) -> list[tuple[Path, P
     return out
 
 
-@dataclass
-class PeerProcess:
-    """One running (or stopped) process of a peer, with its log file."""
-
-    host: Host
-    argv: list[str]
-    log: Path
-    env: dict[str, str]
-    proc: subprocess.Popen | None = None
-
-    def start(self) -> None:
-        with open(self.log, "ab") as log:
-            self.proc = subprocess.Popen(
-                [*self.host.prefix, *self.argv],
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                env=self.env,
-                start_new_session=True,  # Ctrl-C in the terminal reaches the orchestrator only
-            )
-
-    @property
-    def running(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
-
-    def signal(self, signum: int) -> None:
-        if self.running:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.proc.pid, signum)  # type: ignore[union-attr]
-
-
 class Peers:
-    """The processes of one system's run; every one is stopped by `close()`."""
+    """The processes of one system's run (peer i is procs[i]); every one is stopped by `close()`."""
 
     def __init__(self) -> None:
-        self.procs: list[PeerProcess] = []
+        self.procs: list[ManagedProcess] = []
 
-    def add(self, proc: PeerProcess) -> PeerProcess:
+    def add(self, proc: ManagedProcess) -> ManagedProcess:
         self.procs.append(proc)
         return proc
 
-    def running(self) -> list[PeerProcess]:
+    def running(self) -> list[ManagedProcess]:
         return [p for p in self.procs if p.running]
 
     def stop(self, grace_s: float = STOP_GRACE_S) -> None:
@@ -162,10 +111,7 @@ class Peers:
     def close(self) -> None:
         """SIGKILL whatever still runs and reap it. Idempotent."""
         for p in self.procs:
-            p.signal(signal.SIGKILL)
-            if p.proc is not None:
-                with contextlib.suppress(subprocess.TimeoutExpired):
-                    p.proc.wait(timeout=10)
+            p.close()
 
 
 def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
@@ -180,21 +126,12 @@ def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     }  # fmt: skip
 
 
-def node_argv(config: Path, overrides: Sequence[str] = ()) -> list[str]:
-    """`geotrain node run` with `config` and `--set` overrides (e.g. "gossip.policy=uniform")."""
-    argv = [sys.executable, "-m", "node", "--log-format", "json", "node", "run", "--config",
-            str(config)]  # fmt: skip
-    for item in overrides:
-        argv += ["--set", item]
-    return argv
-
-
 def ddp_argv(
     *, rank: int, world: int, master: str, task: str, params: dict, seed: int, slowdown: float,
     duration: float, target: float, eval_every: int, metrics: Path,
 ) -> list[str]:  # fmt: skip
     return [
-        sys.executable, "-m", "testbed._ddp", "--rank", str(rank), "--world", str(world),
+        sys.executable, "-m", "geotrain.testbed._ddp", "--rank", str(rank), "--world", str(world),
         "--master", master, "--task", task, "--params", json.dumps(params), "--seed", str(seed),
         "--slowdown", str(slowdown), "--duration", str(duration), "--target", str(target),
         "--eval-every", str(eval_every), "--metrics", str(metrics),
@@ -224,22 +161,24 @@ def last_json_line(path: Path) -> dict | None:
     return None
 
 
-def wait_for_address(state: Path, proc: PeerProcess, timeout_s: float = 120.0) -> str:
-    """The address peer `proc` listens on, once its node.json names its pid.
+def start_node(host: Host, config: Path, state: Path, overrides: Sequence[str]) -> NodeProcess:
+    """Start peer `host`'s node with `config` (its log beside its state directory)."""
+    proc = NodeProcess.create(config, state, state.with_suffix(".log"), overrides=overrides,
+                              env=child_env(), prefix=host.prefix)  # fmt: skip
+    proc.start()
+    return proc
+
+
+def wait_for_address(index: int, proc: NodeProcess, timeout_s: float = 120.0) -> str:
+    """The address peer `index` listens on.
 
     Raises:
         TestbedError: it exited first or did not get there in time (the log's tail is included).
     """
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        info = read_json(state / "node.json")
-        if info and proc.proc is not None and info.get("pid") == proc.proc.pid:
-            return str(info["address"])
-        if not proc.running:
-            break
-        time.sleep(0.1)
-    tail = proc.log.read_text()[-2000:] if proc.log.exists() else ""
-    raise TestbedError(f"peer {proc.host.index} did not start (log {proc.log}):\n{tail}")
+    try:
+        return proc.address(timeout_s)
+    except (RuntimeError, TimeoutError) as exc:
+        raise TestbedError(f"peer {index} did not start: {exc}") from None
 
 
 def free_port() -> int:

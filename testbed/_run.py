@@ -15,6 +15,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from geotrain.node import ManagedProcess, config_to_toml
+from geotrain.node.state import StateDir
+
 from ._faults import FaultRunner
 from ._linkcheck import bulk_bytes_for, measure_link
 from ._meter import BytesMeter
@@ -23,7 +26,6 @@ from ._netem import BackendChoice, NetemLinks, choose_backend
 from ._peers import (
     DDP_PORT,
     NODE_PORT,
-    PeerProcess,
     Peers,
     TestbedError,
     child_env,
@@ -31,9 +33,8 @@ from ._peers import (
     free_port,
     hosts_for,
     last_json_line,
-    node_argv,
     read_json,
-    toml_text,
+    start_node,
     wait_for_address,
     write_swarm_files,
 )
@@ -233,15 +234,13 @@ def _run_geotrain(options, hosts, meter: BytesMeter, faults: FaultRunner, echo: 
         for host, state in zip(hosts, states, strict=True):
             config = root / f"peer-{host.index:02d}.toml"
             doc = _node_config(options, host, files[host.index], state, bootstrap)
-            config.write_text(toml_text(doc))
-            argv = node_argv(config, options.node_overrides)
-            proc = peers.add(PeerProcess(host, argv, state.with_suffix(".log"), child_env()))
-            proc.start()
+            config.write_text(config_to_toml(doc))
+            proc = peers.add(start_node(host, config, state, options.node_overrides))
             if host.index == 0:
-                bootstrap = [wait_for_address(state, proc)]
+                bootstrap = [wait_for_address(0, proc)]
 
         def statuses() -> list[dict | None]:
-            return [read_json(s / "status.json") for s in states]
+            return [read_json(StateDir(s).status) for s in states]
 
         def reached() -> bool:
             if any(not p.running and faults.restart_pending(i) for i, p in enumerate(peers.procs)):
@@ -289,7 +288,7 @@ def _run_ddp(options, hosts, meter: BytesMeter, faults: FaultRunner, echo: Echo)
                 metrics=metrics,
             )  # fmt: skip
             env = child_env({"GLOO_SOCKET_IFNAME": host.ifname})
-            peers.add(PeerProcess(host, argv, metrics.with_suffix(".log"), env)).start()
+            peers.add(ManagedProcess(argv, metrics.with_suffix(".log"), env, host.prefix)).start()
 
         def progress() -> list[tuple[int, float | None] | None]:
             lines = [last_json_line(f) for f in files]
@@ -301,7 +300,7 @@ def _run_ddp(options, hosts, meter: BytesMeter, faults: FaultRunner, echo: Echo)
                                                        for f in files),
             stop_at_duration=False, launch=launch,
         )  # fmt: skip
-        failed = [p.host.index for p in peers.procs if p.proc and p.proc.returncode not in (0,)]
+        failed = [i for i, p in enumerate(peers.procs) if p.proc and p.proc.returncode not in (0,)]
         if failed and stopped == "exited":
             echo(f"ddp: ranks {failed} failed; see {root}/peer-NN.log")
     finally:
@@ -364,22 +363,16 @@ def _progress_line(system: str, elapsed: float, states, total, base) -> str:
 
 def _final_consensus(root: Path, n: int) -> float | None:
     """Mean relative squared distance of the peers' final checkpoints to their mean."""
-    from node._checkpoint import CheckpointStore  # torch: only now, never at import time
+    from geotrain.gossip import consensus_distance  # torch: only now, never at import time
+    from geotrain.node.state import CheckpointStore
 
     models = []
     for i in range(n):
         with contextlib.suppress(Exception):  # a peer without a readable checkpoint is skipped
-            ckpt, _ = CheckpointStore(root / f"peer-{i:02d}" / "checkpoints").load_latest()
+            ckpt, _ = CheckpointStore(StateDir(root / f"peer-{i:02d}").checkpoints).load_latest()
             if ckpt is not None:
                 models.append({k: v for k, v in ckpt.tensors.items() if k.startswith("model/")})
-    if len(models) < 2:
-        return None
-    import torch
-
-    names = sorted(models[0])
-    flat = torch.stack([torch.cat([m[k].flatten().double() for k in names]) for m in models])
-    mean = flat.mean(dim=0)  # (d,)
-    return float(((flat - mean) ** 2).sum(dim=1).mean() / (mean**2).sum())
+    return consensus_distance(models, relative=True) if len(models) >= 2 else None
 
 
 def _plot(out: Path, echo: Echo) -> None:

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from gossip import SCENARIOS, LinkProfile
+from geotrain.gossip import SCENARIOS, LinkProfile
 
 from ._linkspec import LinkMatrix, LinkSpec
 

@@ -11,6 +11,8 @@ import statistics
 from pathlib import Path
 from typing import Any
 
+from geotrain.node.state import StateDir
+
 
 def load_jsonl(path: Path) -> list[dict[str, Any]]:
     """The complete JSON lines of a file (a torn last line, from a killed writer, is skipped)."""
@@ -30,7 +32,7 @@ def load_jsonl(path: Path) -> list[dict[str, Any]]:
 def peer_metrics(out: Path, system: str, n: int) -> list[list[dict[str, Any]]]:
     """Per peer, its metrics lines in order."""
     if system == "geotrain":
-        paths = [out / "geotrain" / f"peer-{i:02d}" / "metrics.jsonl" for i in range(n)]
+        paths = [StateDir(out / "geotrain" / f"peer-{i:02d}").metrics for i in range(n)]
     else:
         paths = [out / system / f"peer-{i:02d}.jsonl" for i in range(n)]
     return [load_jsonl(p) for p in paths]

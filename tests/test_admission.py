@@ -5,14 +5,14 @@ import stat
 
 import pytest
 
-from node._admission import (
+from geotrain.node.identity._admission import (
     Admission,
     AdmissionRefused,
     MembershipCertificate,
     SwarmAuthority,
     SwarmInfo,
 )
-from node._identity import Identity, KeyFileError
+from geotrain.node.identity._identity import Identity, KeyFileError
 
 NOW = 1_800_000_000.0
 DAY = 86400.0

@@ -4,7 +4,12 @@ from __future__ import annotations
 
 import torch
 
-from node._checkpoint import Checkpoint, CheckpointStore, decode_checkpoint, encode_checkpoint
+from geotrain.node.state._checkpoint import (
+    Checkpoint,
+    CheckpointStore,
+    decode_checkpoint,
+    encode_checkpoint,
+)
 
 
 def _ckpt(step: int) -> Checkpoint:
@@ -70,8 +75,8 @@ def test_no_temp_files_are_left(tmp_path):
 
 
 def test_zero_dim_tensors_and_adam_state_round_trip(tmp_path):
-    from node._tasks import TaskContext, resolve_task
-    from node._trainer import Trainer
+    from geotrain.node.training._tasks import TaskContext, resolve_task
+    from geotrain.node.training._trainer import Trainer
 
     a = Trainer(resolve_task("synthetic-linreg")(TaskContext(seed=1)), optimizer="adam")
     for _ in range(5):

@@ -9,12 +9,12 @@ import sys
 import pytest
 import structlog
 
-from node._cli import build_parser, main
+from geotrain.node.cli._main import build_parser, main
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "node", *args], capture_output=True, text=True, timeout=120
+        [sys.executable, "-m", "geotrain.node", *args], capture_output=True, text=True, timeout=120
     )
 
 
@@ -36,7 +36,7 @@ def test_console_script_is_installed():
     from importlib import metadata
 
     scripts = {ep.name: ep.value for ep in metadata.entry_points(group="console_scripts")}
-    assert scripts.get("geotrain") == "node._cli:main"
+    assert scripts.get("geotrain") == "geotrain.node.cli:main"
 
 
 def test_unknown_log_level_is_a_usage_error():
@@ -52,7 +52,7 @@ def test_json_log_format_writes_one_json_object_per_line(capsys):
 
     parser = build_parser([register])
     args = parser.parse_args(["--log-format", "json", "hello"])
-    from node._logging import configure_logging
+    from geotrain.node.cli._logging import configure_logging
 
     configure_logging(args.log_level, args.log_format)
     assert args.handler(args) == 0
@@ -62,7 +62,7 @@ def test_json_log_format_writes_one_json_object_per_line(capsys):
 
 
 def test_log_level_filters_lower_levels(capsys):
-    from node._logging import configure_logging
+    from geotrain.node.cli._logging import configure_logging
 
     configure_logging("warning", "json")
     structlog.get_logger().info("not_shown")
@@ -73,7 +73,7 @@ def test_log_level_filters_lower_levels(capsys):
 
 @pytest.mark.parametrize("bad", [("loud", "json"), ("info", "xml")])
 def test_configure_logging_rejects_unknown_values(bad):
-    from node._logging import configure_logging
+    from geotrain.node.cli._logging import configure_logging
 
     with pytest.raises(ValueError, match="expected one of"):
         configure_logging(*bad)

@@ -7,7 +7,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from compress import DecodeError, decode, get_codec
+from geotrain.compress import DecodeError, decode, get_codec
 
 SPECS = [
     "none",

@@ -4,7 +4,7 @@ import json
 
 import torch
 
-from compress import bench
+from geotrain.compress import bench
 
 
 def test_bench_json_has_every_codec_and_the_baselines(capsys):

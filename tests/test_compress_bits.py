@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from compress._bits import (
+from geotrain.compress._bits import (
     pack_bits,
     pack_bits_torch,
     pack_nibbles,

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from compress import BF16, FP16, NoneCodec, decode
+from geotrain.compress import BF16, FP16, NoneCodec, decode
 
 CASES = [(NoneCodec(), 4, 0.0), (FP16(), 2, 2**-11), (BF16(), 2, 2**-8)]
 

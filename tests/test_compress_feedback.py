@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from compress import ErrorFeedback, decode, get_codec
+from geotrain.compress import ErrorFeedback, decode, get_codec
 
 LOSSY = [
     "int8",

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from compress import (
+from geotrain.compress import (
     CodecState,
     DecodeError,
     ErrorFeedback,

@@ -2,7 +2,7 @@
 
 import torch
 
-from compress import FP16, CodecState, PowerSGD, decode
+from geotrain.compress import FP16, CodecState, PowerSGD, decode
 
 
 def _low_rank(rows, cols, rank, seed=0):

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from compress import QSGD, Int4, Int8, Sign, decode
+from geotrain.compress import QSGD, Int4, Int8, Sign, decode
 
 
 def _x(*shape, seed=0):

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from compress import FP16, Int8, NoneCodec, RandK, TopK, decode
-from compress._sparse import _at_least, at_least_torch, randk_indices
+from geotrain.compress import FP16, Int8, NoneCodec, RandK, TopK, decode
+from geotrain.compress._sparse import _at_least, at_least_torch, randk_indices
 
 
 def _x(n, seed=0):

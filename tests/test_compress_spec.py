@@ -2,7 +2,7 @@
 
 import pytest
 
-from compress import Int8, PowerSGD, TopK, codec_names, get_codec
+from geotrain.compress import Int8, PowerSGD, TopK, codec_names, get_codec
 
 EXAMPLES = [
     "none",

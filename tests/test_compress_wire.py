@@ -5,9 +5,9 @@ import struct
 import pytest
 import torch
 
-import compress
-from compress import DecodeError
-from compress._wire import Header, Reader, header_nbytes, pack_header, read_header
+from geotrain import compress
+from geotrain.compress import DecodeError
+from geotrain.compress._wire import Header, Reader, header_nbytes, pack_header, read_header
 
 
 def test_a_header_round_trips():

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from node._config import ConfigError, config_from_toml, load_config
+from geotrain.node import ConfigError, config_from_toml, config_to_toml, load_config
 
 GOOD = """
 [identity]
@@ -84,3 +84,61 @@ def test_broken_toml_and_missing_file(tmp_path):
         config_from_toml("[training\n", base=tmp_path)
     with pytest.raises(ConfigError, match="No such file"):
         load_config(tmp_path / "missing.toml")
+
+
+OPEN = "[identity]\nopen_swarm = true\n"
+
+
+@pytest.mark.parametrize(
+    ("table", "value", "field"),
+    [
+        ("dpsgd", "degree = 0", "gossip.dpsgd.degree"),
+        ("dpsgd", "round_slack = -1.0", "gossip.dpsgd.round_slack"),
+        ("choco", "gamma = 1.5", "gossip.choco.gamma"),
+        ("choco", "max_peers = 0", "gossip.choco.max_peers"),
+        ("diloco", "inner_steps = 0", "gossip.diloco.inner_steps"),
+        ("diloco", "outer_lr = 0.0", "gossip.diloco.outer_lr"),
+        ("diloco", "outer_momentum = 1.0", "gossip.diloco.outer_momentum"),
+        ("diloco", "fanout = 0", "gossip.diloco.fanout"),
+        ("diloco", "max_staleness = -1", "gossip.diloco.max_staleness"),
+        ("selsync", "threshold = 0.0", "gossip.selsync.threshold"),
+        ("selsync", "treshold = 0.1", "gossip.selsync.treshold"),  # a typo is named too
+    ],
+)
+def test_each_algorithm_table_is_validated_naming_the_field(table, value, field):
+    with pytest.raises(ConfigError, match=f"{field} = "):
+        config_from_toml(f"{OPEN}[gossip]\n[gossip.{table}]\n{value}\n", base=Path())
+
+
+def test_an_algorithm_table_sets_that_algorithms_settings():
+    cfg = config_from_toml(
+        f"{OPEN}[gossip]\nalgorithm = 'choco'\n[gossip.choco]\ngamma = 0.2\n", base=Path(),
+        overrides=["gossip.dpsgd.degree=2"],
+    )  # fmt: skip
+    assert cfg.gossip.settings.gamma == 0.2 and cfg.gossip.settings.max_peers == 16
+    assert cfg.gossip.algorithm_settings["dpsgd"].degree == 2  # kept for a later switch
+    dpsgd = config_from_toml(f"{OPEN}[gossip]\nalgorithm = 'dpsgd'\n", base=Path())
+    assert dpsgd.gossip.settings.degree == 4
+
+
+def test_unknown_algorithm_and_moved_keys_say_what_to_write():
+    with pytest.raises(ConfigError, match="gossip.algorithm = 'gossipsgd': expected adpsgd or"):
+        config_from_toml(OPEN + "[gossip]\nalgorithm = 'gossipsgd'\n", base=Path())
+    with pytest.raises(ConfigError, match=r"gossip.choco_gamma = 0.1: .*\[gossip.choco\] gamma"):
+        config_from_toml(OPEN + "[gossip]\nchoco_gamma = 0.1\n", base=Path())
+    with pytest.raises(ConfigError, match="gossip.adpsgd = .*no settings of its own"):
+        config_from_toml(OPEN + "[gossip.adpsgd]\nx = 1\n", base=Path())
+    with pytest.raises(ConfigError, match="gossip.codec = 'zip:9'"):
+        config_from_toml(OPEN + "[gossip]\ncodec = 'zip:9'\n", base=Path())
+
+
+def test_the_config_writer_round_trips(tmp_path):
+    doc = {
+        "identity": {"key": tmp_path / "k.key", "open_swarm": True},
+        "network": {"bootstrap": ("tcp://127.0.0.1:1",)},
+        "training": {"task": "digits-mlp", "params": {"hidden": 64}},
+        "gossip": {"algorithm": "dpsgd", "dpsgd": {"degree": 2}},
+    }
+    cfg = config_from_toml(config_to_toml(doc), base=Path("/elsewhere"))
+    assert cfg.identity.key == tmp_path / "k.key" and cfg.network.bootstrap == ("tcp://127.0.0.1:1",)
+    assert cfg.training.params == {"hidden": 64} and cfg.gossip.settings.degree == 2

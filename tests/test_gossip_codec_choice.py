@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from gossip._codec_choice import DEFAULT_LADDER, choose_codec, nominal_nbytes
-from gossip._errors import LocalProtocolError
-from gossip._links import LinkEstimate
+from geotrain.gossip._codec_choice import DEFAULT_LADDER, choose_codec, nominal_nbytes
+from geotrain.gossip._errors import LocalProtocolError
+from geotrain.gossip._links import LinkEstimate
 
 
 def _link(rtt_s: float, gbit: float) -> LinkEstimate:

@@ -7,8 +7,8 @@ import math
 
 import pytest
 
-from gossip._errors import LocalProtocolError
-from gossip._links import LinkConfig, LinkTable
+from geotrain.gossip._errors import LocalProtocolError
+from geotrain.gossip._links import LinkConfig, LinkTable
 
 MB = 1_000_000
 

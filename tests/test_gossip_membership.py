@@ -6,11 +6,11 @@ import random
 
 import pytest
 
-from gossip._errors import LocalProtocolError, RemoteProtocolError
-from gossip._membership import Membership, Send
-from gossip._membership_config import MembershipConfig
-from gossip._membership_table import MemberState
-from gossip._messages import (
+from geotrain.gossip._errors import LocalProtocolError, RemoteProtocolError
+from geotrain.gossip._membership import Membership, Send
+from geotrain.gossip._membership_config import MembershipConfig
+from geotrain.gossip._membership_table import MemberState
+from geotrain.gossip._messages import (
     MAX_INCARNATION,
     Ack,
     MemberUpdate,
@@ -19,7 +19,7 @@ from gossip._messages import (
     PingReq,
     validate_message,
 )
-from gossip._netsim import MemoryNetwork
+from geotrain.gossip._netsim import MemoryNetwork
 
 CONFIG = MembershipConfig()
 

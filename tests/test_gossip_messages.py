@@ -5,8 +5,8 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from gossip._errors import RemoteProtocolError
-from gossip._messages import (
+from geotrain.gossip._errors import RemoteProtocolError
+from geotrain.gossip._messages import (
     MAX_ID_LEN,
     MAX_MEMBERS,
     MAX_UPDATES,

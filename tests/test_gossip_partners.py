@@ -7,12 +7,12 @@ import random
 
 import pytest
 
-from gossip._errors import LocalProtocolError
-from gossip._links import LinkTable
-from gossip._membership import Membership
-from gossip._membership_config import MembershipConfig
-from gossip._netsim import MemoryNetwork
-from gossip._partners import Candidates, PartnerConfig, PartnerSelector
+from geotrain.gossip._errors import LocalProtocolError
+from geotrain.gossip._links import LinkTable
+from geotrain.gossip._membership import Membership
+from geotrain.gossip._membership_config import MembershipConfig
+from geotrain.gossip._netsim import MemoryNetwork
+from geotrain.gossip._partners import Candidates, PartnerConfig, PartnerSelector
 
 MB = 1_000_000
 PEERS = tuple(f"p{i:02d}" for i in range(16))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from gossip._scenarios import SCENARIOS, LinkProfile, Scenario
+from geotrain.gossip._scenarios import SCENARIOS, LinkProfile, Scenario
 
 
 def test_geo3_uses_the_published_figures():

@@ -7,10 +7,10 @@ import json
 import numpy as np
 import pytest
 
-from gossip import sim
-from gossip._partners import POLICIES
-from gossip._scenarios import SCENARIOS
-from gossip._simulator import SimConfig, _Run, consensus_distance, simulate
+from geotrain.gossip import consensus_distance, sim
+from geotrain.gossip._partners import POLICIES
+from geotrain.gossip._scenarios import SCENARIOS
+from geotrain.gossip._simulator import SimConfig, _Run, simulate
 
 
 def test_json_has_the_promised_shape_and_every_policy_reaches_eps(capsys):

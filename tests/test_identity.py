@@ -4,7 +4,7 @@ import stat
 
 import pytest
 
-from node._identity import (
+from geotrain.node.identity._identity import (
     Identity,
     KeyFileError,
     peer_id_from_public_key,

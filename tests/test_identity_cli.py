@@ -7,10 +7,10 @@ import time
 
 import pytest
 
-from node._admission import Admission, MembershipCertificate, SwarmAuthority
-from node._cli import main
-from node._identity import Identity
-from node._identity_cli import parse_duration, parse_peer
+from geotrain.node.cli._identity_cli import parse_duration, parse_peer
+from geotrain.node.cli._main import main
+from geotrain.node.identity._admission import Admission, MembershipCertificate, SwarmAuthority
+from geotrain.node.identity._identity import Identity
 
 
 def _fields(out: str) -> dict[str, str]:

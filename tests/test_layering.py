@@ -1,8 +1,10 @@
 """Layering rules, checked by reading the source (see ../shared/DESIGN.md).
 
-compress <- gossip <- node <- testbed. `compress` imports no project package; `gossip` imports only
-`compress` and no I/O, clock, thread or global-random module; only the transport's modules in `node`
-import pynng; nothing imports a package layered above it.
+compress <- gossip <- node <- testbed, all inside the one import package `geotrain`. `compress`
+imports no project package; `gossip` imports only `compress` and no I/O, clock, thread or
+global-random module; only the transport's socket modules import pynng; nothing imports a package
+layered above it; and no package reaches into another's private rooms: a module whose path has a
+`_private` part may be imported only from inside the package that holds it.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 import ast
 import pathlib
 import textwrap
+import tomllib
 from dataclasses import dataclass
 
 import pytest
@@ -36,14 +39,14 @@ GOSSIP_FORBIDDEN = {
     "subprocess",
 }
 RANDOM_ALLOWED_NAMES = {"Random"}  # an injected random.Random is fine; random.random() is not
-# The transport and its parts; its pynng-free types (node/_transport_types.py) stay out.
+# The transport's socket modules; its pynng-free types (node/transport/_types.py) stay out.
 PYNNG_OWNERS = (
-    "node/_transport.py",
-    "node/_transport_wire.py",
-    "node/_transport_inbound.py",
-    "node/_transport_outbound.py",
+    "node/transport/_transport.py",
+    "node/transport/_wire.py",
+    "node/transport/_inbound.py",
+    "node/transport/_outbound.py",
 )
-PYNNG_RULE = "only the transport (node/_transport.py and its parts) may import pynng"
+PYNNG_RULE = "only the transport's socket modules (node/transport/) may import pynng"
 
 
 @dataclass(frozen=True)
@@ -53,15 +56,36 @@ class Violation:
     reason: str
 
 
-def _imported_modules(tree: ast.AST) -> list[tuple[int, str, list[str]]]:
-    """(line, absolute module, names imported from it) for every absolute import."""
+def module_of(path: str) -> str:
+    """`node/transport/_wire.py` -> `geotrain.node.transport._wire` (packages end at __init__)."""
+    parts = path.removesuffix(".py").split("/")
+    if parts[-1] == "__init__":
+        parts = parts[:-1]
+    return ".".join(["geotrain", *parts])
+
+
+def _imported_modules(path: str, tree: ast.AST, known: set[str]) -> list[tuple[int, str, list]]:
+    """(line, absolute module, names) for every import; relative ones resolved against `path`.
+
+    `from . import _x` names a module: it is reported as `package._x` when that module is known.
+    """
+    here = module_of(path).split(".")
+    package = here if path.endswith("__init__.py") else here[:-1]
     found = []
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
-            for alias in node.names:
-                found.append((node.lineno, alias.name, []))
-        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            found.append((node.lineno, node.module, [a.name for a in node.names]))
+            found += [(node.lineno, alias.name, []) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package[: len(package) - (node.level - 1)]
+                module = ".".join(base + ([node.module] if node.module else []))
+            else:
+                module = node.module or ""
+            names = [a.name for a in node.names]
+            found.append((node.lineno, module, names))
+            for name in names:
+                if f"{module}.{name}" in known or (module == "geotrain" and name in PACKAGES):
+                    found.append((node.lineno, f"{module}.{name}", []))
     return found
 
 
@@ -84,19 +108,45 @@ def _global_random_uses(tree: ast.AST) -> list[tuple[int, str]]:
     ]
 
 
+def private_owner(module: str) -> str | None:
+    """The package whose private room `module` is in (`a.b._c.d` -> `a.b`), or None if public."""
+    parts = module.split(".")
+    for i, part in enumerate(parts):
+        if part.startswith("_") and not part.startswith("__"):
+            return ".".join(parts[:i])
+    return None
+
+
+def _project_top(module: str) -> str | None:
+    """`geotrain.gossip._links` -> `gossip`; also the old top-level names (`gossip._links`)."""
+    parts = module.split(".")
+    if parts[0] == "geotrain":
+        return parts[1] if len(parts) > 1 and parts[1] in PACKAGES else None
+    return parts[0] if parts[0] in PACKAGES else None
+
+
 def check_layering(sources: dict[str, str]) -> list[Violation]:
     """Check the layering rules over `{relative path: source text}`."""
     violations: list[Violation] = []
     pynng_importers: list[str] = []
+    known = {module_of(p) for p in sources}
     for path, text in sorted(sources.items()):
         package = path.split("/", 1)[0]
         if package not in ALLOWED_PROJECT_IMPORTS:
             continue
+        me = module_of(path)
         tree = ast.parse(text, filename=path)
-        for line, module, names in _imported_modules(tree):
+        for line, module, names in _imported_modules(path, tree, known):
             top = module.split(".", 1)[0]
-            if top in PACKAGES and top != package and top not in ALLOWED_PROJECT_IMPORTS[package]:
-                violations.append(Violation(path, line, f"{package} must not import {top}"))
+            project = _project_top(module)
+            if project is not None and not module.startswith("geotrain"):
+                reason = f"{module}: import it as geotrain.{module}"
+                violations.append(Violation(path, line, reason))
+            if project and project != package and project not in ALLOWED_PROJECT_IMPORTS[package]:
+                violations.append(Violation(path, line, f"{package} must not import {project}"))
+            owner = private_owner(module) if project else None
+            if owner is not None and not (me == owner or me.startswith(owner + ".")):
+                violations.append(Violation(path, line, f"private module {module} outside {owner}"))
             if top == "pynng":
                 pynng_importers.append(path)
             if package == "gossip":
@@ -131,6 +181,16 @@ def test_project_keeps_the_layering():
     assert check_layering(sources) == []
 
 
+def test_every_package_folder_is_installed():
+    # pyproject lists the packages by hand (the root folder is `geotrain`): a new folder must be
+    # listed, or an installed (non-editable) geotrain would lack it.
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"][
+        "packages"])  # fmt: skip
+    folders = {module_of(p.relative_to(ROOT).as_posix()) for package in PACKAGES
+               for p in (ROOT / package).rglob("__init__.py")}  # fmt: skip
+    assert folders and folders | {"geotrain"} == listed
+
+
 def _src(text: str) -> str:
     return textwrap.dedent(text)
 
@@ -138,16 +198,17 @@ def _src(text: str) -> str:
 @pytest.mark.parametrize(
     ("path", "source", "reason"),
     [
-        ("compress/_x.py", "import gossip\n", "compress must not import gossip"),
-        ("compress/_x.py", "from node._cli import main\n", "compress must not import node"),
-        ("gossip/_x.py", "from node import _cli\n", "gossip must not import node"),
-        ("gossip/_x.py", "import testbed.run\n", "gossip must not import testbed"),
-        ("node/_x.py", "import testbed\n", "node must not import testbed"),
+        ("compress/_x.py", "from geotrain import gossip\n", "compress must not import gossip"),
+        ("compress/_x.py", "from ..node import cli\n", "compress must not import node"),
+        ("gossip/_x.py", "from geotrain.node import cli\n", "gossip must not import node"),
+        ("gossip/_x.py", "import geotrain.testbed\n", "gossip must not import testbed"),
+        ("node/_x.py", "from geotrain import testbed\n", "node must not import testbed"),
+        ("node/x/_y.py", "from ...testbed import run\n", "node must not import testbed"),
+        ("testbed/_x.py", "import node\n", "node: import it as geotrain.node"),
         ("gossip/_x.py", "import trio\n", "gossip is sans-I/O: imports trio"),
         ("gossip/_x.py", "import time\n", "gossip is sans-I/O: imports time"),
         ("gossip/_x.py", "from socket import socket\n", "gossip is sans-I/O: imports socket"),
         ("gossip/_x.py", "import threading\n", "gossip is sans-I/O: imports threading"),
-
         ("gossip/_x.py", "from random import shuffle\n", "gossip uses global random.shuffle"),
         (
             "gossip/_x.py",
@@ -155,13 +216,35 @@ def _src(text: str) -> str:
             "gossip uses global random.random",
         ),
         ("node/_other.py", "import pynng\n", PYNNG_RULE),
-        ("node/_transport_types.py", "import pynng\n", PYNNG_RULE),
+        ("node/transport/_types.py", "import pynng\n", PYNNG_RULE),
         ("testbed/_x.py", "from pynng import Pair0\n", PYNNG_RULE),
+        (
+            "node/_x.py",
+            "from geotrain.gossip._links import LinkTable\n",
+            "private module geotrain.gossip._links outside geotrain.gossip",
+        ),
+        (
+            "node/_x.py",
+            "from .training._trainer import Trainer\n",
+            "private module geotrain.node.training._trainer outside geotrain.node.training",
+        ),
+        (
+            "node/algorithms/_x.py",
+            "from ..transport._wire import _Channel\n",
+            "private module geotrain.node.transport._wire outside geotrain.node.transport",
+        ),
     ],
 )
 def test_a_forbidden_import_is_reported(path, source, reason):
     violations = check_layering({path: _src(source)})
     assert [v.reason for v in violations] == [reason]
+
+
+def test_private_module_named_in_from_import_is_reported():
+    sources = {"gossip/_links.py": "", "node/_x.py": "from geotrain.gossip import _links\n"}
+    assert [v.reason for v in check_layering(sources)] == [
+        "private module geotrain.gossip._links outside geotrain.gossip"
+    ]
 
 
 def test_pynng_in_gossip_breaks_two_rules():
@@ -177,11 +260,14 @@ def test_pynng_in_gossip_breaks_two_rules():
     [
         ("gossip/_x.py", "import random\n\ndef f(seed):\n    return random.Random(seed)\n"),
         ("gossip/_x.py", "from random import Random\n"),
-        ("gossip/_x.py", "from compress import DecodeError\n"),
-        ("node/_transport.py", "import pynng\n"),
-        ("node/_transport_inbound.py", "import pynng\n"),
-        ("testbed/_x.py", "import node\nimport gossip\nimport compress\nimport socket\n"),
+        ("gossip/_x.py", "from geotrain.compress import DecodeError\n"),
+        ("gossip/_x.py", "from ..compress import DecodeError\n"),
+        ("node/transport/_transport.py", "import pynng\n"),
+        ("node/transport/_inbound.py", "import pynng\n"),
+        ("testbed/_x.py", "from geotrain import node, gossip, compress\nimport socket\n"),
         ("compress/_x.py", "from . import _wire\nimport torch\n"),
+        ("node/algorithms/_x.py", "from .._config import NodeConfig\n"),  # a parent's room
+        ("node/algorithms/_x.py", "from ._base import Algorithm\n"),
     ],
 )
 def test_an_allowed_import_passes(path, source):

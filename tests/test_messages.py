@@ -5,12 +5,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from node._messages import (
+from geotrain.node.transport._messages import (
     PROTOCOL_VERSION,
-    DecodeError,
     ErrorReply,
     Header,
     HeaderCodec,
+    HeaderDecodeError,
     Ping,
     Pong,
 )
@@ -47,13 +47,13 @@ def _raw(version, body):
     ],
 )
 def test_bad_headers_raise_decode_error_with_a_reason(data, match):
-    with pytest.raises(DecodeError, match=match):
+    with pytest.raises(HeaderDecodeError, match=match):
         CODEC.decode(data)
 
 
 def test_oversized_header_is_refused_before_decoding():
     codec = HeaderCodec(max_header_bytes=16)
-    with pytest.raises(DecodeError, match="limit 16"):
+    with pytest.raises(HeaderDecodeError, match="limit 16"):
         codec.decode(_raw(PROTOCOL_VERSION, {"type": "error", "code": "busy", "reason": "x" * 40}))
 
 
@@ -63,7 +63,7 @@ def test_a_new_message_type_is_added_by_registering_a_struct():
 
     extended = HeaderCodec((*CODEC.types, Hello))
     assert extended.decode(extended.encode(Hello("n"))) == Hello("n")
-    with pytest.raises(DecodeError, match="unknown message type 'hello'"):
+    with pytest.raises(HeaderDecodeError, match="unknown message type 'hello'"):
         CODEC.decode(extended.encode(Hello("n")))
     with pytest.raises(TypeError, match="not registered"):
         CODEC.encode(Hello("n"))
@@ -74,7 +74,7 @@ def test_a_new_message_type_is_added_by_registering_a_struct():
 def test_fuzzed_bytes_only_raise_decode_error(data):
     try:
         header = CODEC.decode(data)
-    except DecodeError:
+    except HeaderDecodeError:
         return
     assert type(header) in CODEC.types
 
@@ -94,5 +94,5 @@ def test_fuzzed_bytes_only_raise_decode_error(data):
 def test_fuzzed_msgpack_bodies_only_raise_decode_error(body):
     try:
         CODEC.decode(_raw(PROTOCOL_VERSION, body))
-    except DecodeError:
+    except HeaderDecodeError:
         pass

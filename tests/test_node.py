@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 import signal
-import statistics
-import time
 
 import pytest
-from _swarm import LocalSwarm, consensus_distance
+from _swarm import LocalSwarm
 
-from node._tasks import TaskContext, resolve_task
-from node._trainer import Trainer
+from geotrain.gossip import consensus_distance
+from geotrain.node.state import StateDir
+from geotrain.node.training._tasks import TaskContext, resolve_task
+from geotrain.node.training._trainer import Trainer
 
 pytestmark = pytest.mark.slow
 
@@ -80,8 +80,9 @@ def test_four_peers_reach_accuracy_and_agree(swarm):
     assert all(s["bytes_out"] > 0 and s["rejected_updates"] == 0 for s in finals)
     # The models agree: their spread is under half of what the same shards trained alone from the
     # same start, for the same numbers of steps, give.
-    together = consensus_distance([node.params() for node in nodes])
-    alone = consensus_distance([train_alone(i, 4, s["step"]) for i, s in enumerate(finals)])
+    together = consensus_distance([node.params() for node in nodes], relative=True)
+    alone_models = [train_alone(i, 4, s["step"]) for i, s in enumerate(finals)]
+    alone = consensus_distance(alone_models, relative=True)
     assert together < 0.5 * alone, (together, alone)
     assert all('"node_stopped"' in n.log_text() for n in nodes)
 
@@ -94,7 +95,7 @@ def test_killed_peer_resumes_from_its_checkpoint_and_rejoins(swarm):
     )
     victim.proc.send_signal(signal.SIGKILL)
     victim.proc.wait(10)
-    saved = max(int(p.name[5:15]) for p in (victim.state / "checkpoints").glob("ckpt-*"))
+    saved = max(int(p.name[5:15]) for p in StateDir(victim.state).checkpoints.glob("ckpt-*"))
     assert saved >= 200
     swarm.start(victim)
     victim.address()
@@ -156,55 +157,19 @@ def test_poisoned_peer_does_not_change_the_others_accuracy(swarm):
     assert bad.status()["metric"] < 0.2  # it really was broken
 
 
-def rates_over(nodes, seconds: float) -> list[float]:
-    """Steps a second of each node over the same `seconds` of wall time (from status.json)."""
-    before = [n.status() for n in nodes]
-    time.sleep(seconds)
-    for n in nodes:
-        n.check_alive()
-    after = [n.status() for n in nodes]
-    assert all(a["elapsed_s"] > b["elapsed_s"] for a, b in zip(after, before, strict=True))
-    return [
-        (a["step"] - b["step"]) / (a["elapsed_s"] - b["elapsed_s"])
-        for a, b in zip(after, before, strict=True)
-    ]
-
-
-def test_slow_peer_does_not_slow_the_others(tmp_path):
-    # Two swarms of three run side by side, so both see the same load on this shared machine;
-    # in one of them, n2 is 10x slower.
-    swarms = {}
-    for slowdown in (1.0, 10.0):
-        s = LocalSwarm(tmp_path / f"slowdown-{slowdown}", common=COMMON)
-        s.root.mkdir()
-        swarms[slowdown] = s
-    try:
-        runs = {
-            slowdown: start_swarm(
-                s, 3, max_steps=0, special={2: {"training": {"slowdown": slowdown}}}
-            )
-            for slowdown, s in swarms.items()
-        }
-        swarms[1.0].wait_until(
-            lambda: all(n.status()["step"] >= 300 for n in runs[1.0][:2] + runs[10.0][:2])
-            and runs[10.0][2].status()["step"] >= 20,
-            240,
-            "300 steps on every fast node, 20 on the slow one",
-        )
-        # Past start-up on all six, measure every fast node over the same 8 s of wall time.
-        fast = [n for nodes in runs.values() for n in nodes[:2]]
-        measured = iter(rates_over(fast, 8.0))
-        rates = {k: [next(measured) for _ in nodes[:2]] for k, nodes in runs.items()}
-        slow_steps = runs[10.0][2].status()["step"]
-        fast_steps = min(n.status()["step"] for n in runs[10.0][:2])
-        exchanged_with_slow = runs[10.0][2].status()["exchanges_ok"]
-        for slowdown, s in swarms.items():
-            stop(s, runs[slowdown])
-    finally:
-        for s in swarms.values():
-            s.stop_all()
-    assert slow_steps < 0.5 * fast_steps  # the straggler really was slow
-    assert exchanged_with_slow > 0  # and still took part
-    # Loose on purpose (2 shared cores); the real figure is the testbed benchmark's.
-    without, with_slow = statistics.median(rates[1.0]), statistics.median(rates[10.0])
-    assert with_slow >= 0.7 * without, rates
+def test_slow_peer_takes_part_without_holding_the_others_back(swarm):
+    # n2 is 10x slower. The others do not wait for it: they reach 300 steps while it is still far
+    # behind, and it still exchanges with them. (What it costs the others in step rate is a
+    # benchmark, measured side by side: python -m geotrain.node.bench_straggler.)
+    nodes = start_swarm(swarm, 3, max_steps=0, special={2: {"training": {"slowdown": 10.0}}})
+    fast, slow = nodes[:2], nodes[2]
+    swarm.wait_until(
+        lambda: all((n.status() or {}).get("step", 0) >= 300 for n in fast)
+        and (slow.status() or {}).get("exchanges_ok", 0) > 0,
+        240,
+        "300 steps on the fast nodes and an exchange with the slow one",
+    )
+    stop(swarm, nodes)
+    slow_steps, fast_steps = slow.status()["step"], min(n.status()["step"] for n in fast)
+    assert slow_steps < 0.5 * fast_steps, (slow_steps, fast_steps)  # it really was slow
+    assert slow.status()["exchanges_ok"] > 0 and slow.status()["rejected_updates"] == 0

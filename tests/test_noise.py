@@ -10,8 +10,8 @@ from cryptography.hazmat.primitives.ciphers.aead import ChaCha20Poly1305
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from node._identity import Identity
-from node._noise import (
+from geotrain.node.identity._identity import Identity
+from geotrain.node.transport._noise import (
     FRAME_CHUNK,
     FrameRejected,
     HandshakeFailed,

@@ -10,17 +10,12 @@ import trio
 from hypothesis import given
 from hypothesis import strategies as st
 
-from gossip._errors import RemoteProtocolError
-from gossip._messages import Ack, MemberUpdate, PeerList, Ping
-from node._admission import Admission
-from node._config import config_from_toml
-from node._identity import Identity
-from node._messages import PROTOCOL_VERSION, ErrorReply, Pong
-from node._messages import Ping as TransportPing
-from node._node import Node
-from node._protocol import (
+from geotrain.gossip._errors import RemoteProtocolError
+from geotrain.gossip._messages import Ack, MemberUpdate, PeerList, Ping
+from geotrain.node._config import config_from_toml
+from geotrain.node._node import Node
+from geotrain.node._protocol import (
     Delivered,
-    Exchange,
     Gossip,
     Probe,
     ProbeReply,
@@ -28,7 +23,16 @@ from node._protocol import (
     unwrap_gossip,
     wrap_gossip,
 )
-from node._transport import TransportConfig, open_transport
+from geotrain.node.algorithms.adpsgd import Exchange
+from geotrain.node.identity import Admission, Identity
+from geotrain.node.transport import (
+    PROTOCOL_VERSION,
+    ErrorReply,
+    Pong,
+    TransportConfig,
+    open_transport,
+)
+from geotrain.node.transport import Ping as TransportPing
 
 
 @pytest.mark.parametrize(
@@ -123,13 +127,13 @@ async def test_a_node_answers_bad_messages_with_errors_and_keeps_serving(tmp_pat
             good = wrap_gossip(Ping(seq=1, sender_address="tcp://127.0.0.1:1"))
             assert isinstance(await ask(good), Delivered)
         assert node.rejected_messages["gossip"] == 1 and node.rejected_messages["probe"] == 1
-        assert node.exchange.rejected == 1
+        assert node.status().rejected_updates == 1
         node.request_stop()
 
 
 async def test_status_over_the_network(tmp_path: Path):
-    from node._node_cli import fetch_status
-    from node._status import render_status
+    from geotrain.node.cli._node_cli import fetch_status
+    from geotrain.node.state._status import render_status
 
     config = config_from_toml(CONFIG, base=tmp_path, overrides=[f'state.dir="{tmp_path}/state"'])
     node = Node(config, Identity.generate(), Admission.open_swarm("geotrain"))
@@ -149,7 +153,7 @@ async def test_status_over_the_network(tmp_path: Path):
 
 
 def test_status_from_an_address_needs_a_config(capsys):
-    from node._cli import main
+    from geotrain.node.cli._main import main
 
     assert main(["status", "--node", "tcp://127.0.0.1:9"]) == 1
     assert "needs --config" in capsys.readouterr().err

@@ -6,9 +6,9 @@ import re
 import sys
 from pathlib import Path
 
-from node._cli import build_parser
-from node._tasks import TaskContext, resolve_task
-from node._trainer import Trainer
+from geotrain.node.cli._main import build_parser
+from geotrain.node.training._tasks import TaskContext, resolve_task
+from geotrain.node.training._trainer import Trainer
 
 README = (Path(__file__).resolve().parent.parent / "README.md").read_text()
 

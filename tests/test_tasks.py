@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from node._task_builtin import load_digits
-from node._tasks import TaskContext, resolve_task, shard_indices
+from geotrain.node.training._builtin import load_digits
+from geotrain.node.training._tasks import TaskContext, resolve_task, shard_indices
 
 
 def test_shipped_digits_are_the_full_set():
@@ -96,7 +96,7 @@ def test_bad_task_param_names_the_field():
 
 
 def test_user_task_by_module_and_function():
-    task_fn = resolve_task("node._task_builtin:synthetic_linreg")
+    task_fn = resolve_task("geotrain.node.training._builtin:synthetic_linreg")
     assert task_fn(TaskContext()).metric == "mse"
 
 

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from node._cli import main
-from testbed._namespaces import list_devices, list_namespaces
+from geotrain.node.cli._main import main
+from geotrain.testbed._namespaces import list_devices, list_namespaces
 
 TINY = """
 name = "tiny"
@@ -76,7 +76,7 @@ def test_sigterm_mid_run_stops_cleanly_and_leaves_nothing(tmp_path: Path):
     scenario = tmp_path / "tiny.toml"
     scenario.write_text(TINY)
     out = tmp_path / "run"
-    cmd = [sys.executable, "-m", "node", "testbed", "run", "--scenario", str(scenario),
+    cmd = [sys.executable, "-m", "geotrain.node", "testbed", "run", "--scenario", str(scenario),
            "--baseline", "none", "--target", "1.01", "--no-link-check", "--out", str(out)]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines, prefix = [], None

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import signal
 
-from testbed._faults import FaultRunner
-from testbed._linkspec import LinkMatrix, LinkSpec
-from testbed._scenario import scenario_from_dict
+from geotrain.testbed._faults import FaultRunner
+from geotrain.testbed._linkspec import LinkMatrix, LinkSpec
+from geotrain.testbed._scenario import scenario_from_dict
 
 SCENARIO = {
     "regions": [{"name": "a", "peers": 1}, {"name": "b", "peers": 2}],

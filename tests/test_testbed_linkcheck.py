@@ -7,8 +7,8 @@ import os
 
 import pytest
 
-from testbed._linkcheck import bulk_bytes_for, measure_link
-from testbed._namespaces import NETWORK, NamespaceSet, run_ip
+from geotrain.testbed._linkcheck import bulk_bytes_for, measure_link
+from geotrain.testbed._namespaces import NETWORK, NamespaceSet, run_ip
 
 
 def test_the_transfer_is_sized_to_the_spec_rate():

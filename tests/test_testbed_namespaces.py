@@ -12,7 +12,7 @@ import textwrap
 
 import pytest
 
-from testbed._namespaces import (
+from geotrain.testbed._namespaces import (
     NamespaceSet,
     cleanup_leftovers,
     list_devices,
@@ -121,7 +121,8 @@ def test_testbed_down_with_run_removes_that_run_only():
     victim, bystander = new_run_prefix(), new_run_prefix()
     with NamespaceSet(1, run_prefix=bystander):
         sleeper = crash_a_run(victim)
-        down = [sys.executable, "-m", "node", "testbed", "down", "--run", victim.rstrip("-")]
+        down = [sys.executable, "-m", "geotrain.node", "testbed", "down", "--run",
+                victim.rstrip("-")]  # fmt: skip
         out = subprocess.run(down, capture_output=True, text=True, timeout=60, check=True).stdout
         assert f"removed netns {victim}p00" in out and f"removed pid {sleeper}" in out
         assert "WARNING" not in out  # only the named run was touched

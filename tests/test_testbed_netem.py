@@ -9,10 +9,10 @@ from dataclasses import dataclass
 
 import pytest
 
-from testbed._linkcheck import bulk_bytes_for, measure_link
-from testbed._linkspec import LinkMatrix, LinkSpec
-from testbed._namespaces import NamespaceSet, list_namespaces
-from testbed._netem import (
+from geotrain.testbed._linkcheck import bulk_bytes_for, measure_link
+from geotrain.testbed._linkspec import LinkMatrix, LinkSpec
+from geotrain.testbed._namespaces import NamespaceSet, list_namespaces
+from geotrain.testbed._netem import (
     BackendUnavailable,
     NetemLinks,
     SystemProbe,

@@ -11,11 +11,11 @@ from pathlib import Path
 
 import pytest
 
-from testbed._cli import cmd_report
-from testbed._namespaces import list_devices, list_namespaces
-from testbed._netem import choose_backend
-from testbed._run import RunOptions, run_testbed
-from testbed._scenario import scenario_from_dict
+from geotrain.testbed._cli import cmd_report
+from geotrain.testbed._namespaces import list_devices, list_namespaces
+from geotrain.testbed._netem import choose_backend
+from geotrain.testbed._run import RunOptions, run_testbed
+from geotrain.testbed._scenario import scenario_from_dict
 
 SMALL = {
     "name": "small",

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from gossip import SCENARIOS
-from testbed._linkspec import LinkSpec
-from testbed._scenario import (
+from geotrain.gossip import SCENARIOS
+from geotrain.testbed._linkspec import LinkSpec
+from geotrain.testbed._scenario import (
     ScenarioError,
     builtin_scenarios,
     load_scenario,

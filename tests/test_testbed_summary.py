@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from testbed._summary import build_summary, node_bytes_out, render_table, time_to_target
+from geotrain.testbed._summary import build_summary, node_bytes_out, render_table, time_to_target
 
 T0 = 1_000_000.0
 

@@ -11,11 +11,11 @@ import sys
 
 import pytest
 
-from testbed._linkcheck import bulk_bytes_for, measure_link
-from testbed._linkspec import LinkMatrix, LinkSpec
-from testbed._namespaces import NamespaceSet, list_devices, list_namespaces
-from testbed._tun import tun_available
-from testbed._userspace import PacketScheduler, UserspaceConfig, UserspaceLinks
+from geotrain.testbed._linkcheck import bulk_bytes_for, measure_link
+from geotrain.testbed._linkspec import LinkMatrix, LinkSpec
+from geotrain.testbed._namespaces import NamespaceSet, list_devices, list_namespaces
+from geotrain.testbed._tun import tun_available
+from geotrain.testbed._userspace import PacketScheduler, UserspaceConfig, UserspaceLinks
 
 ADDRS = [ipaddress.IPv4Address(f"198.18.0.{i + 1}").packed for i in range(3)]
 

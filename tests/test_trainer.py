@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gossip._averaging import RejectedUpdate
-from node._tasks import TaskContext, resolve_task
-from node._trainer import Trainer
+from geotrain.gossip._averaging import RejectedUpdate
+from geotrain.node.training._tasks import TaskContext, resolve_task
+from geotrain.node.training._trainer import Trainer
 
 
 def _trainer(**kwargs) -> Trainer:

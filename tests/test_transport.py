@@ -15,10 +15,10 @@ import trio
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 from cryptography.hazmat.primitives.ciphers.aead import ChaCha20Poly1305
 
-from node._admission import Admission, SwarmAuthority
-from node._identity import Identity
-from node._messages import ErrorReply, Header, HeaderCodec, Ping, Pong
-from node._noise import (
+from geotrain.node.identity._admission import Admission, SwarmAuthority
+from geotrain.node.identity._identity import Identity
+from geotrain.node.transport._messages import ErrorReply, Header, HeaderCodec, Ping, Pong
+from geotrain.node.transport._noise import (
     FRAME_KIND_PULL,
     STATIC_SIGNATURE_CONTEXT,
     IdentityProof,
@@ -30,11 +30,11 @@ from node._noise import (
     parse_frame_prefix,
     seal_frame,
 )
-from node._transport import (
+from geotrain.node.transport._transport import (
     HandshakeError,
-    LocalProtocolError,
+    LocalTransportError,
     PeerUnreachable,
-    RemoteProtocolError,
+    RemoteTransportError,
     RequestTimeout,
     TransportConfig,
     open_transport,
@@ -398,7 +398,7 @@ async def test_oversized_frame_is_refused_without_allocation(authority):
                 with pytest.raises(PeerUnreachable):
                     await tb.request(ts.address, Ping(1), b"x" * 2048, deadline_s=5)
             # and our own limit is enforced before anything is sent
-            with pytest.raises(LocalProtocolError):
+            with pytest.raises(LocalTransportError):
                 await tg.request(
                     ts.address, Ping(1), b"x" * (CONFIG.max_message_bytes + 1), deadline_s=5
                 )
@@ -550,7 +550,7 @@ async def test_a_replayed_reply_is_rejected_by_the_client(authority):
             nursery.start_soon(serve)
             address = f"tcp://127.0.0.1:{port}"
             assert (await tc.request(address, Ping(1), deadline_s=5))[0] == Pong(1)
-            with pytest.raises(RemoteProtocolError, match="replay"):
+            with pytest.raises(RemoteTransportError, match="replay"):
                 await tc.request(address, Ping(2), deadline_s=5)
             assert tc.statistics().frames_rejected == {"replay": 1}
 

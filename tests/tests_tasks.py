@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from node._task_builtin import digits_mlp
-from node._tasks import Task, TaskContext
+from geotrain.node.training._builtin import digits_mlp
+from geotrain.node.training._tasks import Task, TaskContext
 
 
 def nan_digits(ctx: TaskContext) -> Task:

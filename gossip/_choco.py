@@ -1,0 +1,122 @@
+# CHOCO-SGD's per-link bookkeeping, sans-I/O. Invariants: each link (this node, one neighbour)
+# holds our public estimate as the neighbour knows it, the neighbour's, and a count of completed
+# exchanges; both ends apply exactly the q's that went over the wire, so their copies stay equal;
+# a link starts (and restarts) at the swarm's common initial model; counts that differ mean an
+# exchange was lost half-way, and both ends restart that link; at most `max_peers` links are kept
+# (least recently used dropped first), a busy link is never dropped; links of peers no longer
+# live are dropped. Pure bookkeeping: the caller does the I/O and hands in who is live.
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+
+from ._algorithms import choco_consensus, choco_update_estimate
+
+Params = Mapping[str, torch.Tensor]
+Verdict = Literal["ok", "busy", "resync"]
+
+
+@dataclass
+class ChocoLink:
+    """One neighbour's link: `mine` (our estimate, as it holds it), `theirs`, and `seq`."""
+
+    seq: int = 0
+    mine: dict[str, torch.Tensor] = field(default_factory=dict)
+    theirs: dict[str, torch.Tensor] = field(default_factory=dict)
+    busy: bool = False
+
+    def reset(self, base: Params) -> None:
+        """Back to the common initial model, count 0 (both ends do this on a resync)."""
+        self.seq = 0
+        self.mine = {n: t.clone() for n, t in base.items()}
+        self.theirs = {n: t.clone() for n, t in base.items()}
+
+    def judge(self, seq: int) -> Verdict:
+        """Responder side: may an exchange that the peer counts as `seq` run on this link now?
+
+        "busy" while another runs; "resync" when the counts differ (then reset both ends).
+        """
+        if self.busy:
+            return "busy"
+        return "ok" if seq == self.seq else "resync"
+
+    def apply(self, live: dict[str, torch.Tensor], q_mine: Params, q_theirs: Params,
+              gamma: float) -> float:  # fmt: skip
+        """Add both decoded q's to the estimates, count the exchange and take the consensus
+        step x += gamma/2 (x_hat_j - x_hat) on `live` in place. Returns the step's distance."""
+        choco_update_estimate(self.mine, q_mine)
+        choco_update_estimate(self.theirs, q_theirs)
+        self.seq += 1
+        return choco_consensus(live, self.mine, self.theirs, gamma=gamma)
+
+
+class ChocoLinks:
+    """The links of one node.
+
+    Args:
+        base: the common initial model every link starts from (cloned per link).
+        max_peers: most links kept.
+    """
+
+    def __init__(self, base: Params, max_peers: int) -> None:
+        if max_peers < 1:
+            raise ValueError(f"max_peers={max_peers}: expected >= 1")
+        self.base = base
+        self.max_peers = max_peers
+        self._links: OrderedDict[str, ChocoLink] = OrderedDict()
+
+    def __contains__(self, peer: object) -> bool:
+        return peer in self._links
+
+    def __getitem__(self, peer: str) -> ChocoLink:
+        return self._links[peer]
+
+    def __len__(self) -> int:
+        return len(self._links)
+
+    def link(self, peer: str, live: Iterable[str]) -> ChocoLink:
+        """The link to `peer` (made at the base model if new), marked most recently used; links
+        of peers not in `live` and beyond `max_peers` are dropped unless busy."""
+        link = self._links.get(peer)
+        if link is None:
+            link = self._links[peer] = ChocoLink()
+            link.reset(self.base)
+        self._links.move_to_end(peer)
+        keep = set(live) | {peer}
+        for other in [p for p, x in self._links.items() if p not in keep and not x.busy]:
+            del self._links[other]
+        while len(self._links) > self.max_peers:
+            oldest = next(p for p, x in self._links.items() if not x.busy or p == peer)
+            del self._links[oldest]
+        return link
+
+    def state_dict(self) -> tuple[dict[str, torch.Tensor], dict[str, int]]:
+        """Tensors `<peer>/mine/<name>`, `<peer>/theirs/<name>` and counts of idle links (a busy
+        one is half-way; after a restart the count check resyncs it anyway)."""
+        tensors: dict[str, torch.Tensor] = {}
+        seqs: dict[str, int] = {}
+        for peer, link in list(self._links.items()):
+            if link.busy:
+                continue
+            seqs[peer] = link.seq
+            tensors.update({f"{peer}/mine/{n}": t.clone() for n, t in link.mine.items()})
+            tensors.update({f"{peer}/theirs/{n}": t.clone() for n, t in link.theirs.items()})
+        return tensors, seqs
+
+    def load_state_dict(self, tensors: Mapping[str, torch.Tensor], seqs: Mapping[str, int],
+                        device: torch.device) -> None:  # fmt: skip
+        """Restore what `state_dict` returned (names as in `base`).
+
+        Raises:
+            KeyError: a tensor of a listed link is missing.
+        """
+        for peer, seq in seqs.items():
+            link = ChocoLink(seq=int(seq))
+            for name in self.base:
+                link.mine[name] = tensors[f"{peer}/mine/{name}"].to(device)
+                link.theirs[name] = tensors[f"{peer}/theirs/{name}"].to(device)
+            self._links[peer] = link

@@ -1,0 +1,102 @@
+# Checkpoints of a running node: what goes in (model, optimizer, the algorithm's state, link
+# estimates), when, and how a restart reads it back. Invariants: a checkpoint of another algorithm
+# is refused before anything starts (ResumeError); tensors are copied under the trainer's lock and
+# written in a worker thread; link state is read on the event loop; a checkpoint of the previous
+# layout (error feedback at the top level, before algorithms owned their state) is read as if it
+# were of this one.
+from __future__ import annotations
+
+import structlog
+import trio
+
+from geotrain.gossip import LinkTable
+
+from .algorithms import Algorithm
+from .state import Checkpoint, CheckpointStore
+from .training import Trainer
+
+LAYOUT = 2  # 1: adpsgd's error feedback as "ef/..." beside the model; 2: all of it under "algo/"
+log = structlog.get_logger()
+
+
+class ResumeError(Exception):
+    """The state directory holds a checkpoint this configuration cannot continue from."""
+
+
+def load_checkpoint(store: CheckpointStore, algorithm: str) -> Checkpoint | None:
+    """The newest good checkpoint in `store`, or None; unreadable ones are skipped (logged).
+
+    Raises:
+        ResumeError: the checkpoint was written by another algorithm.
+    """
+    ckpt, skipped = store.load_latest()
+    for reason in skipped:
+        log.warning("checkpoint_skipped", reason=reason)
+    if ckpt is not None and ckpt.algorithm != algorithm:
+        raise ResumeError(
+            f"{store.directory} holds a checkpoint of algorithm {ckpt.algorithm!r} "
+            f"(step {ckpt.step}); this node is configured for {algorithm!r}: use another "
+            f"state.dir or the same algorithm"
+        )
+    return ckpt
+
+
+class Checkpointer:
+    """Writes and restores one node's checkpoints.
+
+    Args:
+        store: where checkpoints go; algorithm_name / task: recorded in each.
+        trainer, algorithm, links: whose state is saved.
+    """
+
+    def __init__(
+        self,
+        store: CheckpointStore,
+        algorithm_name: str,
+        task: str,
+        trainer: Trainer,
+        algorithm: Algorithm,
+        links: LinkTable,
+    ) -> None:
+        self._store = store
+        self._name = algorithm_name
+        self._task = task
+        self._trainer = trainer
+        self._algorithm = algorithm
+        self._links = links
+        self._written_step = -1
+
+    def restore(self, ckpt: Checkpoint) -> None:
+        """Load a checkpoint's model, optimizer, algorithm state and link estimates."""
+        tensors = dict(ckpt.tensors)
+        if ckpt.meta.get("layout", 1) < 2:  # layout 1: adpsgd's residuals at the top level
+            tensors.update({f"algo/{k}": v for k, v in tensors.items() if k.startswith("ef/")})
+        self._trainer.restore(tensors, ckpt.meta, ckpt.step)
+        algo = {k[5:]: v for k, v in tensors.items() if k.startswith("algo/")}
+        self._algorithm.load_state(algo, ckpt.meta.get("algo") or {})
+        links = ckpt.meta.get("links")
+        if isinstance(links, dict):
+            try:
+                self._links.load_state_dict(links, trio.current_time())
+            except (ValueError, KeyError, TypeError) as exc:
+                log.warning("link_state_ignored", reason=str(exc))
+        self._written_step = ckpt.step
+
+    async def write(self) -> None:
+        """Write a checkpoint unless one of this step exists already."""
+        if self._trainer.step == self._written_step:
+            return
+        links = self._links.state_dict(trio.current_time())
+
+        def write() -> int:
+            tensors, meta = self._trainer.state_tensors()
+            algo_tensors, meta["algo"] = self._algorithm.state()
+            tensors.update({f"algo/{k}": v for k, v in algo_tensors.items()})
+            meta.update(links=links, task=self._task, layout=LAYOUT)
+            step = meta["step"]
+            self._store.save(Checkpoint(step, self._name, tensors, meta))
+            return step
+
+        step = await trio.to_thread.run_sync(write)
+        self._written_step = step
+        log.info("checkpoint_written", step=step)

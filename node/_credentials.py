@@ -1,0 +1,46 @@
+# A node's credentials from its config: the identity key and how it admits peers. Invariants: a
+# missing or unreadable file, or a certificate issued to another key, is a ConfigError naming the
+# field, raised before anything starts.
+from __future__ import annotations
+
+from ._config import ConfigError, IdentityConfig, NodeConfig
+from .identity import Admission, Identity, MembershipCertificate, SwarmInfo
+
+
+def admission_from_config(cfg: IdentityConfig) -> Admission:
+    """Build the admission policy the config names.
+
+    Raises:
+        ConfigError: a file is missing or unreadable, or the pieces do not fit together.
+    """
+    try:
+        if cfg.swarm is not None and cfg.certificate is not None:
+            return Admission.with_certificate(
+                SwarmInfo.load(cfg.swarm), MembershipCertificate.load(cfg.certificate)
+            )
+        if cfg.allow:
+            return Admission.with_allow_list(cfg.swarm_id, cfg.allow)
+        return Admission.open_swarm(cfg.swarm_id)
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"identity: {exc}") from exc
+
+
+def load_identity(config: NodeConfig) -> tuple[Identity, Admission]:
+    """The node's key and admission policy, checked against each other.
+
+    Raises:
+        ConfigError: a file is missing or unreadable, or the certificate names another key.
+    """
+    try:
+        identity = Identity.load(config.identity.key)
+    except Exception as exc:  # KeyFileError, OSError: say which file and why
+        raise ConfigError(f"identity.key = {str(config.identity.key)!r}: {exc}") from exc
+    admission = admission_from_config(config.identity)
+    if admission.certificate is not None and (
+        admission.certificate.peer_public_key != identity.public_key
+    ):
+        raise ConfigError(
+            f"identity.certificate = {str(config.identity.certificate)!r}: issued to another key "
+            f"than identity.key"
+        )
+    return identity, admission

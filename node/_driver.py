@@ -1,0 +1,74 @@
+# The training driver: local steps in a worker thread, the algorithm told after each, evaluation
+# and checkpoints at their cadence, and a clean finish. Invariants: the event loop never waits on
+# a step synchronously; the algorithm's `after_step` runs on the loop between two steps (it may
+# start exchanges in the background or hold the loop for one of its deadlines, never longer); on
+# stop, an exchange in flight gets at most `grace_s` to finish before the last evaluation and
+# checkpoint.
+from __future__ import annotations
+
+import trio
+
+from ._checkpointer import Checkpointer
+from ._status_report import Progress
+from .algorithms import Algorithm
+from .training import Trainer
+
+
+class TrainingDriver:
+    """Runs the training loop of one node.
+
+    Args:
+        trainer: the local model; algorithm: told after each step; checkpointer: writes.
+        progress: where evaluations are recorded (the status reads it).
+        max_steps: stop after this many local steps (0: until stopped); eval_every,
+            checkpoint_every: cadences in steps.
+        stop: set to end the loop after the current step.
+    """
+
+    def __init__(
+        self,
+        trainer: Trainer,
+        algorithm: Algorithm,
+        checkpointer: Checkpointer,
+        progress: Progress,
+        *,
+        max_steps: int,
+        eval_every: int,
+        checkpoint_every: int,
+        stop: trio.Event,
+    ) -> None:
+        self._trainer = trainer
+        self._algorithm = algorithm
+        self._checkpointer = checkpointer
+        self._progress = progress
+        self._max_steps = max_steps
+        self._eval_every = eval_every
+        self._checkpoint_every = checkpoint_every
+        self._stop = stop
+
+    def _done(self) -> bool:
+        return self._stop.is_set() or bool(
+            self._max_steps and self._trainer.step >= self._max_steps
+        )
+
+    async def run(self) -> None:
+        """Train until stopped or at max_steps."""
+        while not self._done():
+            result = await trio.to_thread.run_sync(self._trainer.train_step)
+            await self._algorithm.after_step(result)
+            if result.step % self._eval_every == 0:
+                await self.evaluate()
+            if result.step % self._checkpoint_every == 0:
+                await self._checkpointer.write()
+
+    async def evaluate(self) -> None:
+        self._progress.metric = await trio.to_thread.run_sync(self._trainer.evaluate)
+        self._progress.metric_step = self._trainer.step
+
+    async def finish(self, grace_s: float) -> None:
+        """Let an exchange in flight end (at most `grace_s`), then evaluate and checkpoint."""
+        with trio.move_on_after(grace_s):
+            while self._algorithm.busy():
+                await trio.sleep(0.01)
+        await self.evaluate()
+        await self._checkpointer.write()

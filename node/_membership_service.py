@@ -1,0 +1,193 @@
+# The node's side of membership and link probing: it runs gossip's sans-I/O Membership (join,
+# ticks, messages in and out) and measures the links the partner policy asks about. Invariants:
+# every message it sends has a deadline (one probe period); a bad membership message from a peer
+# is answered with an error, counted and changes nothing; RTT samples from probes feed the link
+# table; its loops live in the node's nursery and stop when it is cancelled.
+from __future__ import annotations
+
+import random
+import time
+from collections import Counter
+from collections.abc import Sequence
+
+import structlog
+import trio
+
+from geotrain.gossip import (
+    LinkTable,
+    Member,
+    Membership,
+    MembershipConfig,
+    PartnerSelector,
+    RemoteProtocolError,
+    Send,
+)
+
+from ._protocol import (
+    MAX_PROBE_BYTES,
+    Delivered,
+    Gossip,
+    Probe,
+    ProbeReply,
+    unwrap_gossip,
+    wrap_gossip,
+)
+from .transport import ErrorReply, Header, PeerInfo, Ping, Pong, Transport, TransportError
+
+PROBE_BYTES = 256 * 1024  # above the link table's smallest goodput sample, small on any link
+log = structlog.get_logger()
+
+
+class MembershipService:
+    """Who is in the swarm, alive, and how the links to them are.
+
+    Args:
+        peer_id: this node's ID; address: the address peers dial.
+        bootstrap: addresses to join through (empty for the first node).
+        probe_interval_s: the failure-detection period.
+        transport: sends our messages; links: the node's link table; selector: the partner
+            policy (asked which links need a probe); rng: the node's seeded Random.
+    """
+
+    def __init__(
+        self,
+        peer_id: str,
+        address: str,
+        bootstrap: Sequence[str],
+        probe_interval_s: float,
+        transport: Transport,
+        links: LinkTable,
+        selector: PartnerSelector,
+        rng: random.Random,
+    ) -> None:
+        self.config = MembershipConfig(
+            probe_interval_s=probe_interval_s, probe_timeout_s=0.4 * probe_interval_s
+        )
+        self.membership = Membership(
+            peer_id, address, self.config, rng, incarnation=int(time.time())
+        )
+        self._bootstrap = tuple(bootstrap)
+        self._transport = transport
+        self._links = links
+        self._selector = selector
+        self._wake = trio.Event()
+        self._nursery: trio.Nursery | None = None
+        self.rejected: Counter[str] = Counter()  # membership messages refused, by kind
+
+    # -- the view the rest of the node reads ----------------------------------------------------
+    def live_peers(self) -> tuple[str, ...]:
+        return self.membership.live_peers()
+
+    def address_of(self, peer_id: str) -> str | None:
+        return self.membership.address_of(peer_id)
+
+    def members(self) -> list[Member]:
+        return self.membership.members()
+
+    # -- loops ----------------------------------------------------------------------------------
+    async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        """Join, then keep membership and link probes going until cancelled."""
+        async with trio.open_nursery() as nursery:
+            self._nursery = nursery
+            sends = self.membership.join(self._bootstrap, trio.current_time())
+            nursery.start_soon(self._probe_loop)
+            task_status.started()
+            while True:
+                for send in sends:
+                    nursery.start_soon(self._deliver, send)
+                self._drain()
+                deadline = self.membership.next_deadline()
+                now = trio.current_time()
+                with trio.move_on_at(deadline if deadline != float("inf") else now + 3600):
+                    await self._wake.wait()
+                self._wake = trio.Event()
+                sends = self.membership.tick(trio.current_time())
+
+    def _drain(self) -> None:
+        for sample in self.membership.drain_rtt_samples():
+            self._links.record_rtt(sample.peer_id, sample.rtt_s, sample.at)
+        for event in self.membership.drain_events():
+            log.info(f"peer_{event.kind}", peer=event.peer_id[:12], incarnation=event.incarnation)
+
+    async def _deliver(self, send: Send) -> None:
+        try:
+            await self._transport.request(
+                send.address,
+                wrap_gossip(send.message),
+                deadline_s=self.config.probe_interval_s,
+                expect_peer=send.peer_id,
+            )
+        except TransportError as exc:
+            log.debug("gossip_undelivered", address=send.address, reason=str(exc))
+
+    async def _probe_loop(self) -> None:
+        """Measure the links the partner policy looked at but knows too little about."""
+        while True:
+            await trio.sleep(self.config.probe_interval_s)
+            for peer in self._selector.probe_targets(self._links, trio.current_time(), limit=1):
+                address = self.address_of(peer)
+                if address is not None:
+                    await self._probe(peer, address)
+
+    async def _probe(self, peer: str, address: str) -> None:
+        started = trio.current_time()
+        deadline = self._links.exchange_deadline(peer, PROBE_BYTES, started)
+        try:
+            reply, _, _ = await self._transport.request(
+                address, Probe(), bytes(PROBE_BYTES), deadline_s=deadline, expect_peer=peer
+            )
+        except TransportError as exc:
+            log.debug("probe_failed", peer=peer[:12], reason=str(exc))
+            return
+        now = trio.current_time()
+        if isinstance(reply, ProbeReply) and reply.received == PROBE_BYTES:
+            self._links.record_transfer(peer, PROBE_BYTES, now - started, now)
+
+    async def wait_for_peers(self, want: int, limit_s: float, stop: trio.Event) -> None:
+        """Wait until `want` other peers are live (at most `limit_s`, or until `stop`)."""
+        if not want:
+            return
+        with trio.move_on_after(limit_s):
+            while len(self.live_peers()) < want and not stop.is_set():
+                await trio.sleep(0.05)
+            log.info("peers_ready", live_peers=len(self.live_peers()))
+            return
+        log.warning("peers_not_ready", live_peers=len(self.live_peers()), wanted=want)
+
+    async def leave(self, grace_s: float) -> None:
+        """Tell the swarm we leave (best effort, at most `grace_s`)."""
+        sends = self.membership.leave(trio.current_time())
+        with trio.move_on_after(min(grace_s, 2 * self.config.probe_interval_s)):
+            async with trio.open_nursery() as n:
+                for send in sends:
+                    n.start_soon(self._deliver, send)
+
+    # -- requests from peers --------------------------------------------------------------------
+    handles = (Gossip, Ping, Probe)
+
+    async def handle(
+        self, peer: PeerInfo, header: Header, payload: memoryview
+    ) -> tuple[Header, bytes]:
+        """Answer Gossip, Ping and Probe."""
+        if isinstance(header, Ping):
+            return Pong(nonce=header.nonce), b""
+        if isinstance(header, Probe):
+            if len(payload) > MAX_PROBE_BYTES:
+                return self._refuse(peer, "probe", f"{len(payload)} bytes > {MAX_PROBE_BYTES}")
+            return ProbeReply(received=len(payload)), b""
+        assert isinstance(header, Gossip)
+        try:
+            message = unwrap_gossip(header)
+            sends = self.membership.receive(message, peer.peer_id, trio.current_time())
+        except RemoteProtocolError as exc:
+            return self._refuse(peer, "gossip", str(exc))
+        if self._nursery is not None:
+            for send in sends:
+                self._nursery.start_soon(self._deliver, send)
+        self._wake.set()
+        return Delivered(), b""
+
+    def _refuse(self, peer: PeerInfo, kind: str, reason: str) -> tuple[Header, bytes]:
+        self.rejected[kind] += 1
+        log.warning("message_rejected", peer=peer.short_id, kind=kind, reason=reason)
+        return ErrorReply(code="bad_request", reason=reason[:500]), b""

@@ -1,0 +1,151 @@
+# Peer choice: the one object through which an algorithm sees the swarm. Invariants: it reads
+# membership (who is live, where) and the link table, and is the only writer of link outcomes and
+# partner feedback on behalf of the algorithms; every deadline it gives comes from the link's
+# measured estimate; codec choice is per link, from its bandwidth and our step time, unless the
+# config fixes one codec; nothing here does I/O.
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Protocol
+
+from geotrain import compress
+from geotrain.gossip import LinkTable, PartnerSelector, choose_codec
+
+from ._config import GossipConfig
+
+# What a pairwise model exchange may be encoded with when the link decides: dense codecs only. A
+# sparse codec of a whole model (not of a change) would zero most weights; sparse codecs belong to
+# algorithms that send changes (choco, diloco), and only when the config names them.
+DENSE_LADDER = ("none", "fp16", "int8", "int4")
+DEFAULT_STEP_S = 0.05  # before two steps were timed: a guess that only sways the first codec
+
+
+class MembershipView(Protocol):
+    """Who is live and where (the node's membership)."""
+
+    def live_peers(self) -> Sequence[str]: ...
+
+    def address_of(self, peer_id: str) -> str | None: ...
+
+
+Shapes = Sequence[tuple[str, tuple[int, ...]]]
+
+
+class PeerChoice:
+    """Partners, codecs and deadlines for one node's algorithm.
+
+    Args:
+        config: the gossip section (policy, fixed codec, exchange_every).
+        membership: live peers and their addresses.
+        links: the node's link estimates (owned by the node; outcomes are recorded here).
+        selector: the partner policy.
+        shapes: (name, shape) of every model parameter, in a fixed order (sizes of payloads).
+        step_interval_s: seconds between two local steps lately (the trainer's measure).
+    """
+
+    def __init__(
+        self,
+        config: GossipConfig,
+        membership: MembershipView,
+        links: LinkTable,
+        selector: PartnerSelector,
+        shapes: Shapes,
+        step_interval_s: Callable[[], float | None],
+    ) -> None:
+        self.config = config
+        self.links = links
+        self.selector = selector
+        self._membership = membership
+        self._shapes = sorted((name, tuple(shape)) for name, shape in shapes)
+        self._step_interval_s = step_interval_s
+        self._sizes: dict[str, int] = {}
+        self.numel = sum(_numel(shape) for _, shape in self._shapes)
+
+    # -- who --------------------------------------------------------------------------------
+    def live_peers(self) -> Sequence[str]:
+        return self._membership.live_peers()
+
+    def address_of(self, peer: str) -> str | None:
+        return self._membership.address_of(peer)
+
+    def choose_partner(self, now: float) -> str | None:
+        """The next partner under the configured policy, or None when nobody is live."""
+        return self.selector.choose(
+            self.live_peers(), self.links, self.payload_nbytes(self.fixed_codec or "int8"), now
+        )
+
+    # -- how --------------------------------------------------------------------------------
+    @property
+    def fixed_codec(self) -> str | None:
+        """The codec the config names, or None when each link chooses ("auto")."""
+        return None if self.config.codec == "auto" else self.config.codec
+
+    def payload_nbytes(self, spec: str) -> int:
+        """Bytes of the whole model encoded with `spec` (cached per spec)."""
+        size = self._sizes.get(spec)
+        if size is None:
+            size = compress.expected_nbytes_named(self._shapes, compress.get_codec(spec))
+            self._sizes[spec] = size
+        return size
+
+    def choose_codec(self, peer: str, now: float, ladder: Sequence[str] = DENSE_LADDER) -> str:
+        """The configured codec, or the least compression of `ladder` whose exchange with `peer`
+        fits in the compute it overlaps (see gossip's choose_codec)."""
+        if self.fixed_codec is not None:
+            return self.fixed_codec
+        return choose_codec(
+            self.links.estimate(peer, now),
+            self.numel,
+            self._step_interval_s() or DEFAULT_STEP_S,
+            ladder,
+            size_of=lambda spec, _n: self.payload_nbytes(spec),
+            steps_per_exchange=self.config.exchange_every,
+        )
+
+    def exchange_deadline(self, peer: str, nbytes: int, now: float) -> float:
+        """Seconds an exchange of `nbytes` with `peer` may take (estimate, margin, backoff)."""
+        return self.links.exchange_deadline(peer, nbytes, now)
+
+    def round_deadline(self, peer: str, nbytes: int, now: float) -> float:
+        """The link's transfer deadline without the failure backoff (a round must not grow)."""
+        cfg = self.links.config
+        est = self.links.estimate(peer, now)
+        seconds = cfg.deadline_factor * est.transfer_time(nbytes)
+        seconds += cfg.deadline_rttvar_mult * est.rttvar_s
+        return min(cfg.deadline_cap_s, max(cfg.deadline_floor_s, seconds))
+
+    # -- outcomes ---------------------------------------------------------------------------
+    def succeeded(self, peer: str, nbytes: int, seconds: float, now: float) -> None:
+        """An exchange with `peer` moved `nbytes` in `seconds` and was used."""
+        self.transferred(peer, nbytes, seconds, now)
+        self.selector.record_outcome(peer, True, now)
+
+    def transferred(self, peer: str, nbytes: int, seconds: float, now: float) -> None:
+        """Bytes moved (a goodput sample) without judging the exchange. A transfer that took no
+        measurable time (a clock tick) says nothing about the link and is not recorded."""
+        if nbytes > 0 and seconds > 0:
+            self.links.record_transfer(peer, nbytes, seconds, now)
+
+    def failed(self, peer: str, now: float) -> None:
+        """`peer` did not answer in time or answered with an error: back off from it."""
+        self.links.record_failure(peer, now)
+        self.selector.record_outcome(peer, False, now)
+
+    def unreliable(self, peer: str, now: float) -> None:
+        """`peer` answered, but with something we refused: choose it less (the link is fine)."""
+        self.selector.record_outcome(peer, False, now)
+
+    def answered(self, peer: str, ok: bool, now: float) -> None:
+        """A round-based algorithm heard (or did not hear) from `peer` by its deadline."""
+        self.selector.record_outcome(peer, ok, now)
+
+    def busy(self, peer: str, now: float) -> None:
+        """`peer` declined because it is busy: skip it for a short while, no failure counted."""
+        self.selector.record_busy(peer, now)
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n

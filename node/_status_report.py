@@ -1,0 +1,143 @@
+# A node's status: one snapshot built from the parts that measure things (trainer, transport,
+# membership, links, the algorithm's counters), written to status.json and metrics.jsonl every
+# state.status_every_s and served to `geotrain status` over the network. Invariants: snapshots
+# are taken on the event loop and written (with fsync) in a worker thread, one write at a time;
+# this module measures nothing itself.
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import trio
+
+from geotrain.gossip import LinkTable
+
+from ._membership_service import MembershipService
+from ._protocol import StatusReply, StatusRequest
+from .algorithms import Algorithm
+from .state import NodeStatus, PeerStatus, StateDir, append_metrics, write_status
+from .training import Task, Trainer
+from .transport import Header, PeerInfo, Transport
+
+
+@dataclass
+class Progress:
+    """The held-out metric as last evaluated, and at which step."""
+
+    metric: float | None = None
+    metric_step: int | None = None
+
+
+@dataclass
+class StatusSources:
+    """Everything a status snapshot reads (all owned by the node)."""
+
+    peer_id: str
+    address: str
+    algorithm_name: str
+    task_name: str
+    task: Task
+    trainer: Trainer
+    transport: Transport
+    membership: MembershipService
+    links: LinkTable
+    algorithm: Algorithm
+    progress: Progress
+
+
+class StatusReporter:
+    """Builds, writes and serves status snapshots.
+
+    Args:
+        sources: what a snapshot reads; state: where it is written; every_s: how often;
+        running: whether the node still trains (False once it is shutting down).
+    """
+
+    handles = (StatusRequest,)
+
+    def __init__(
+        self, sources: StatusSources, state: StateDir, every_s: float, running: Callable[[], bool]
+    ) -> None:
+        self.sources = sources
+        self._state = state
+        self._every_s = every_s
+        self._running = running
+        self._started = time.monotonic()
+        self._lock = trio.Lock()
+
+    def snapshot(self) -> NodeStatus:
+        s = self.sources
+        now = trio.current_time()
+        exchanges = s.algorithm.counters.statistics()
+        peers = []
+        for m in s.membership.members():
+            est = s.links.estimate(m.peer_id, now)
+            ex = exchanges.peers.get(m.peer_id)
+            peers.append(
+                PeerStatus(
+                    peer=m.peer_id[:12],
+                    address=m.address,
+                    state=str(m.state),
+                    rtt_ms=est.rtt_s * 1000 if est.rtt_known else None,
+                    goodput_mbit=est.goodput_bytes_per_s * 8e-6 if est.goodput_known else None,
+                    codec=ex.codec if ex else None,
+                    exchanges_ok=ex.ok if ex else 0,
+                    exchanges_failed=ex.failed if ex else 0,
+                )
+            )
+        stats = s.transport.statistics()
+        interval = s.trainer.step_interval_s()
+        algo_stats = s.algorithm.statistics()
+        return NodeStatus(
+            peer_id=s.peer_id,
+            address=s.address,
+            algorithm=s.algorithm_name,
+            task=s.task_name,
+            metric_name=s.task.metric,
+            elapsed_s=time.monotonic() - self._started,
+            step=s.trainer.step,
+            steps_per_s=1.0 / interval if interval else 0.0,
+            loss=s.trainer.last_loss,
+            metric=s.progress.metric,
+            metric_step=s.progress.metric_step,
+            bytes_in=stats.bytes_in,
+            bytes_out=stats.bytes_out,
+            exchanges_ok=exchanges.ok,
+            exchanges_failed=exchanges.failed,
+            rejected_updates=exchanges.rejected,
+            algorithm_stats=dataclasses.asdict(algo_stats) if algo_stats is not None else {},
+            pid=os.getpid(),
+            running=self._running(),
+            peers=tuple(peers),
+        )
+
+    async def write(self) -> None:
+        """Snapshot here, on the loop; write status.json and a metrics line in a worker thread."""
+        status = self.snapshot()
+        record = status.to_json()
+        record.pop("peers")
+        record["t"] = time.time()
+        record["live_peers"] = len(self.sources.membership.live_peers())
+
+        def write() -> None:
+            write_status(self._state.status, status)
+            append_metrics(self._state.metrics, record)
+
+        async with self._lock:
+            await trio.to_thread.run_sync(write)
+
+    async def run(self) -> None:
+        """Write a snapshot every `every_s` seconds until cancelled."""
+        while True:
+            await trio.sleep(self._every_s)
+            await self.write()
+
+    async def handle(
+        self, peer: PeerInfo, header: Header, payload: memoryview
+    ) -> tuple[Header, bytes]:
+        """Any admitted peer may ask (`geotrain status --node tcp://...`)."""
+        return StatusReply(), json.dumps(self.snapshot().to_json()).encode()

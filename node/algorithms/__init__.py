@@ -1,0 +1,21 @@
+"""The gossip algorithms a node runs: one public module each, registered by name.
+
+Adding an algorithm is adding one module here that defines its messages, its settings table
+([gossip.<name>]), its runtime (a subclass of `Algorithm`) and calls `register_algorithm` once;
+the node, the config and the transport pick it up from the registry.
+"""
+
+from ._base import Algorithm as Algorithm
+from ._base import AlgorithmContext as AlgorithmContext
+from ._base import AlgorithmSpec as AlgorithmSpec
+from ._base import ExchangeCounters as ExchangeCounters
+from ._base import ExchangeStatistics as ExchangeStatistics
+from ._base import Network as Network
+from ._base import PeerExchangeStatistics as PeerExchangeStatistics
+from ._base import Tensors as Tensors
+from ._base import decode_model as decode_model
+from ._base import inline as inline
+from ._registry import algorithm_messages as algorithm_messages
+from ._registry import algorithm_specs as algorithm_specs
+from ._registry import get_algorithm as get_algorithm
+from ._registry import register_algorithm as register_algorithm

@@ -1,0 +1,238 @@
+# The contract between the node and an algorithm. Invariants: an algorithm owns its state, its
+# message types, its settings table and its counters; it reaches the network only through
+# `ctx.network.request` with a deadline, the swarm only through `ctx.peers`, the model only
+# through the trainer's lock; a peer's tensors are decoded within the model's size budget and
+# checked before use; encode/decode/mix run through `ctx.to_thread` (worker threads in a node,
+# inline in deterministic tests).
+from __future__ import annotations
+
+import random
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Protocol
+
+import torch
+import trio
+
+from geotrain import compress
+from geotrain.gossip import check_update
+
+from .._config import GossipConfig
+from .._peer_choice import DENSE_LADDER, PeerChoice
+from ..training import StepResult, Trainer
+from ..transport import Header, PeerInfo
+
+Tensors = dict[str, torch.Tensor]
+Reply = tuple[Header, bytes]
+
+
+class Network(Protocol):
+    """How an algorithm sends a request (the node's transport, or an in-memory one in tests)."""
+
+    async def request(
+        self,
+        address: str,
+        header: Header,
+        payload: bytes | bytearray | memoryview = b"",
+        *,
+        deadline_s: float,
+        expect_peer: str | None = None,
+    ) -> tuple[Header, bytearray, PeerInfo]: ...
+
+
+@dataclass(frozen=True)
+class PeerExchangeStatistics:
+    ok: int = 0
+    failed: int = 0
+    rejected: int = 0
+    codec: str | None = None  # the codec of the latest exchange with this peer
+
+
+@dataclass(frozen=True)
+class ExchangeStatistics:
+    """Exchanges of one node, whatever the algorithm: what `geotrain status` shows."""
+
+    ok: int
+    failed: int
+    rejected: int
+    peers: Mapping[str, PeerExchangeStatistics]
+
+
+class ExchangeCounters:
+    """Exchange outcomes in total and per peer. Every algorithm fills one (`ctx.counters`).
+
+    ok: an exchange (started or answered by us) that changed our model; failed: no usable answer
+    in time; rejected: the peer's tensors failed validation and were not used.
+    """
+
+    def __init__(self) -> None:
+        self._peers: dict[str, dict[str, Any]] = {}
+        self.ok = self.failed = self.rejected = 0
+
+    def _peer(self, peer: str, codec: str | None) -> dict[str, Any]:
+        entry = self._peers.setdefault(peer, {"ok": 0, "failed": 0, "rejected": 0, "codec": None})
+        if codec is not None:
+            entry["codec"] = codec
+        return entry
+
+    def record_ok(self, peer: str, codec: str | None) -> None:
+        self.ok += 1
+        self._peer(peer, codec)["ok"] += 1
+
+    def record_failed(self, peer: str, codec: str | None = None) -> None:
+        self.failed += 1
+        self._peer(peer, codec)["failed"] += 1
+
+    def record_rejected(self, peer: str, codec: str | None = None) -> None:
+        self.rejected += 1
+        self._peer(peer, codec)["rejected"] += 1
+
+    def statistics(self) -> ExchangeStatistics:
+        peers = {p: PeerExchangeStatistics(**e) for p, e in self._peers.items()}
+        return ExchangeStatistics(self.ok, self.failed, self.rejected, peers)
+
+
+ToThread = Callable[..., Awaitable[Any]]
+
+
+async def inline(fn: Callable[..., Any], *args: Any) -> Any:
+    """Run `fn` on the event loop itself: for tests on a virtual clock (no thread can race it)."""
+    return fn(*args)
+
+
+@dataclass
+class AlgorithmContext:
+    """What the node hands an algorithm (all owned by the node).
+
+    Attributes:
+        trainer: the local model and optimizer (change it only through its methods).
+        gossip: the [gossip] section; settings: this algorithm's own [gossip.<name>] table.
+        peers: live peers, partner and codec choice, deadlines, outcome feedback.
+        network: sends requests (the transport).
+        rng: the node's seeded Random.
+        start_soon: starts a background task in the node's nursery.
+        to_thread: runs blocking tensor work (trio.to_thread.run_sync, or `inline` in tests).
+        counters: exchange outcomes, read by the node's status.
+    """
+
+    trainer: Trainer
+    gossip: GossipConfig
+    settings: Any
+    peers: PeerChoice
+    network: Network
+    rng: random.Random
+    start_soon: Callable[..., None]
+    to_thread: ToThread = trio.to_thread.run_sync
+    counters: ExchangeCounters = field(default_factory=ExchangeCounters)
+
+    @property
+    def numel(self) -> int:
+        return self.peers.numel
+
+    def now(self) -> float:
+        return trio.current_time()
+
+    def acceptable(self, spec: str) -> bool:
+        """Whether a peer may make us encode with `spec`: our fixed codec or the dense ladder
+        (any other spec would cost us work we never agreed to)."""
+        return spec in {*DENSE_LADDER, self.gossip.codec} - {"auto"}
+
+    def encode(self, tensors: Tensors, spec: str, seed: int = 0) -> bytes:
+        return compress.encode_named(sorted(tensors.items()), compress.get_codec(spec), seed=seed)
+
+    def decode(self, payload: bytes | bytearray | memoryview, spec: str) -> Tensors:
+        """Decode a peer's tensors made with `spec`: only that codec family, within the model's
+        size budget (compress.DecodeError when bad)."""
+        return decode_model(payload, spec, self.numel, self.trainer.task_device)
+
+    def decode_checked(self, payload: bytes | bytearray | memoryview, spec: str) -> Tensors:
+        """Decode (see `decode`) and check names, shapes, finiteness and norm against our model.
+
+        Raises:
+            DecodeError, RejectedUpdate: the peer sent something we must not use.
+        """
+        remote = self.decode(payload, spec)
+        check_update(self.trainer.params(), remote, max_norm_ratio=self.gossip.max_norm_ratio)
+        return remote
+
+
+def decode_model(
+    payload: bytes | bytearray | memoryview, spec: str, max_numel: int, device: torch.device
+) -> Tensors:
+    """Decode a peer's tensors made with `spec`: only that codec family, within `max_numel`
+    (compress.DecodeError when bad)."""
+    pairs = compress.decode_named(
+        payload,
+        max_numel=max_numel,
+        device=device,
+        allowed=compress.codec_family(compress.get_codec(spec)),
+    )
+    return dict(pairs)
+
+
+class Algorithm:
+    """One algorithm's runtime inside a node. Subclasses set `handles` and implement
+    `after_step` and `handle`; the rest has defaults for algorithms without state.
+
+    Args:
+        ctx: the node's services.
+    """
+
+    handles: ClassVar[tuple[type[Header], ...]] = ()  # the request types this runtime answers
+
+    def __init__(self, ctx: AlgorithmContext) -> None:
+        self.ctx = ctx
+
+    @property
+    def counters(self) -> ExchangeCounters:
+        return self.ctx.counters
+
+    async def after_step(self, result: StepResult) -> None:
+        """Called by the training driver after each local step; may start or await exchanges
+        (it never waits on the network longer than one of its deadlines)."""
+        raise NotImplementedError
+
+    async def handle(self, peer: PeerInfo, header: Header, payload: memoryview) -> Reply:
+        """Answer one of `handles` from a peer. The payload view is valid during this call only."""
+        raise NotImplementedError
+
+    def state(self) -> tuple[Tensors, dict]:
+        """Algorithm state for a checkpoint (tensors, JSON-able meta); called in a worker thread."""
+        return {}, {}
+
+    def load_state(self, tensors: Tensors, meta: dict) -> None:
+        """Restore what `state` returned."""
+
+    def statistics(self) -> object | None:
+        """This algorithm's own counters (a frozen dataclass) for status, or None."""
+        return None
+
+    def model_replaced(self) -> None:
+        """The model was replaced wholesale (state sync): restart what depends on it."""
+
+    def busy(self) -> bool:
+        """Whether an exchange this node started is still running (shutdown waits for it)."""
+        return False
+
+
+@dataclass(frozen=True)
+class AlgorithmSpec:
+    """Everything the node needs to know about one algorithm; registered by its module.
+
+    Attributes:
+        name: the `gossip.algorithm` value.
+        runtime: builds the runtime from the node's context.
+        settings: the frozen dataclass of its [gossip.<name>] table (validated in __post_init__,
+            every field with a default), or None when it has no settings of its own.
+        messages: every header type it sends or answers (registered with the transport).
+        summary: one line for help texts.
+    """
+
+    name: str
+    runtime: Callable[[AlgorithmContext], Algorithm]
+    settings: type | None
+    messages: tuple[type[Header], ...]
+    summary: str
+
+    def default_settings(self) -> Any:
+        return self.settings() if self.settings is not None else None

@@ -1,0 +1,278 @@
+# dpsgd: synchronous neighbourhood averaging in rounds of `exchange_every` steps. Invariants: a
+# round's model is published before its neighbours are asked, so two nodes in the same round
+# never wait on each other; a request for a round this node has not reached waits at most its
+# asker's deadline (never over ROUND_WAIT_CAP_S); a reply is used only when it is of the requested
+# round or newer; the round ends at its deadline with whoever answered (Metropolis-Hastings
+# weights, the rest stays with us); whom to ask and whom to forgive is gossip's RoundAttendance.
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Annotated
+
+import msgspec
+import structlog
+import trio
+
+from geotrain import compress
+from geotrain.gossip import (
+    RejectedUpdate,
+    RoundAttendance,
+    metropolis_hastings_weights,
+    neighbourhood_mix,
+)
+
+from .._config import check_field
+from ..training import StepResult
+from ..transport import U63, CodecSpec, ErrorReply, Header, Name, PeerInfo, TransportError
+from ._base import Algorithm, AlgorithmContext, AlgorithmSpec, Reply, Tensors
+from ._registry import register_algorithm
+
+ROUND_WAIT_CAP_S = 30.0  # the most a responder holds a request for a round it has not reached
+CATCH_UP_FLOOR_S = 5.0  # a neighbour that reaches our round within this (or 4 rounds) is waited for
+KEEP_ROUNDS = 2
+log = structlog.get_logger()
+Degree = Annotated[int, msgspec.Meta(ge=0, le=4096)]
+
+
+class RoundRequest(Header, frozen=True, tag="round_request"):
+    """Ask a neighbour for its model at the boundary of round `round`.
+
+    The neighbour answers RoundReply once it has reached that round with the model it had there,
+    or a newer one when that round is gone; it waits for that at most `wait_s` (the requester's
+    deadline: after it nobody listens, and a held request ties up one of its inbound workers).
+    `degree` is the requester's neighbour count this round (for Metropolis-Hastings weights).
+    """
+
+    algorithm: Name
+    codec: CodecSpec
+    round: U63
+    degree: Degree
+    wait_s: Annotated[float, msgspec.Meta(ge=0.0, le=3600.0)] = 30.0
+
+
+class RoundReply(Header, frozen=True, tag="round_reply"):
+    round: U63
+    degree: Degree
+
+
+@dataclass(frozen=True)
+class DpsgdSettings:
+    """[gossip.dpsgd]
+
+    degree: most neighbours per round (all live peers when there are fewer); Metropolis-Hastings
+        stays well mixed with a handful.
+    round_slack: a late neighbour is waited for up to this many of our own round times on top of
+        the link's transfer deadline (covers the neighbours' compute jitter, not a straggler).
+    """
+
+    degree: int = 4
+    round_slack: float = 1.0
+
+    def __post_init__(self) -> None:
+        check_field(self.degree >= 1, "gossip.dpsgd.degree", self.degree, ">= 1")
+        check_field(self.round_slack >= 0, "gossip.dpsgd.round_slack", self.round_slack, ">= 0")
+
+
+@dataclass(frozen=True)
+class DpsgdStatistics:
+    rounds: int
+    full_rounds: int  # rounds in which every asked neighbour answered
+    missed_neighbours: int
+    late_replies_ignored: int
+    forgiven_misses: int
+
+
+class Dpsgd(Algorithm):
+    """D-PSGD with deadlines: synchronous rounds of `exchange_every` steps.
+
+    At each round boundary the node publishes its model, asks up to `degree` live neighbours
+    (all of them in a small swarm; a random subset otherwise, so the weights are then only
+    row-stochastic) for theirs and mixes with Metropolis-Hastings weights. The round's deadline
+    is the slowest link's transfer deadline plus `round_slack` x our own round time; who misses
+    it is left out (its weight stays with us) and skipped for 2, 4, ... 32 rounds.
+
+    Assumes: peers of similar speed that start together (a late joiner or a straggler mostly
+    pulls from the others). Trades: training pauses at every round boundary (at most one
+    deadline) for the tightest agreement per round; a neighbour slower than the deadline simply
+    drops out of the others' rounds, while one that is behind but catching up (a later start) is
+    waited for, so a node that started first does not train alone ever further ahead.
+    """
+
+    handles = (RoundRequest,)
+
+    def __init__(self, ctx: AlgorithmContext) -> None:
+        super().__init__(ctx)
+        self.round = -1  # the newest round published
+        self._models: dict[int, tuple[Tensors, int]] = {}  # round -> (model, degree)
+        self._published = trio.Event()
+        self._attendance = RoundAttendance()
+        self._step_s = 0.0
+        self._rejected_now: set[str] = set()  # neighbours whose model this round was refused
+        self.rounds = self.full_rounds = self.missed = self.late_ignored = 0
+
+    def statistics(self) -> DpsgdStatistics:
+        return DpsgdStatistics(
+            self.rounds, self.full_rounds, self.missed, self.late_ignored,
+            self._attendance.forgiven,
+        )  # fmt: skip
+
+    def state(self) -> tuple[Tensors, dict]:
+        return {}, {"round": self.round}
+
+    def load_state(self, tensors: Tensors, meta: dict) -> None:
+        self.round = int(meta.get("round", -1))
+
+    def _neighbours(self, round_: int) -> list[str]:
+        live = sorted(self.ctx.peers.live_peers())
+        self._attendance.forget(live)
+        degree = self.ctx.settings.degree
+        if len(live) > degree:
+            live = sorted(self.ctx.rng.sample(live, degree))
+        return self._attendance.eligible(live, round_)
+
+    def _publish(self, round_: int, model: Tensors, degree: int) -> None:
+        self._models[round_] = (model, degree)
+        for old in [r for r in self._models if r <= round_ - KEEP_ROUNDS]:
+            del self._models[old]
+        self.round = round_
+        self._published.set()
+        self._published = trio.Event()
+
+    async def after_step(self, result: StepResult) -> None:
+        self._step_s = (
+            result.seconds if not self._step_s else 0.9 * self._step_s + 0.1 * result.seconds
+        )
+        every = self.ctx.gossip.exchange_every
+        if result.step % every:
+            return
+        round_ = result.step // every
+        neighbours = self._neighbours(round_)
+        sent = await self.ctx.to_thread(self.ctx.trainer.snapshot)
+        self._publish(round_, sent, len(neighbours))
+        if neighbours:
+            await self._round(round_, sent, neighbours)
+
+    def _spec(self, peer: str | None = None) -> str:
+        peers = self.ctx.peers
+        if peers.fixed_codec is not None:
+            return peers.fixed_codec
+        return peers.choose_codec(peer, self.ctx.now()) if peer else "fp16"
+
+    async def _round(self, round_: int, sent: Tensors, neighbours: list[str]) -> None:
+        ctx = self.ctx
+        nbytes = ctx.peers.payload_nbytes(self._spec())
+        slack = ctx.settings.round_slack * ctx.gossip.exchange_every * self._step_s
+        now = ctx.now()
+        deadline = max(ctx.peers.round_deadline(p, nbytes, now) for p in neighbours) + slack
+        started = now
+        got: dict[str, tuple[Tensors, int]] = {}
+        reasons: dict[str, str] = {}  # why a neighbour is missing (for the log)
+        with trio.move_on_after(deadline):
+            async with trio.open_nursery() as nursery:
+                for peer in neighbours:
+                    nursery.start_soon(
+                        self._ask, peer, round_, len(neighbours), deadline, got, reasons
+                    )
+        rejected = {p for p in reasons if p in self._rejected_now}
+        self._rejected_now.clear()
+        missing = [p for p in neighbours if p not in got]
+        now = ctx.now()
+        # "catching up" is judged over a few of our rounds, however long a round takes
+        round_s = deadline + ctx.gossip.exchange_every * self._step_s
+        self._attendance.catch_up_s = max(CATCH_UP_FLOOR_S, 4 * round_s)
+        for peer in neighbours:
+            self._attendance.record(peer, round_, peer in got, now)
+            ctx.peers.answered(peer, peer in got, now)
+            if peer in got:
+                self.counters.record_ok(peer, self._spec(peer))
+            elif peer not in rejected:  # (rejected ones were counted as such)
+                self.counters.record_failed(peer)
+        self_w, weights = metropolis_hastings_weights(
+            len(neighbours), {p: d for p, (_, d) in got.items()}
+        )
+        remotes = {p: m for p, (m, _) in got.items()}
+        await ctx.to_thread(
+            lambda: ctx.trainer.update(lambda live: neighbourhood_mix(live, sent, remotes, weights))
+        )
+        self.rounds += 1
+        self.full_rounds += not missing
+        self.missed += len(missing)
+        log.info(
+            "round_done",
+            round=round_,
+            answered=sorted(p[:12] for p in got),
+            missing=sorted(p[:12] for p in missing),
+            reasons={p[:12]: r for p, r in reasons.items()},
+            self_weight=round(self_w, 4),
+            deadline_s=round(deadline, 3),
+            waited_s=round(ctx.now() - started, 3),
+        )
+
+    async def _ask(self, peer, round_, degree, deadline, got, reasons) -> None:
+        ctx = self.ctx
+        address = ctx.peers.address_of(peer)
+        if address is None:
+            reasons[peer] = "no address"
+            return
+        header = RoundRequest(
+            algorithm="dpsgd",
+            codec=self._spec(peer),
+            round=round_,
+            degree=degree,
+            wait_s=min(deadline, ROUND_WAIT_CAP_S),  # the responder never holds it longer
+        )
+        try:
+            reply, payload, _ = await ctx.network.request(
+                address, header, b"", deadline_s=deadline, expect_peer=peer
+            )
+        except TransportError as exc:
+            reasons[peer] = f"{type(exc).__name__}: {exc}"[:200]
+            return
+        if not isinstance(reply, RoundReply):
+            reasons[peer] = getattr(reply, "reason", type(reply).__name__)[:200]
+            return
+        self._attendance.heard(peer, reply.round, ctx.now())
+        if reply.round < round_:  # an answer for an older round: never mixed into this one
+            self.late_ignored += 1
+            reasons[peer] = f"reply for round {reply.round}"
+            return
+        try:
+            remote = await ctx.to_thread(ctx.decode_checked, bytes(payload), header.codec)
+        except (RejectedUpdate, compress.DecodeError) as exc:
+            reasons[peer] = f"rejected: {exc}"[:200]
+            self._rejected_now.add(peer)
+            self.counters.record_rejected(peer, header.codec)
+            log.warning("update_rejected", peer=peer[:12], reason=str(exc))
+            return
+        got[peer] = (remote, reply.degree)
+
+    async def handle(self, peer: PeerInfo, header: Header, payload: memoryview) -> Reply:
+        assert isinstance(header, RoundRequest)
+        ctx = self.ctx
+        if header.algorithm != "dpsgd":
+            reason = f"this node runs dpsgd, not {header.algorithm}"
+            return ErrorReply(code="bad_request", reason=reason), b""
+        if not ctx.acceptable(header.codec):
+            return ErrorReply(code="bad_request", reason=f"codec {header.codec!r} refused"), b""
+        if peer.peer_id in ctx.peers.live_peers():  # its own round (strangers are not tracked)
+            self._attendance.heard(peer.peer_id, header.round, ctx.now())
+        with trio.move_on_after(min(header.wait_s, ROUND_WAIT_CAP_S)):
+            while self.round < header.round:
+                await self._published.wait()
+        if self.round < header.round:
+            return ErrorReply(code="busy", reason=f"round {header.round} not reached"), b""
+        round_ = header.round if header.round in self._models else self.round
+        model, degree = self._models[round_]
+        data = await ctx.to_thread(ctx.encode, model, header.codec, round_)
+        return RoundReply(round=round_, degree=degree), data
+
+
+ALGORITHM = register_algorithm(
+    AlgorithmSpec(
+        name="dpsgd",
+        runtime=Dpsgd,
+        settings=DpsgdSettings,
+        messages=(RoundRequest, RoundReply),
+        summary="synchronous rounds with up to `degree` neighbours, stragglers left out",
+    )
+)

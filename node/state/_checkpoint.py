@@ -1,0 +1,162 @@
+# Checkpoints. Invariants: a checkpoint file is written whole or not at all (temp file, fsync,
+# rename, fsync of the directory); loading never unpickles anything (safetensors for tensors, JSON
+# for the rest); a file whose bytes do not match the SHA-256 recorded inside it is skipped, and the
+# previous checkpoint is used instead.
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import struct
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import safetensors.torch
+import torch
+
+from ._files import write_atomically
+
+FORMAT = "geotrain-checkpoint/1"
+_NAME = re.compile(r"^ckpt-(\d{10})\.safetensors$")
+MAX_HEADER_BYTES = 64 * 1024 * 1024
+
+
+class CheckpointError(Exception):
+    """A checkpoint file is partial, corrupt or of another format; the message says which."""
+
+
+@dataclass
+class Checkpoint:
+    """What a node saves: tensors by name plus JSON-able metadata.
+
+    Attributes:
+        step: the local training step the checkpoint was taken at.
+        algorithm: the gossip algorithm the state belongs to (restarting with another is an error).
+        tensors: name -> CPU tensor, e.g. "model/0.weight", "optim/3/momentum_buffer", "ef/...".
+        meta: anything JSON can hold: optimizer scalars, link estimates, counters.
+    """
+
+    step: int
+    algorithm: str
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+    meta: dict[str, Any] = field(default_factory=dict)
+
+
+def _digest(tensors: dict[str, torch.Tensor]) -> str:
+    h = hashlib.sha256()
+    for name in sorted(tensors):
+        t = tensors[name].detach().cpu().contiguous()
+        h.update(name.encode())
+        h.update(str(tuple(t.shape)).encode() + str(t.dtype).encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()
+
+
+def encode_checkpoint(ckpt: Checkpoint) -> bytes:
+    tensors = {k: v.detach().cpu().contiguous() for k, v in ckpt.tensors.items()}
+    header = {
+        "format": FORMAT,
+        "step": ckpt.step,
+        "algorithm": ckpt.algorithm,
+        "sha256": _digest(tensors),
+        "meta": ckpt.meta,
+    }
+    return safetensors.torch.save(tensors, metadata={"geotrain": json.dumps(header)})
+
+
+def decode_checkpoint(data: bytes) -> Checkpoint:
+    """Parse and verify a checkpoint file's bytes.
+
+    Raises:
+        CheckpointError: truncated, corrupt, or not a geotrain checkpoint.
+    """
+    if len(data) < 8:
+        raise CheckpointError("file shorter than its 8-byte header length")
+    (header_len,) = struct.unpack("<Q", data[:8])
+    if header_len > min(MAX_HEADER_BYTES, len(data) - 8):
+        raise CheckpointError(f"header length {header_len} exceeds the file")
+    try:
+        st_header = json.loads(data[8 : 8 + header_len])
+        info = json.loads(st_header["__metadata__"]["geotrain"])
+        tensors = safetensors.torch.load(data)
+    except Exception as exc:  # safetensors raises its own error types; JSON ours; any is "corrupt"
+        raise CheckpointError(f"unreadable: {exc}") from exc
+    if not isinstance(info, dict) or info.get("format") != FORMAT:
+        raise CheckpointError(f"format is not {FORMAT}")
+    try:
+        digest = _digest(tensors)
+    except (RuntimeError, TypeError) as exc:
+        raise CheckpointError(f"unreadable tensor: {exc}") from exc
+    if digest != info.get("sha256"):
+        raise CheckpointError("tensor bytes do not match the recorded SHA-256")
+    step, algorithm = info.get("step"), info.get("algorithm")
+    if not isinstance(step, int) or not isinstance(algorithm, str):
+        raise CheckpointError("step or algorithm missing")
+    meta = info.get("meta")
+    return Checkpoint(step, algorithm, tensors, meta if isinstance(meta, dict) else {})
+
+
+class CheckpointStore:
+    """The checkpoint files of one node, in a directory it owns.
+
+    Args:
+        directory: where `ckpt-<step>.safetensors` files live (created if missing).
+        keep: how many of the newest checkpoints to keep; older ones are deleted after a save.
+    """
+
+    def __init__(self, directory: Path, keep: int = 3) -> None:
+        if keep < 1:
+            raise ValueError(f"keep={keep}: expected >= 1")
+        self.directory = Path(directory)
+        self.keep = keep
+        self.directory.mkdir(parents=True, exist_ok=True)
+
+    def paths(self) -> list[Path]:
+        """Checkpoint files, newest (highest step) first."""
+        found = [p for p in self.directory.iterdir() if _NAME.match(p.name)]
+        return sorted(found, key=lambda p: p.name, reverse=True)
+
+    def save(self, ckpt: Checkpoint) -> Path:
+        path = self.directory / f"ckpt-{ckpt.step:010d}.safetensors"
+        write_atomically(path, encode_checkpoint(ckpt))
+        for old in self.paths()[self.keep :]:
+            old.unlink(missing_ok=True)
+        return path
+
+    def load_latest(self) -> tuple[Checkpoint | None, list[str]]:
+        """The newest checkpoint that verifies, and a reason for each newer one that did not."""
+        skipped: list[str] = []
+        for path in self.paths():
+            try:
+                return decode_checkpoint(path.read_bytes()), skipped
+            except (CheckpointError, OSError) as exc:
+                skipped.append(f"{path.name}: {exc}")
+        return None, skipped
+
+
+def optimizer_to_checkpoint(opt: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor], dict]:
+    """Split an optimizer's state dict into tensors ("optim/<param>/<key>") and JSON scalars."""
+    sd = opt.state_dict()
+    tensors: dict[str, torch.Tensor] = {}
+    scalars: dict[str, dict[str, Any]] = {}
+    for index, state in sd["state"].items():
+        for key, value in state.items():
+            if isinstance(value, torch.Tensor):
+                tensors[f"optim/{index}/{key}"] = value
+            else:
+                scalars.setdefault(str(index), {})[key] = value
+    return tensors, {"param_groups": sd["param_groups"], "scalars": scalars}
+
+
+def optimizer_from_checkpoint(
+    opt: torch.optim.Optimizer, tensors: dict[str, torch.Tensor], meta: dict
+) -> None:
+    """Restore what `optimizer_to_checkpoint` split, onto the optimizer's own device."""
+    state: dict[int, dict[str, Any]] = {}
+    for name, value in tensors.items():
+        _, index, key = name.split("/", 2)
+        state.setdefault(int(index), {})[key] = value
+    for index, scalars in meta.get("scalars", {}).items():
+        state.setdefault(int(index), {}).update(scalars)
+    opt.load_state_dict({"state": state, "param_groups": meta["param_groups"]})

@@ -1,0 +1,30 @@
+# Files written whole or not at all. Invariant: after a crash a reader finds either the old file
+# or the new one, never a mix (temp file in the same folder, fsync, rename, fsync of the folder).
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+
+def _fsync_dir(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_atomically(path: Path, data: bytes) -> None:
+    """Write `data` to `path` so that a crash leaves either the old file or the new one."""
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with open(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    _fsync_dir(path.parent)

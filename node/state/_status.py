@@ -1,0 +1,133 @@
+# Status and metrics of a running node. Invariants: status.json is replaced atomically (a reader
+# never sees half a file); metrics.jsonl only grows, one JSON object per line; this module only
+# formats and writes what the node hands it, it measures nothing itself.
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ._files import write_atomically
+
+STATUS_FORMAT = "geotrain-status/1"
+
+
+@dataclass(frozen=True)
+class PeerStatus:
+    peer: str  # short peer ID
+    address: str
+    state: str  # alive / suspect / dead / left
+    rtt_ms: float | None
+    goodput_mbit: float | None
+    codec: str | None
+    exchanges_ok: int
+    exchanges_failed: int
+
+
+@dataclass(frozen=True)
+class NodeStatus:
+    """A snapshot of one node, as `geotrain status` shows it and the testbed reads it."""
+
+    peer_id: str
+    address: str
+    algorithm: str
+    task: str
+    metric_name: str
+    elapsed_s: float
+    step: int
+    steps_per_s: float
+    loss: float | None
+    metric: float | None
+    metric_step: int | None
+    bytes_in: int
+    bytes_out: int
+    exchanges_ok: int
+    exchanges_failed: int
+    rejected_updates: int
+    pid: int
+    running: bool = True
+    peers: tuple[PeerStatus, ...] = field(default_factory=tuple)
+    algorithm_stats: dict[str, float | int] = field(default_factory=dict)  # per-algorithm counters
+
+    def to_json(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["format"] = STATUS_FORMAT
+        for key in ("loss", "metric"):
+            if data[key] is not None and not math.isfinite(data[key]):
+                data[key] = None
+        return data
+
+
+def write_status(path: Path, status: NodeStatus) -> None:
+    write_atomically(path, json.dumps(status.to_json(), indent=1).encode())
+
+
+def append_metrics(path: Path, record: dict[str, Any]) -> None:
+    with open(path, "a") as f:
+        f.write(json.dumps(record, separators=(",", ":")) + "\n")
+
+
+def read_status(path: Path) -> dict[str, Any]:
+    """Read a status file written by a node.
+
+    Raises:
+        ValueError: not there, not JSON, or not a geotrain status file.
+    """
+    try:
+        raw = path.read_bytes()
+    except OSError as exc:
+        raise ValueError(f"{path}: {exc.strerror}; is a node running with this state dir?") from exc
+    return parse_status(raw, str(path))
+
+
+def parse_status(raw: bytes, where: str) -> dict[str, Any]:
+    """Parse a status document (from a file or a node's StatusReply).
+
+    Raises:
+        ValueError: not JSON, or not a geotrain status document.
+    """
+    try:
+        data = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ValueError(f"{where}: not JSON ({exc})") from exc
+    if not isinstance(data, dict) or data.get("format") != STATUS_FORMAT:
+        raise ValueError(f"{where}: not a geotrain status document")
+    for key in ("peer_id", "address", "step", "task", "algorithm", "metric_name"):
+        if key not in data:
+            raise ValueError(f"{where}: status without {key!r}")
+    return data
+
+
+def _fmt(value: Any, spec: str = "") -> str:
+    if value is None:
+        return "-"
+    return format(value, spec)
+
+
+def render_status(data: dict[str, Any]) -> str:
+    """A human-readable status: the node's numbers, then one row per known peer."""
+    lines = [
+        f"node      {data['peer_id']}  {data['address']}  pid {data['pid']}"
+        + ("" if data.get("running", True) else "  (stopped)"),
+        f"training  {data['task']} / {data['algorithm']}  step {data['step']}"
+        f"  {data['steps_per_s']:.2f} steps/s  loss {_fmt(data['loss'], '.4f')}"
+        f"  {data['metric_name']} {_fmt(data['metric'], '.4f')}"
+        f" (step {_fmt(data['metric_step'])})",
+        f"traffic   in {data['bytes_in'] / 1e6:.2f} MB  out {data['bytes_out'] / 1e6:.2f} MB"
+        f"  exchanges ok {data['exchanges_ok']} failed {data['exchanges_failed']}"
+        f"  rejected updates {data['rejected_updates']}  up {data['elapsed_s']:.0f}s",
+        "",
+        f"{'peer':<14}{'state':<9}{'address':<28}{'rtt ms':>8}{'Mbit/s':>9}  {'codec':<16}"
+        f"{'ok':>5}{'failed':>7}",
+    ]
+    for p in data.get("peers", []):
+        lines.append(
+            f"{p['peer']:<14}{p['state']:<9}{p['address']:<28}{_fmt(p['rtt_ms'], '.1f'):>8}"
+            f"{_fmt(p['goodput_mbit'], '.1f'):>9}  {_fmt(p['codec']):<16}"
+            f"{p['exchanges_ok']:>5}{p['exchanges_failed']:>7}"
+        )
+    if not data.get("peers"):
+        lines.append("(no peers known yet)")
+    return "\n".join(lines)

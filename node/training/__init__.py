@@ -1,0 +1,14 @@
+"""What a node trains and how: tasks (built-in or `module:function`), the trainer, devices."""
+
+from ._builtin import BUILTIN_TASKS as BUILTIN_TASKS
+from ._device import resolve_device as resolve_device
+from ._tasks import PARTITIONS as PARTITIONS
+from ._tasks import Task as Task
+from ._tasks import TaskContext as TaskContext
+from ._tasks import TaskFunction as TaskFunction
+from ._tasks import endless_batches as endless_batches
+from ._tasks import resolve_task as resolve_task
+from ._tasks import shard_indices as shard_indices
+from ._trainer import OPTIMIZERS as OPTIMIZERS
+from ._trainer import StepResult as StepResult
+from ._trainer import Trainer as Trainer

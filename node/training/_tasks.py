@@ -1,0 +1,150 @@
+# What a node trains. Invariants: a task is a function `(TaskContext) -> Task`; the same config and
+# seed give every node the same model initialisation and the same held-out evaluation set, while the
+# training shard depends on the node's shard index; batches are already on the task's device.
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+PARTITIONS = ("iid", "dirichlet")
+TaskParams = Mapping[str, int | float | str | bool]
+
+
+@dataclass(frozen=True)
+class TaskContext:
+    """What a task function is told about the node it runs on.
+
+    Attributes:
+        shard_index: this node's shard, 0 <= shard_index < num_shards.
+        num_shards: how many shards the training data is split into (usually the swarm size).
+        seed: the swarm-wide seed: same model initialisation and evaluation set on every node.
+        partition: "iid" (uniform shards) or "dirichlet" (label skew, federated-style).
+        alpha: Dirichlet concentration; smaller means more skew. Used only by "dirichlet".
+        device: where the model and batches must live.
+        params: task-specific settings from the config's [task.params] table.
+    """
+
+    shard_index: int = 0
+    num_shards: int = 1
+    seed: int = 0
+    partition: str = "iid"
+    alpha: float = 0.5
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    params: TaskParams = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.num_shards < 1:
+            raise ValueError(f"num_shards={self.num_shards}: expected >= 1")
+        if not 0 <= self.shard_index < self.num_shards:
+            raise ValueError(
+                f"shard_index={self.shard_index}: expected 0 <= shard_index < {self.num_shards}"
+            )
+        if self.partition not in PARTITIONS:
+            raise ValueError(f"partition={self.partition!r}: expected one of {PARTITIONS}")
+        if not self.alpha > 0:
+            raise ValueError(f"alpha={self.alpha}: expected > 0")
+
+    def param(self, name: str, default: Any, kind: type) -> Any:
+        """A task parameter, checked against the expected type (int accepted where float is)."""
+        value = self.params.get(name, default)
+        ok = isinstance(value, kind) and not (kind is int and isinstance(value, bool))
+        if kind is float and isinstance(value, int) and not isinstance(value, bool):
+            value, ok = float(value), True
+        if not ok:
+            raise ValueError(f"task.params.{name}={value!r}: expected {kind.__name__}")
+        return value
+
+
+@dataclass
+class Task:
+    """A model with its data, loss and evaluation, as a task function returns it.
+
+    Attributes:
+        model: the torch module to train, on the context's device.
+        batches: an endless iterator over this node's training shard.
+        loss: `(model, batch) -> scalar tensor`.
+        evaluate: `(model) -> float`, the metric on the shared held-out set (no grad needed).
+        metric: the metric's name, e.g. "accuracy".
+        higher_is_better: direction of the metric.
+        default_target: a value worth reaching, used when the user states none.
+        lr: a learning rate known to work for this task with plain SGD + momentum.
+    """
+
+    model: torch.nn.Module
+    batches: Iterator[Any]
+    loss: Callable[[torch.nn.Module, Any], torch.Tensor]
+    evaluate: Callable[[torch.nn.Module], float]
+    metric: str
+    higher_is_better: bool = True
+    default_target: float | None = None
+    lr: float = 0.05
+
+    def reached(self, value: float, target: float) -> bool:
+        return value >= target if self.higher_is_better else value <= target
+
+
+TaskFunction = Callable[[TaskContext], Task]
+
+
+def shard_indices(labels: np.ndarray, ctx: TaskContext) -> np.ndarray:
+    """Indices of this node's training examples.
+
+    IID: a seeded permutation cut into `num_shards` near-equal parts. Dirichlet: for each label, the
+    examples are split across shards by proportions drawn from Dirichlet(alpha) (seeded, the same
+    on every node), so shards are disjoint and together cover every example.
+    """
+    rng = np.random.default_rng(ctx.seed)
+    n = len(labels)
+    if ctx.partition == "iid":
+        return np.sort(np.array_split(rng.permutation(n), ctx.num_shards)[ctx.shard_index])
+    mine: list[np.ndarray] = []
+    for label in np.unique(labels):
+        idx = rng.permutation(np.flatnonzero(labels == label))
+        shares = rng.dirichlet(np.full(ctx.num_shards, ctx.alpha))
+        cuts = (np.cumsum(shares)[:-1] * len(idx)).astype(int)
+        mine.append(np.split(idx, cuts)[ctx.shard_index])
+    return np.sort(np.concatenate(mine))
+
+
+def endless_batches(
+    x: torch.Tensor, y: torch.Tensor, batch_size: int, seed: int
+) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """Shuffled minibatches of (x, y) forever; a fresh seeded permutation each epoch."""
+    if len(x) == 0:
+        raise ValueError("this node's shard is empty: use fewer shards or more data")
+    gen = torch.Generator().manual_seed(seed)
+    while True:
+        order = torch.randperm(len(x), generator=gen).to(x.device)
+        for start in range(0, len(x), batch_size):
+            pick = order[start : start + batch_size]
+            yield x[pick], y[pick]
+
+
+def resolve_task(name: str) -> TaskFunction:
+    """Find a task by built-in name or as `package.module:function`.
+
+    Raises:
+        ValueError: unknown built-in, a module that does not import, or a missing function.
+    """
+    from ._builtin import BUILTIN_TASKS
+
+    if name in BUILTIN_TASKS:
+        return BUILTIN_TASKS[name]
+    module_name, sep, func_name = name.partition(":")
+    if not sep or not module_name or not func_name:
+        raise ValueError(
+            f"task {name!r}: expected one of {sorted(BUILTIN_TASKS)} or 'module:function'"
+        )
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ValueError(f"task {name!r}: cannot import module {module_name!r}: {exc}") from exc
+    func = getattr(module, func_name, None)
+    if not callable(func):
+        raise ValueError(f"task {name!r}: module {module_name!r} has no function {func_name!r}")
+    return func

@@ -1,0 +1,177 @@
+# The local trainer. Invariants: one lock guards the model and optimizer, so a training step (run
+# in a worker thread) and a mix or snapshot (also run in worker threads by the event loop) never
+# interleave; every tensor stays on the task's device; nothing here touches the network.
+from __future__ import annotations
+
+import math
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TypeVar
+
+import torch
+
+from geotrain.gossip import check_update, pairwise_mix
+
+from ..state import optimizer_from_checkpoint, optimizer_to_checkpoint
+from ._tasks import Task
+
+OPTIMIZERS = ("sgd", "adam")
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class StepResult:
+    step: int
+    loss: float
+    seconds: float  # wall time of the step, including any emulated slowdown
+
+
+class Trainer:
+    """A task's model and optimizer, stepped from a worker thread.
+
+    Args:
+        task: what to train.
+        optimizer: "sgd" (with momentum) or "adam".
+        lr: learning rate; None takes the task's.
+        momentum: SGD momentum.
+        slowdown: emulate a slower machine: after each step, wait (slowdown - 1) x its compute
+            time (the testbed's stragglers). 1.0 = full speed.
+        sleep: the function used for that wait (tests pass a fake).
+    """
+
+    def __init__(
+        self,
+        task: Task,
+        *,
+        optimizer: str = "sgd",
+        lr: float | None = None,
+        momentum: float = 0.9,
+        slowdown: float = 1.0,
+        sleep: Callable[[float], None] = time.sleep,
+    ) -> None:
+        if optimizer not in OPTIMIZERS:
+            raise ValueError(f"optimizer={optimizer!r}: expected one of {OPTIMIZERS}")
+        if slowdown < 1.0:
+            raise ValueError(f"slowdown={slowdown}: expected >= 1.0")
+        self.task = task
+        self.model = task.model
+        rate = task.lr if lr is None else lr
+        params = list(self.model.parameters())
+        self.optimizer: torch.optim.Optimizer = (
+            torch.optim.SGD(params, lr=rate, momentum=momentum)
+            if optimizer == "sgd"
+            else torch.optim.Adam(params, lr=rate)
+        )
+        self.slowdown = slowdown
+        self._sleep = sleep
+        self._lock = threading.Lock()
+        self.step = 0
+        self.last_loss = math.nan
+        self._step_ends: deque[float] = deque(maxlen=50)  # monotonic end times of recent steps
+
+    def params(self) -> dict[str, torch.Tensor]:
+        """The live parameters by name (do not modify outside the trainer's methods)."""
+        return {name: p.data for name, p in self.model.named_parameters()}
+
+    def train_step(self) -> StepResult:
+        """One optimizer step on the next batch. Blocking: run it in a worker thread."""
+        started = time.perf_counter()
+        with self._lock:
+            batch = next(self.task.batches)
+            self.optimizer.zero_grad(set_to_none=True)
+            loss = self.task.loss(self.model, batch)
+            loss.backward()
+            self.optimizer.step()
+            self.step += 1
+            self.last_loss = float(loss.detach())
+            step = self.step
+        compute = time.perf_counter() - started
+        if self.slowdown > 1.0:
+            self._sleep((self.slowdown - 1.0) * compute)
+        self._step_ends.append(time.monotonic())
+        return StepResult(step, self.last_loss, time.perf_counter() - started)
+
+    def step_interval_s(self) -> float | None:
+        """Mean seconds from one step's end to the next's over the last 50 steps (what the loop
+        around the steps adds included), or None before two steps ended."""
+        ends = list(self._step_ends)
+        if len(ends) < 2:
+            return None
+        return (ends[-1] - ends[0]) / (len(ends) - 1)
+
+    def snapshot(self) -> dict[str, torch.Tensor]:
+        """A copy of the parameters as they are now (what an exchange sends)."""
+        with self._lock:
+            return {name: t.detach().clone() for name, t in self.params().items()}
+
+    def mix(
+        self,
+        snapshot: dict[str, torch.Tensor],
+        remote: dict[str, torch.Tensor],
+        *,
+        weight: float = 0.5,
+        clip: float | None = None,
+        max_norm_ratio: float = 10.0,
+    ) -> float:
+        """Check a peer's parameters and mix them in (see gossip's pairwise_mix).
+
+        Raises:
+            RejectedUpdate: the peer's tensors failed a check; nothing was changed.
+        """
+        remote = {k: v.to(self.task_device) for k, v in remote.items()}
+        with self._lock:
+            live = self.params()
+            check_update(live, remote, max_norm_ratio=max_norm_ratio)
+            return pairwise_mix(live, snapshot, remote, weight=weight, clip=clip)
+
+    def update(self, fn: Callable[[dict[str, torch.Tensor]], T]) -> T:
+        """Run `fn(live parameters)` under the model lock, without autograd; returns its result.
+
+        The algorithms' tensor rules change the model through this, never beside a training step.
+        """
+        with self._lock, torch.no_grad():
+            return fn(self.params())
+
+    def load_params(self, remote: dict[str, torch.Tensor], *, max_norm_ratio: float) -> None:
+        """Replace the parameters with a peer's (state sync for a node that joins late)."""
+        remote = {k: v.to(self.task_device) for k, v in remote.items()}
+        with self._lock:
+            live = self.params()
+            check_update(live, remote, max_norm_ratio=max_norm_ratio)
+            with torch.no_grad():
+                for name, tensor in live.items():
+                    tensor.copy_(remote[name])
+
+    @property
+    def task_device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    def evaluate(self) -> float:
+        """The task's metric on the held-out set. Blocking: run it in a worker thread."""
+        with self._lock:
+            self.model.eval()
+            try:
+                return float(self.task.evaluate(self.model))
+            finally:
+                self.model.train()
+
+    def state_tensors(self) -> tuple[dict[str, torch.Tensor], dict]:
+        """Model and optimizer state for a checkpoint: tensors by name, and JSON-able scalars."""
+        with self._lock:
+            tensors = {f"model/{k}": v.detach().clone() for k, v in self.model.state_dict().items()}
+            opt_tensors, opt_meta = optimizer_to_checkpoint(self.optimizer)
+            tensors.update({k: v.detach().clone() for k, v in opt_tensors.items()})
+            return tensors, {"optimizer": opt_meta, "step": self.step}
+
+    def restore(self, tensors: dict[str, torch.Tensor], meta: dict, step: int) -> None:
+        """Load what `state_tensors` produced (from a checkpoint)."""
+        device = self.task_device
+        model_sd = {k[6:]: v.to(device) for k, v in tensors.items() if k.startswith("model/")}
+        opt_tensors = {k: v.to(device) for k, v in tensors.items() if k.startswith("optim/")}
+        with self._lock:
+            self.model.load_state_dict(model_sd)
+            optimizer_from_checkpoint(self.optimizer, opt_tensors, meta["optimizer"])
+            self.step = step

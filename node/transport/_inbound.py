@@ -1,0 +1,268 @@
+# The listening side of the transport: pipe callbacks, handshakes, frames and the request handler.
+# Invariants: as node/_transport.py's; pipe callbacks only hand a note to the trio loop; a bad
+# frame or handshake closes its own pipe only and is counted and logged.
+from __future__ import annotations
+
+import pynng
+import structlog
+import trio
+
+from ._messages import ErrorReply, Header, HeaderDecodeError
+from ._noise import (
+    FRAME_KIND_PULL,
+    FrameInfo,
+    FrameRejected,
+    HandshakeFailed,
+    NoiseHandshake,
+    PartInfo,
+    part_bounds,
+)
+from ._types import PeerInfo
+from ._wire import (
+    HS1,
+    HS2,
+    HS3,
+    HS_OK,
+    HS_REFUSED,
+    MAX_PARTIAL_MESSAGES,
+    MAX_PENDING_REPLIES,
+    MAX_REFUSAL_CHARS,
+    _Channel,
+    _close_pipe,
+    _message_view,
+    _OutgoingReply,
+    _Partial,
+)
+
+log = structlog.get_logger()
+
+
+class _InboundSession:
+    def __init__(self, pipe: pynng.Pipe, started: float) -> None:
+        self.pipe = pipe
+        self.started = started
+        self.handshake: NoiseHandshake | None = None
+        self.channel: _Channel | None = None
+        self.peer: PeerInfo | None = None
+        self.partials: dict[int, _Partial] = {}
+        self.replies: dict[int, _OutgoingReply] = {}
+        self.next_reply_id = 0
+
+
+class _Inbound:
+    """Serves the listening socket: handshakes, frames and the request handler."""
+
+    def __init__(self, sock, config, creds, codec, handler, counters, token) -> None:
+        self.sock, self.config, self.creds, self.codec = sock, config, creds, codec
+        self.handler, self.counters, self.token = handler, counters, token
+        self.sessions: dict[int, _InboundSession] = {}
+
+    # -- pipe callbacks: run on nng's threads, only hand a note to the trio loop --
+    def note_connect(self, pipe: pynng.Pipe) -> None:
+        try:
+            self.token.run_sync_soon(self._connected, pipe)
+        except trio.RunFinishedError:
+            pass
+
+    def note_remove(self, pipe: pynng.Pipe) -> None:
+        try:
+            self.token.run_sync_soon(self.sessions.pop, pipe.id, None)
+        except trio.RunFinishedError:
+            pass
+
+    def _connected(self, pipe: pynng.Pipe) -> _InboundSession | None:
+        if pipe.id not in self.sessions:
+            pending = sum(1 for s in self.sessions.values() if s.channel is None)
+            if pending >= self.config.max_pending_handshakes:
+                self.counters.handshakes_failed["too_many_pending"] += 1
+                log.warning("handshake_failed", direction="inbound", reason="too_many_pending")
+                _close_pipe(pipe)
+                return None
+            self.sessions[pipe.id] = _InboundSession(pipe, trio.current_time())
+        return self.sessions[pipe.id]
+
+    def _drop(self, session: _InboundSession) -> None:
+        self.sessions.pop(session.pipe.id, None)
+        _close_pipe(session.pipe)
+
+    async def serve(self) -> None:
+        """One worker: receive a message on its own context, answer it, repeat."""
+        ctx = self.sock.new_context()
+        try:
+            while True:
+                try:
+                    msg = await ctx.arecv_msg()
+                except pynng.Timeout:
+                    continue
+                except pynng.NNGException:  # closed: the transport is shutting down
+                    return
+                try:
+                    reply = await self._on_message(msg)
+                except Exception:  # a bug of ours: drop this connection, keep serving others
+                    log.exception("inbound_message_failed")
+                    self.sessions.pop(msg.pipe.id, None)
+                    _close_pipe(msg.pipe)
+                    continue
+                if reply is None:
+                    continue
+                try:
+                    await ctx.asend_msg(reply)
+                except pynng.NNGException as exc:
+                    log.info("reply_not_sent", error=str(exc))
+        finally:
+            ctx.close()
+
+    async def sweep(self) -> None:
+        """Close pipes whose handshake did not finish within handshake_timeout_s."""
+        timeout = self.config.handshake_timeout_s
+        while True:
+            await trio.sleep(min(1.0, timeout / 4))
+            now = trio.current_time()
+            for session in list(self.sessions.values()):
+                if session.channel is None and now - session.started >= timeout:
+                    self.counters.handshakes_failed["deadline"] += 1
+                    log.warning("handshake_failed", direction="inbound", reason="deadline")
+                    self._drop(session)
+
+    async def _on_message(self, msg: pynng.Message) -> pynng.Message | None:
+        session = self.sessions.get(msg.pipe.id) or self._connected(msg.pipe)
+        if session is None:
+            return None
+        view = _message_view(msg)
+        self.counters.moved(session.peer, len(view), 0)
+        try:
+            if session.channel is not None:
+                return await self._on_frame(session, view)
+            kind = view[0] if len(view) else -1
+            if kind == HS1 and session.handshake is None:
+                session.handshake = self.creds.handshake(initiator=False)
+                session.handshake.read_message(bytes(view[1:]))
+                return self._reply(session, HS2, session.handshake.write_message(self.creds.proof))
+            if kind == HS3 and session.handshake is not None:
+                return self._finish_handshake(session, bytes(view[1:]))
+            raise FrameRejected("unexpected", f"kind {kind:#x} before the session exists")
+        except FrameRejected as exc:
+            self.counters.frames_rejected[exc.reason] += 1
+            peer = session.peer.short_id if session.peer else None
+            log.warning("frame_rejected", peer=peer, reason=exc.reason, detail=str(exc))
+            self._drop(session)
+        except HandshakeFailed as exc:
+            self.counters.handshakes_failed[exc.kind] += 1
+            log.warning("handshake_failed", direction="inbound", reason=exc.reason)
+            session.handshake = None
+            refusal = exc.reason.encode("utf-8", "replace")[:MAX_REFUSAL_CHARS]
+            return self._reply(session, HS_REFUSED, refusal)
+        return None
+
+    def _reply(self, session: _InboundSession, kind: int, body: bytes) -> pynng.Message:
+        self.counters.moved(session.peer, 0, 1 + len(body))
+        return pynng.Message(bytes([kind]) + body)
+
+    def _finish_handshake(self, session: _InboundSession, message: bytes) -> pynng.Message:
+        hs = session.handshake
+        payload = hs.read_message(message)
+        peer = self.creds.judge(hs, payload, str(session.pipe.remote_address), "inbound")
+        reply = self._reply(session, HS_OK, b"")  # counted before the session (per-peer: frames)
+        session.channel, session.peer = _Channel(hs.split(), self.config), peer
+        session.handshake = None
+        self.counters.handshakes_ok += 1
+        log.info("handshake_ok", peer=peer.short_id, direction="inbound")
+        return reply
+
+    async def _on_part(self, session: _InboundSession, view: memoryview, info: FrameInfo):
+        """Decrypt one part into its message; the message when it is complete, else None."""
+        part = info.part
+        partial = session.partials.get(part.message_id)
+        if partial is None:
+            if len(session.partials) >= MAX_PARTIAL_MESSAGES:
+                oldest = min(session.partials)
+                del session.partials[oldest]
+                log.info("partial_message_dropped", peer=session.peer.short_id, message=oldest)
+            partial = session.partials[part.message_id] = _Partial(part)
+        if (partial.part.count, partial.part.message_len) != (part.count, part.message_len):
+            raise FrameRejected("part", "parts disagree on the message size")
+        if part.index in partial.claimed:
+            raise FrameRejected("part", f"part {part.index} sent twice")
+        partial.claimed.add(part.index)
+        lo, hi = part_bounds(part.message_len, part.count, part.index)
+        header, _ = await session.channel.open(view, info, memoryview(partial.buffer)[lo:hi])
+        if header:
+            partial.header = header
+        partial.done += 1
+        if partial.done < part.count:
+            return None
+        session.partials.pop(part.message_id, None)
+        if partial.header is None:
+            raise FrameRejected("part", "no part carried the header")
+        return partial.header, partial.buffer
+
+    async def _seal_reply(self, session: _InboundSession, header: bytes, payload) -> pynng.Message:
+        """A reply frame; a big payload is stored and only its first part sent (pull the rest)."""
+        n = memoryview(payload).nbytes
+        if n <= self.config.part_bytes:
+            return await session.channel.seal(header, payload)
+        count = -(-n // self.config.part_bytes)
+        reply_id = session.next_reply_id
+        session.next_reply_id += 1
+        if len(session.replies) >= MAX_PENDING_REPLIES:
+            del session.replies[min(session.replies)]
+        stored = session.replies[reply_id] = _OutgoingReply(payload, count)
+        lo, hi = part_bounds(n, count, 0)
+        part = PartInfo(reply_id, 0, count, n)
+        return await session.channel.seal(header, stored.payload[lo:hi], part)
+
+    async def _on_pull(self, session: _InboundSession, view: memoryview, info: FrameInfo):
+        await session.channel.open(view, info)  # authenticate the (empty) pull request
+        want = info.part
+        stored = session.replies.get(want.message_id)
+        if (
+            stored is None
+            or (want.count, want.message_len) != (stored.count, len(stored.payload))
+            or want.index in stored.pulled
+        ):
+            raise FrameRejected("part", f"pull of unknown reply part {want.index}")
+        stored.pulled.add(want.index)
+        if len(stored.pulled) == stored.count - 1:
+            del session.replies[want.message_id]
+        lo, hi = part_bounds(want.message_len, want.count, want.index)
+        return await session.channel.seal(b"", stored.payload[lo:hi], want)
+
+    async def _on_frame(self, session: _InboundSession, view: memoryview) -> pynng.Message:
+        if self.creds.clock() >= session.peer.admitted_until:
+            raise FrameRejected("expired", "the peer's admission expired during the session")
+        info = session.channel.check(view)
+        if info.kind == FRAME_KIND_PULL:
+            return await self._on_pull(session, view, info)
+        if info.part is None:
+            header_bytes, payload = await session.channel.open(view, info)
+        else:
+            message = await self._on_part(session, view, info)
+            if message is None:  # acknowledge a part with an empty header
+                return await session.channel.seal(b"", b"")
+            header_bytes, payload = message
+        try:
+            header = self.codec.decode(header_bytes)
+        except HeaderDecodeError as exc:
+            self.counters.frames_rejected["header"] += 1
+            log.warning(
+                "frame_rejected", peer=session.peer.short_id, reason="header", detail=exc.reason
+            )
+            reply_header, reply_payload = ErrorReply(exc.code, exc.reason[:200]), b""
+        else:
+            reply_header, reply_payload = await self._call_handler(session.peer, header, payload)
+        self.counters.requests_served += 1
+        reply = await self._seal_reply(session, self.codec.encode(reply_header), reply_payload)
+        self.counters.moved(session.peer, 0, len(reply._buffer))
+        return reply
+
+    async def _call_handler(self, peer: PeerInfo, header: Header, payload: bytearray):
+        try:
+            reply_header, reply_payload = await self.handler(peer, header, memoryview(payload))
+            if type(reply_header) not in self.codec.types:
+                raise TypeError(f"handler returned unregistered header {reply_header!r}")
+            if memoryview(reply_payload).nbytes > self.config.max_message_bytes:
+                raise ValueError("handler returned a payload above max_message_bytes")
+        except Exception:
+            log.exception("handler_failed", peer=peer.short_id, header=type(header).__name__)
+            return ErrorReply("internal", "the handler failed"), b""
+        return reply_header, reply_payload

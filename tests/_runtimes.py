@@ -1,0 +1,62 @@
+"""Algorithm runtimes on geotrain's in-memory network, for the runtimes' unit tests.
+
+Tests that use `runtimes(...)` take pytest-trio's `autojump_clock` fixture: time is virtual, the
+tensor work runs inline, so every deadline and delay is exact and nothing depends on the machine.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+import torch
+import trio
+
+from geotrain.node import GossipConfig, TaskContext, Trainer, resolve_task
+from geotrain.node.testing import MemoryNetwork, algorithm_on, open_memory_network
+from geotrain.node.training import StepResult
+
+
+def trainer(index: int, n: int, task: str = "synthetic-linreg") -> Trainer:
+    """The trainer of peer `index` of `n` (same seed, so the same initial model everywhere)."""
+    return Trainer(resolve_task(task)(TaskContext(shard_index=index, num_shards=n)))
+
+
+@asynccontextmanager
+async def runtimes(
+    n: int = 2, *, task: str = "synthetic-linreg", **gossip
+) -> AsyncIterator[tuple[MemoryNetwork, list]]:
+    """`n` runtimes of `gossip["algorithm"]`, peers "p0".."p<n-1>", each seeing all others live."""
+    config = GossipConfig(**gossip)
+    names = [f"p{i}" for i in range(n)]
+    async with open_memory_network() as net, trio.open_nursery() as nursery:
+        algos = [
+            algorithm_on(net, name, trainer(i, n, task), config,
+                         [p for p in names if p != name], nursery.start_soon, seed=i)
+            for i, name in enumerate(names)
+        ]  # fmt: skip
+        yield net, algos
+        nursery.cancel_scope.cancel()
+
+
+def step(algorithm, number: int) -> StepResult:
+    """A StepResult for step `number` (after a real step of its trainer when `number` is 0)."""
+    return StepResult(step=number, loss=0.0, seconds=0.001)
+
+
+def model(algorithm) -> dict[str, torch.Tensor]:
+    return algorithm.ctx.trainer.snapshot()
+
+
+def same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def poison(algorithm) -> None:
+    """Turn its model's parameters NaN."""
+    algorithm.ctx.trainer.update(lambda live: [t.fill_(float("nan")) for t in live.values()])
+
+
+async def settle() -> None:
+    """Let background exchanges run to their end (virtual time moves on)."""
+    await trio.sleep(60)

@@ -1,0 +1,115 @@
+"""dpsgd's runtime on the in-memory network, on a virtual clock: rounds, a straggler left out at
+the deadline, late and poisoned replies, a responder that waits, restart from state."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import trio
+from _runtimes import model, poison, runtimes, same, step
+
+from geotrain.node.algorithms.dpsgd import ROUND_WAIT_CAP_S, RoundReply, RoundRequest
+from geotrain.node.transport import ErrorReply, PeerInfo
+
+DPSGD = {"algorithm": "dpsgd", "codec": "none", "exchange_every": 1}
+
+
+async def test_a_round_mixes_both_ways_and_a_responder_waits_for_the_round(autojump_clock):
+    async with runtimes(2, **DPSGD) as (net, (a, b)):
+        a.ctx.trainer.train_step()  # the two models differ
+        a_model, b_model = model(a), model(b)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(a.after_step, step(a, 1))  # a asks b for round 1 before b is there
+            await trio.sleep(0.5)
+            assert a.rounds == 0  # still waiting for b
+            await b.after_step(step(b, 1))
+        assert a.rounds == b.rounds == a.full_rounds == 1
+        # degree 1 each: weight 1/2, both hold the average of the two round-1 models
+        expected = {k: (a_model[k] + b_model[k]) / 2 for k in a_model}
+        assert all(torch.allclose(model(a)[k], expected[k]) for k in expected)
+        assert all(torch.allclose(model(b)[k], expected[k]) for k in expected)
+        assert a.counters.statistics().peers["p1"].ok == 1
+
+
+async def test_a_round_ends_at_its_deadline_without_a_peer_that_never_gets_there(autojump_clock):
+    # p2 never reaches round 1 (a straggler): p0's round ends exactly at its deadline, mixed with
+    # p1 alone, and p2 is skipped (not waited for) in the next rounds.
+    async with runtimes(3, **DPSGD) as (net, (a, b, straggler)):
+        b.ctx.trainer.train_step()
+        before_straggler = model(straggler)
+        nbytes = a.ctx.peers.payload_nbytes("none")
+        now = trio.current_time()
+        deadline = max(a.ctx.peers.round_deadline(p, nbytes, now) for p in ("p1", "p2"))
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(b.after_step, step(b, 1))
+            started = trio.current_time()
+            await a.after_step(step(a, 1))
+            waited = trio.current_time() - started
+        assert waited == pytest.approx(deadline + 0.001)  # + round_slack x our 1 ms step
+        stats = a.statistics()
+        assert (stats.rounds, stats.full_rounds, stats.missed_neighbours) == (1, 0, 1)
+        exchanges = a.counters.statistics()
+        assert exchanges.peers["p1"].ok == 1 and exchanges.peers["p2"].failed == 1
+        assert same(model(straggler), before_straggler)
+        # round 2: p2 is skipped for 2 rounds after its first miss, so p0 does not wait for it
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(b.after_step, step(b, 2))
+            started = trio.current_time()
+            await a.after_step(step(a, 2))
+            assert trio.current_time() - started < deadline / 2
+        assert a.statistics().full_rounds == 1
+
+
+async def test_a_reply_for_an_older_round_is_never_mixed(autojump_clock):
+    async with runtimes(2, **DPSGD) as (net, (a, b)):
+        payload = a.ctx.encode(model(a), "none")
+
+        async def stale(address, header, data, *, deadline_s, expect_peer):
+            return RoundReply(round=header.round - 1, degree=1), bytearray(payload), None
+
+        a.ctx.network.request = stale
+        before = model(a)
+        await a.after_step(step(a, 5))
+        stats = a.statistics()
+        assert stats.late_replies_ignored == 1 and stats.missed_neighbours == 1
+        assert same(model(a), before)
+
+
+async def test_a_neighbour_whose_model_is_not_finite_is_left_out_and_counted(autojump_clock):
+    async with runtimes(2, **DPSGD) as (net, (a, b)):
+        poison(b)
+        before = model(a)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(b.after_step, step(b, 1))
+            await a.after_step(step(a, 1))
+        assert same(model(a), before)
+        stats = a.counters.statistics()
+        assert stats.rejected == 1 and stats.failed == 0 and a.statistics().missed_neighbours == 1
+
+
+async def test_a_responder_holds_a_request_only_as_long_as_its_asker_waits(autojump_clock):
+    # A request for a round b has not reached ties up one of b's inbound workers: b lets it go
+    # when the asker's deadline (wait_s) has passed, not after ROUND_WAIT_CAP_S, and notes a's
+    # round (so a's next miss can be judged: is a catching up or a straggler?).
+    async with runtimes(2, **DPSGD) as (net, (a, b)):
+        asker = PeerInfo("p0", b"", "mem://p0", "inbound")
+        request = RoundRequest(algorithm="dpsgd", codec="none", round=7, degree=1, wait_s=0.3)
+        started = trio.current_time()
+        reply, _ = await b.handle(asker, request, memoryview(b""))
+        assert isinstance(reply, ErrorReply) and reply.code == "busy"
+        assert trio.current_time() - started == pytest.approx(0.3)
+        assert 0.3 < ROUND_WAIT_CAP_S
+        assert b._attendance._heard["p0"][-1][1] == 7
+
+
+async def test_the_round_survives_a_restart_from_state(autojump_clock):
+    async with runtimes(2, **DPSGD) as (net, (a, b)):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(b.after_step, step(b, 3))
+            await a.after_step(step(a, 3))
+        tensors, meta = a.state()
+    async with runtimes(2, **DPSGD) as (net, (fresh, _)):
+        fresh.load_state(tensors, json.loads(json.dumps(meta)))
+        assert fresh.round == 3

@@ -1,0 +1,149 @@
+"""Nodes run inside one trio program with `open_node` (real transport on loopback, no processes),
+and an algorithm added from outside through the registry alone."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import trio
+
+import geotrain
+from geotrain.node import Identity, config_from_toml
+from geotrain.node.algorithms import Algorithm, AlgorithmSpec, algorithm_specs, register_algorithm
+from geotrain.node.identity import Admission
+from geotrain.node.transport import U63, Header
+
+CONFIG = """
+[identity]
+open_swarm = true
+[training]
+task = "synthetic-linreg"
+threads = 1
+eval_every = 10
+[gossip]
+probe_interval_s = 0.2
+exchange_every = 2
+[state]
+status_every_s = 0.2
+"""
+
+
+def config(tmp_path: Path, name: str, *overrides: str):
+    return config_from_toml(
+        CONFIG, base=tmp_path, overrides=[f'state.dir="{tmp_path / name}"', *overrides]
+    )
+
+
+async def test_two_nodes_in_one_program_exchange_and_stop_cleanly(tmp_path):
+    admission = Admission.open_swarm("geotrain")
+    first = config(tmp_path, "a")
+    async with geotrain.open_node(first, identity=Identity.generate(), admission=admission) as a:
+        second = config(tmp_path, "b", f'network.bootstrap=["{a.address}"]')
+        async with geotrain.open_node(
+            second, identity=Identity.generate(), admission=admission
+        ) as b:
+            with trio.fail_after(60):
+                while a.status().exchanges_ok < 3 or b.status().exchanges_ok < 3:
+                    await trio.sleep(0.1)
+    # leaving the blocks stopped both cleanly: a checkpoint each, and "stopped" in their status
+    for name in ("a", "b"):
+        assert list((tmp_path / name / "checkpoints").glob("ckpt-*.safetensors"))
+    assert not a.status().running and a.trainer.step > 0
+
+
+async def test_a_node_stops_by_itself_at_max_steps(tmp_path):
+    admission = Admission.open_swarm("geotrain")
+    cfg = config(tmp_path, "solo", "training.max_steps=25")
+    async with geotrain.open_node(cfg, identity=Identity.generate(), admission=admission) as node:
+        with trio.fail_after(60):
+            await node.wait_stopped()
+        assert node.trainer.step == 25
+
+
+# -- an algorithm from outside: one module's worth of code, nothing else touched ------------------
+
+
+class Hello(Header, frozen=True, tag="test_hello"):
+    n: U63
+
+
+@dataclass(frozen=True)
+class LonerSettings:
+    greeting_every: int = 5
+
+
+class Loner(Algorithm):
+    """Trains alone; counts its steps (enough to show the node runs an outside algorithm)."""
+
+    handles = (Hello,)
+
+    def __init__(self, ctx) -> None:
+        super().__init__(ctx)
+        self.seen = 0
+
+    async def after_step(self, result) -> None:
+        self.seen += 1
+
+    async def handle(self, peer, header, payload):
+        return Hello(n=self.seen), b""
+
+    def state(self):
+        return {}, {"seen": self.seen}
+
+    def load_state(self, tensors, meta) -> None:
+        self.seen = int(meta.get("seen", 0))
+
+
+async def test_an_algorithm_registered_from_outside_runs_in_a_node(tmp_path):
+    if "loner" not in algorithm_specs():
+        register_algorithm(AlgorithmSpec("loner", Loner, LonerSettings, (Hello,), "trains alone"))
+    cfg = config(tmp_path, "l", 'gossip.algorithm="loner"', "gossip.loner.greeting_every=7",
+                 "training.max_steps=12")  # fmt: skip
+    assert cfg.gossip.settings == LonerSettings(greeting_every=7)
+    admission = Admission.open_swarm("geotrain")
+    async with geotrain.open_node(cfg, identity=Identity.generate(), admission=admission) as node:
+        with trio.fail_after(60):
+            await node.wait_stopped()
+        assert node.algorithm.seen == 12
+
+
+def test_registering_a_taken_name_or_message_tag_is_refused():
+    from geotrain.node.algorithms.adpsgd import Adpsgd, Exchange
+
+    with pytest.raises(ValueError, match="registered twice"):
+        register_algorithm(AlgorithmSpec("adpsgd", Loner, None, (), "another adpsgd"))
+
+    class Clash(Header, frozen=True, tag="exchange"):
+        pass
+
+    with pytest.raises(ValueError, match="message tag 'exchange' is (adpsgd|selsync)'s already"):
+        register_algorithm(AlgorithmSpec("clash", Adpsgd, None, (Clash,), "clash"))
+    assert algorithm_specs()["adpsgd"].messages[0] is Exchange and "clash" not in algorithm_specs()
+
+
+async def test_a_checkpoint_of_the_previous_layout_is_resumed(tmp_path):
+    # Layout 1 (before algorithms owned their state): adpsgd's error-feedback residuals were
+    # stored beside the model as "ef/<name>", and the metadata had no "layout".
+    import torch
+
+    from geotrain.node import TaskContext, Trainer, resolve_task
+    from geotrain.node.state import Checkpoint, CheckpointStore
+
+    trainer = Trainer(resolve_task("synthetic-linreg")(TaskContext()))
+    for _ in range(7):
+        trainer.train_step()
+    tensors, meta = trainer.state_tensors()
+    residual = {name: torch.full_like(p, 0.25) for name, p in trainer.params().items()}
+    tensors.update({f"ef/{name}": t for name, t in residual.items()})
+    CheckpointStore(tmp_path / "old" / "checkpoints").save(Checkpoint(7, "adpsgd", tensors, meta))
+    cfg = config(tmp_path, "old", "training.max_steps=7")
+    admission = Admission.open_swarm("geotrain")
+    async with geotrain.open_node(cfg, identity=Identity.generate(), admission=admission) as node:
+        with trio.fail_after(60):
+            await node.wait_stopped()
+        assert node.trainer.step == 7
+        restored = node.algorithm.feedback.state_dict()
+        assert set(restored) == set(residual)
+        assert all(torch.equal(restored[k], residual[k]) for k in residual)
