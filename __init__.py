@@ -27,6 +27,7 @@ _EXPORTS = {
     "TrainingConfig": "geotrain.node",
     "GossipConfig": "geotrain.node",
     "StateConfig": "geotrain.node",
+    "LimitsConfig": "geotrain.node",
     "load_config": "geotrain.node",
     "config_from_toml": "geotrain.node",
     "config_to_toml": "geotrain.node",
@@ -49,6 +50,7 @@ _EXPORTS = {
     # errors a caller catches
     "ConfigError": "geotrain.node",
     "ResumeError": "geotrain.node",
+    "MemoryBudgetError": "geotrain.node",
     "CheckpointError": "geotrain.node",
     "KeyFileError": "geotrain.node",
     "AdmissionRefused": "geotrain.node",

@@ -12,6 +12,7 @@ from importlib import import_module
 from ._config import ConfigError as ConfigError
 from ._config import GossipConfig as GossipConfig
 from ._config import IdentityConfig as IdentityConfig
+from ._config import LimitsConfig as LimitsConfig
 from ._config import NetworkConfig as NetworkConfig
 from ._config import NodeConfig as NodeConfig
 from ._config import StateConfig as StateConfig
@@ -42,6 +43,7 @@ _LAZY = {
     "Node": "._node",
     "open_node": "._node",
     "ResumeError": "._checkpointer",
+    "MemoryBudgetError": "._memory",
     "Task": ".training",
     "TaskContext": ".training",
     "Trainer": ".training",

@@ -78,7 +78,11 @@ class NetworkConfig:
     listen: the address to bind, e.g. "tcp://0.0.0.0:7000" (port 0 picks a free one).
     advertise: the address peers should dial; defaults to `listen` (fine on loopback).
     bootstrap: addresses of peers already in the swarm; empty for the first node.
-    max_message_mb: the largest message accepted from a peer; bigger ones are refused unread.
+    max_message_mb: the largest message accepted from a peer; bigger ones are refused unread. It
+        bounds one message, not the model: models travel in chunks.
+    chunk_mb: a model travels as chunks of this many MiB of float32 (8: big enough that a round
+        trip carries plenty, small enough to pipeline encode, send, decode and mix); below
+        max_message_mb.
     handshake_timeout_s: a peer that has not finished the handshake by then is dropped.
     """
 
@@ -86,7 +90,19 @@ class NetworkConfig:
     advertise: str | None = None
     bootstrap: tuple[str, ...] = ()
     max_message_mb: int = 256
+    chunk_mb: float = 8.0
     handshake_timeout_s: float = 10.0
+
+    @property
+    def chunk_numel(self) -> int:
+        """Elements (float32) in one chunk of the streams this node starts."""
+        return max(1, int(self.chunk_mb * 2**20) // 4)
+
+    @property
+    def max_chunk_numel(self) -> int:
+        """The most elements a peer may put in one chunk: what fits in one message (1 MiB is
+        left for the headers of the chunk's slices)."""
+        return max(1, (self.max_message_mb - 1) * 2**20 // 4)
 
     def __post_init__(self) -> None:
         for name, addr in [("network.listen", self.listen), ("network.advertise", self.advertise)]:
@@ -99,6 +115,12 @@ class NetworkConfig:
             "network.max_message_mb",
             self.max_message_mb,
             "1..4096",
+        )
+        _check(
+            0 < self.chunk_mb <= self.max_message_mb - 1,
+            "network.chunk_mb",
+            self.chunk_mb,
+            f"> 0 and at most network.max_message_mb - 1 ({self.max_message_mb - 1})",
         )
         _check(
             self.handshake_timeout_s > 0,
@@ -125,6 +147,8 @@ class TrainingConfig:
     eval_every: evaluate the held-out metric every this many steps.
     slowdown: emulate a slower machine (the testbed's stragglers); 1.0 is full speed.
     threads: torch CPU threads (0 leaves torch's default).
+    precision: "fp32", or "bf16": forward pass and loss under autocast in bfloat16 (on GPUs
+        that have it, and on CPUs); weights, gradients and what travels stay float32 or the codec's.
     """
 
     task: str = "digits-mlp"
@@ -143,6 +167,7 @@ class TrainingConfig:
     eval_every: int = 50
     slowdown: float = 1.0
     threads: int = 0
+    precision: str = "fp32"
 
     def __post_init__(self) -> None:
         _check(
@@ -173,6 +198,8 @@ class TrainingConfig:
         _check(self.eval_every >= 1, "training.eval_every", self.eval_every, ">= 1")
         _check(self.slowdown >= 1.0, "training.slowdown", self.slowdown, ">= 1.0")
         _check(self.threads >= 0, "training.threads", self.threads, ">= 0")
+        _check(self.precision in ("fp32", "bf16"), "training.precision", self.precision,
+               "fp32 or bf16")  # fmt: skip
         for key, value in self.params.items():
             _check(
                 isinstance(value, int | float | str | bool),
@@ -299,12 +326,30 @@ class StateConfig:
 
 
 @dataclass(frozen=True)
+class LimitsConfig:
+    """What this node may use of its machine.
+
+    memory_gb: the most memory the node may need, estimated at start from the model's size: the
+        plain training loop (weights, gradients, optimizer state), what the algorithm keeps (see
+        the README's memory table) and the runtime. A config that cannot fit is refused before
+        anything starts, with the figures. Unset: no limit (the estimate is still logged).
+    """
+
+    memory_gb: float | None = None
+
+    def __post_init__(self) -> None:
+        _check(self.memory_gb is None or self.memory_gb > 0, "limits.memory_gb", self.memory_gb,
+               "> 0 (GB)")  # fmt: skip
+
+
+@dataclass(frozen=True)
 class NodeConfig:
     identity: IdentityConfig = field(default_factory=IdentityConfig)
     network: NetworkConfig = field(default_factory=NetworkConfig)
     training: TrainingConfig = field(default_factory=TrainingConfig)
     gossip: GossipConfig = field(default_factory=GossipConfig)
     state: StateConfig = field(default_factory=StateConfig)
+    limits: LimitsConfig = field(default_factory=LimitsConfig)
 
 
 def _coerce(name: str, value: Any, hint: Any, base: Path) -> Any:

@@ -26,6 +26,7 @@ from ._config import NodeConfig
 from ._credentials import load_identity
 from ._driver import TrainingDriver
 from ._membership_service import MembershipService
+from ._memory import check_budget, estimate_memory, tune_allocator
 from ._peer_choice import PeerChoice
 from ._protocol import node_header_codec
 from ._state_sync import StateSync
@@ -95,6 +96,7 @@ class Node:
         self._stopped = trio.Event()
         self._running = True
         self._reporter: StatusReporter | None = None
+        self._prepared: tuple[Task, Trainer, Checkpoint | None, CheckpointStore] | None = None
 
     def request_stop(self) -> None:
         """Ask the node to stop (idempotent); `run()` returns after a clean shutdown."""
@@ -130,7 +132,12 @@ class Node:
             params=t.params,
         )
         task = resolve_task(t.task)(ctx)
-        trainer = Trainer(task, optimizer=t.optimizer or "sgd", lr=t.lr, slowdown=t.slowdown)
+        trainer = Trainer(task, optimizer=t.optimizer or "sgd", lr=t.lr, slowdown=t.slowdown,
+                          precision=t.precision)  # fmt: skip
+        self.memory = estimate_memory(self.config, trainer, self.spec)
+        log.info("memory_estimate", need_gb=round(self.memory.total_gb, 3),
+                 detail=self.memory.explain(), limit_gb=self.config.limits.memory_gb)  # fmt: skip
+        check_budget(self.config, self.memory)
         store = CheckpointStore(self.state.checkpoints, keep=self.config.state.keep)
         ckpt = load_checkpoint(store, self.config.gossip.algorithm)
         return task, trainer, ckpt, store
@@ -151,9 +158,24 @@ class Node:
         finally:
             self._stopped.set()
 
+    async def prepare(self) -> None:
+        """Build the task, the trainer and the memory estimate, and read the newest checkpoint
+        (a worker thread). `run()` does it when nobody did; `open_node` does it first, so that
+        what stops a node before it starts reaches the caller as itself.
+
+        Raises:
+            MemoryBudgetError: the config does not fit limits.memory_gb. ResumeError: the state
+                directory holds another algorithm's checkpoint. ValueError: a bad task.
+        """
+        if self._prepared is None:
+            tune_allocator()
+            self.state.create()
+            self._prepared = await trio.to_thread.run_sync(self._build_training)
+
     async def _run(self, task_status) -> None:
-        self.state.create()
-        task, trainer, ckpt, store = await trio.to_thread.run_sync(self._build_training)
+        await self.prepare()
+        assert self._prepared is not None
+        task, trainer, ckpt, store = self._prepared
         self.trainer = trainer
         cfg = self.config
         async with open_transport(
@@ -175,13 +197,15 @@ class Node:
                     checkpointer.restore(ckpt)
                     log.info("resumed", step=ckpt.step)
                 state_sync = StateSync(
-                    trainer, algorithm, cfg.gossip.algorithm, transport, membership, self.rng
-                )
+                    trainer, algorithm, cfg.gossip.algorithm, transport, membership, self.links,
+                    self.rng, chunk_numel=cfg.network.chunk_numel,
+                    max_chunk_numel=cfg.network.max_chunk_numel,
+                )  # fmt: skip
                 self._reporter = StatusReporter(
                     StatusSources(
                         self.identity.peer_id, self.address, cfg.gossip.algorithm,
                         cfg.training.task, task, trainer, transport, membership, self.links,
-                        algorithm, self.progress,
+                        algorithm, self.progress, self.memory.total_gb * 1000,
                     ),
                     self.state, cfg.state.status_every_s, lambda: self._running,
                 )  # fmt: skip
@@ -217,6 +241,8 @@ class Node:
             network=transport,
             rng=self.rng,
             start_soon=nursery.start_soon,
+            chunk_numel=self.config.network.chunk_numel,
+            max_chunk_numel=self.config.network.max_chunk_numel,
         )
         return self.spec.runtime(ctx)
 
@@ -252,12 +278,14 @@ async def open_node(
         identity, admission: given directly, or (both None) loaded from `config.identity`.
 
     Raises:
-        ConfigError: the identity files are wrong. ResumeError: the state directory holds
-            another algorithm's checkpoint. ValueError: the task cannot be built.
+        ConfigError: the identity files are wrong; MemoryBudgetError (a ConfigError): the config
+            does not fit limits.memory_gb. ResumeError: the state directory holds another
+            algorithm's checkpoint. ValueError: the task cannot be built.
     """
     if identity is None or admission is None:
         identity, admission = load_identity(config)
     node = Node(config, identity, admission)
+    await node.prepare()
     async with trio.open_nursery() as nursery:
         await nursery.start(node.run)
         try:

@@ -32,13 +32,20 @@ class Delivered(Header, frozen=True, tag="delivered"):
 
 
 class StateRequest(Header, frozen=True, tag="state_request"):
-    """A joining node asks for the current model (answered with StateReply + fp32 payload)."""
+    """A joining node asks for chunk `index` of the current model, cut into chunks of at most
+    `chunk_numel` elements by the plan whose digest is `plan` (both ends derive it from the
+    model's names and shapes). Answered StateReply with that chunk in float32; the server keeps
+    nothing between requests (each chunk is read from its live model when asked)."""
 
     algorithm: Name
+    plan: U63
+    chunk_numel: U63
+    index: U63
 
 
 class StateReply(Header, frozen=True, tag="state_reply"):
-    step: U63
+    step: U63  # the server's step when the chunk was read
+    chunks: U63  # how many chunks the plan has
 
 
 MAX_PROBE_BYTES = 1 << 20

@@ -1,26 +1,45 @@
 # State sync: a node that joins late fetches the current model from a live peer before its first
-# step, and every node serves its model to such joiners. Invariants: a fetched model is decoded
-# within the model's size budget and checked (names, shapes, finite) before it replaces ours; a
-# failed fetch leaves our model as it was; a request of a node running another algorithm is
-# refused; nothing here runs tensor work on the event loop.
+# step, and every node serves its model to such joiners, chunk by chunk. Invariants: the server
+# keeps nothing between requests (each chunk is read from its live model when asked, so serving
+# costs no model copy); every chunk request has a deadline from the link's estimate and the
+# chunk's size; a fetched chunk is decoded within its size and checked (the plan's slices,
+# finite) as it arrives, into a staging copy; our model is replaced only when every chunk
+# arrived, so a failed or abandoned fetch leaves it as it was; progress is logged every few
+# seconds; nothing here runs tensor work on the event loop.
 from __future__ import annotations
 
 import random
 
 import structlog
+import torch
 import trio
 
 from geotrain import compress
-from geotrain.gossip import RejectedUpdate
+from geotrain.gossip import LinkTable, RejectedUpdate
 
 from ._peer_choice import MembershipView
 from ._protocol import StateReply, StateRequest
-from .algorithms import Algorithm, Network, decode_model
+from .algorithms import (
+    Algorithm,
+    ChunkPlan,
+    Network,
+    ToThread,
+    decode_chunk,
+    encode_chunk,
+    read_chunk,
+)
 from .training import Trainer
 from .transport import ErrorReply, Header, PeerInfo, TransportError
 
-STATE_SYNC_WAIT_S = 30.0  # how long a joiner keeps asking before it trains from scratch
+STATE_SYNC_WAIT_S = 30.0  # how long a joiner looks for a live peer before it trains from scratch
+MAX_TRIES = 8  # fetches that failed (peer gone, bad chunks) before it trains from scratch
+PROGRESS_EVERY_S = 5.0
+CHUNKS_IN_FLIGHT = 4
 log = structlog.get_logger()
+
+
+class _Failed(Exception):
+    pass
 
 
 class StateSync:
@@ -29,7 +48,11 @@ class StateSync:
     Args:
         trainer: the local model; algorithm: told when the model was replaced; algorithm_name:
             what this node runs (a joiner of another algorithm is refused).
-        network: sends requests; membership: whom to ask; rng: the order they are asked in.
+        network: sends requests; membership: whom to ask; links: deadlines; rng: the order
+            peers are asked in.
+        chunk_numel: elements per chunk of the fetches we start; max_chunk_numel: the most a
+            joiner may ask for.
+        to_thread: runs tensor work (worker threads; `inline` in tests on a virtual clock).
     """
 
     handles = (StateRequest,)
@@ -41,16 +64,33 @@ class StateSync:
         algorithm_name: str,
         network: Network,
         membership: MembershipView,
+        links: LinkTable,
         rng: random.Random,
+        *,
+        chunk_numel: int,
+        max_chunk_numel: int,
+        to_thread: ToThread = trio.to_thread.run_sync,
     ) -> None:
         self._trainer = trainer
         self._algorithm = algorithm
         self._name = algorithm_name
         self._network = network
         self._membership = membership
+        self._links = links
         self._rng = rng
-        self._numel = sum(t.numel() for t in trainer.params().values())
+        self._chunk_numel = chunk_numel
+        self._max_chunk_numel = max_chunk_numel
+        self._plans: dict[int, ChunkPlan] = {}
+        self._to_thread = to_thread
 
+    def _plan(self, chunk_numel: int) -> ChunkPlan:
+        plan = self._plans.get(chunk_numel)
+        if plan is None:
+            shapes = [(n, tuple(t.shape)) for n, t in self._trainer.params().items()]
+            plan = self._plans[chunk_numel] = ChunkPlan.build(shapes, chunk_numel)
+        return plan
+
+    # -- serving ----------------------------------------------------------------------------
     async def handle(
         self, peer: PeerInfo, header: Header, payload: memoryview
     ) -> tuple[Header, bytes]:
@@ -58,55 +98,130 @@ class StateSync:
         if header.algorithm != self._name:
             reason = f"this node runs {self._name}, not {header.algorithm}"
             return ErrorReply(code="bad_request", reason=reason), b""
-        snapshot = await trio.to_thread.run_sync(self._trainer.snapshot)
-        codec = compress.get_codec("none")
-        data = await trio.to_thread.run_sync(
-            lambda: compress.encode_named(sorted(snapshot.items()), codec)
+        if not 1 <= header.chunk_numel <= self._max_chunk_numel:
+            reason = f"chunks of {header.chunk_numel} elements: expected 1..{self._max_chunk_numel}"
+            return ErrorReply(code="bad_request", reason=reason), b""
+        plan = self._plan(header.chunk_numel)
+        if header.plan != plan.digest:
+            return ErrorReply(code="bad_request", reason="models differ: names or shapes"), b""
+        if header.index >= len(plan):
+            reason = f"chunk {header.index} of a {len(plan)}-chunk plan"
+            return ErrorReply(code="bad_request", reason=reason), b""
+        step = self._trainer.step
+        data = await self._to_thread(
+            lambda: encode_chunk(read_chunk(self._trainer, plan, header.index), "none")
         )
-        return StateReply(step=self._trainer.step), data
+        return StateReply(step=step, chunks=len(plan)), data
 
+    # -- fetching ---------------------------------------------------------------------------
     async def fetch(self, stop: trio.Event) -> bool:
-        """Replace our model with a live peer's, asking one after another for up to
-        STATE_SYNC_WAIT_S. Returns whether a model was fetched."""
-        with trio.move_on_after(STATE_SYNC_WAIT_S):
-            while not stop.is_set():
-                peers = list(self._membership.live_peers())
-                self._rng.shuffle(peers)
-                for peer in peers:
-                    address = self._membership.address_of(peer)
-                    if address is None:
-                        continue
-                    step = await self._fetch_from(peer, address, deadline_s=30.0)
-                    if step is not None:
-                        log.info("state_synced", peer=peer[:12], peer_step=step)
-                        await trio.to_thread.run_sync(self._algorithm.model_replaced)
-                        return True
-                await trio.sleep(0.2)
-        log.warning("state_sync_skipped", reason="no peer answered; training from scratch")
+        """Replace our model with a live peer's. Peers are asked one after another (a fetch that
+        makes progress gets the time it needs: its chunks have their own deadlines); the joiner
+        gives up after MAX_TRIES failed fetches, or STATE_SYNC_WAIT_S with nobody to ask.
+
+        Returns:
+            Whether a model was fetched.
+        """
+        idle, tries = 0.0, 0
+        while not stop.is_set() and idle < STATE_SYNC_WAIT_S and tries < MAX_TRIES:
+            peers = list(self._membership.live_peers())
+            self._rng.shuffle(peers)
+            for peer in peers:
+                address = self._membership.address_of(peer)
+                if address is None or tries >= MAX_TRIES:
+                    continue
+                tries += 1
+                step = await self._fetch_from(peer, address)
+                if step is not None:
+                    log.info("state_synced", peer=peer[:12], peer_step=step)
+                    await self._to_thread(self._algorithm.model_replaced)
+                    return True
+            await trio.sleep(0.2)
+            idle += 0.2
+        reason = "no peer answered" if tries == 0 else f"{tries} fetches failed"
+        log.warning("state_sync_skipped", reason=f"{reason}; training from scratch")
         return False
 
-    async def _fetch_from(self, peer: str, address: str, deadline_s: float) -> int | None:
+    async def _fetch_from(self, peer: str, address: str) -> int | None:
         """Replace our model with `peer`'s. Returns the peer's step, or None when it failed."""
-        trainer = self._trainer
+        plan = self._plan(self._chunk_numel)
+        staged: dict[str, torch.Tensor] = {}
+        progress = _Progress(peer, len(plan), plan.numel * 4)
         try:
-            reply, payload, _ = await self._network.request(
-                address,
-                StateRequest(algorithm=self._name),
-                b"",
-                deadline_s=deadline_s,
-                expect_peer=peer,
+            step = await self._chunk(peer, address, plan, 0, staged, progress)
+            limit = trio.Semaphore(CHUNKS_IN_FLIGHT)
+            failures: list[BaseException] = []
+
+            async def one(index: int) -> None:
+                try:
+                    await self._chunk(peer, address, plan, index, staged, progress)
+                except (_Failed, TransportError, RejectedUpdate, compress.DecodeError) as exc:
+                    failures.append(exc)
+                    nursery.cancel_scope.cancel()
+                finally:
+                    limit.release()
+
+            async with trio.open_nursery() as nursery:
+                for index in range(1, len(plan)):
+                    await limit.acquire()
+                    if failures:
+                        break
+                    nursery.start_soon(one, index)
+            if failures:
+                raise failures[0]
+            trainer = self._trainer
+            await self._to_thread(
+                lambda: trainer.load_params(staged, max_norm_ratio=float("inf"))
             )
-            if not isinstance(reply, StateReply):
-                reason = getattr(reply, "reason", "") or type(reply).__name__
-                log.info("state_sync_failed", peer=peer[:12], reason=reason)
-                return None
-            remote = await trio.to_thread.run_sync(
-                decode_model, payload, "none", self._numel, trainer.task_device
-            )
-            await trio.to_thread.run_sync(
-                lambda: trainer.load_params(remote, max_norm_ratio=float("inf"))
-            )
-        except (TransportError, RejectedUpdate, compress.DecodeError) as exc:
-            log.info("state_sync_failed", peer=peer[:12], reason=str(exc))
+        except (_Failed, TransportError, RejectedUpdate, compress.DecodeError) as exc:
+            log.info("state_sync_failed", peer=peer[:12], reason=str(exc), chunks=progress.done)
             return None
+        return step
+
+    async def _chunk(self, peer, address, plan: ChunkPlan, index: int, staged, progress) -> int:
+        request = StateRequest(
+            algorithm=self._name, plan=plan.digest, chunk_numel=plan.chunk_numel, index=index
+        )
+        nbytes = 4 * plan.chunk_numel_of(index) + 4096
+        deadline = self._links.exchange_deadline(peer, nbytes, trio.current_time())
+        started = trio.current_time()
+        reply, payload, _ = await self._network.request(
+            address, request, b"", deadline_s=deadline, expect_peer=peer
+        )
+        if not isinstance(reply, StateReply) or reply.chunks != len(plan):
+            reason = getattr(reply, "reason", "") or f"{type(reply).__name__} for chunk {index}"
+            raise _Failed(reason)
+        device = self._trainer.task_device
+        tensors = await self._to_thread(
+            decode_chunk, payload, "none", plan, index, device
+        )
+        for s, t in zip(plan.chunks[index], tensors, strict=True):
+            buffer = staged.get(s.name)
+            if buffer is None:
+                shape = dict(plan.shapes)[s.name]
+                buffer = staged[s.name] = torch.empty(shape, device=device)
+            buffer.reshape(-1)[s.start : s.stop] = t
+        now = trio.current_time()
+        if now > started:
+            self._links.record_transfer(peer, len(payload), now - started, now)
+        progress.add(len(payload), now)
         return reply.step
+
+
+class _Progress:
+    """Logs a fetch's progress every PROGRESS_EVERY_S."""
+
+    def __init__(self, peer: str, chunks: int, nbytes: int) -> None:
+        self.peer, self.chunks, self.nbytes = peer, chunks, nbytes
+        self.done = self.received = 0
+        self.started = self.logged = trio.current_time()
+
+    def add(self, nbytes: int, now: float) -> None:
+        self.done += 1
+        self.received += nbytes
+        if now - self.logged >= PROGRESS_EVERY_S:
+            self.logged = now
+            rate = self.received / max(now - self.started, 1e-9) / 1e6
+            log.info("state_sync_progress", peer=self.peer[:12], chunks=self.done,
+                     of=self.chunks, mb=round(self.received / 1e6, 1),
+                     mb_per_s=round(rate, 1))  # fmt: skip

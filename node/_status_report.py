@@ -17,6 +17,7 @@ import trio
 from geotrain.gossip import LinkTable
 
 from ._membership_service import MembershipService
+from ._memory import peak_rss_mb
 from ._protocol import StatusReply, StatusRequest
 from .algorithms import Algorithm
 from .state import NodeStatus, PeerStatus, StateDir, append_metrics, write_status
@@ -47,6 +48,7 @@ class StatusSources:
     links: LinkTable
     algorithm: Algorithm
     progress: Progress
+    memory_estimate_mb: float | None = None
 
 
 class StatusReporter:
@@ -113,6 +115,8 @@ class StatusReporter:
             pid=os.getpid(),
             running=self._running(),
             peers=tuple(peers),
+            peak_rss_mb=peak_rss_mb(),
+            memory_estimate_mb=s.memory_estimate_mb,
         )
 
     async def write(self) -> None:

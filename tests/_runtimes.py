@@ -24,15 +24,17 @@ def trainer(index: int, n: int, task: str = "synthetic-linreg") -> Trainer:
 
 @asynccontextmanager
 async def runtimes(
-    n: int = 2, *, task: str = "synthetic-linreg", **gossip
+    n: int = 2, *, task: str = "synthetic-linreg", chunk_numel: int | None = None, **gossip
 ) -> AsyncIterator[tuple[MemoryNetwork, list]]:
-    """`n` runtimes of `gossip["algorithm"]`, peers "p0".."p<n-1>", each seeing all others live."""
+    """`n` runtimes of `gossip["algorithm"]`, peers "p0".."p<n-1>", each seeing all others live
+    (model streams in chunks of `chunk_numel` elements when given)."""
     config = GossipConfig(**gossip)
     names = [f"p{i}" for i in range(n)]
     async with open_memory_network() as net, trio.open_nursery() as nursery:
         algos = [
             algorithm_on(net, name, trainer(i, n, task), config,
-                         [p for p in names if p != name], nursery.start_soon, seed=i)
+                         [p for p in names if p != name], nursery.start_soon, seed=i,
+                         chunk_numel=chunk_numel)
             for i, name in enumerate(names)
         ]  # fmt: skip
         yield net, algos

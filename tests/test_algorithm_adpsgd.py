@@ -1,5 +1,5 @@
-"""adpsgd's runtime on the in-memory network, on a virtual clock: exchange, rejection, timeout,
-busy, restart from state."""
+"""adpsgd's runtime on the in-memory network, on a virtual clock: a streamed exchange, rejection,
+timeout, a peer gone mid-stream, streams that lie, busy, restart from state."""
 
 from __future__ import annotations
 
@@ -8,8 +8,11 @@ import torch
 import trio
 from _runtimes import model, poison, runtimes, same, settle, step
 
-from geotrain.node.algorithms.adpsgd import MAX_RESPONSES, Exchange
+from geotrain import compress
+from geotrain.node.algorithms.adpsgd import Exchange, ExchangeChunk
 from geotrain.node.transport import ErrorReply, PeerInfo
+
+CHUNKED = {"algorithm": "adpsgd", "codec": "none", "chunk_numel": 8}  # 33 parameters: 5 chunks
 
 
 async def test_an_exchange_averages_both_models_in_one_round_trip(autojump_clock):
@@ -21,12 +24,28 @@ async def test_an_exchange_averages_both_models_in_one_round_trip(autojump_clock
         assert await a.exchange_once()
         assert trio.current_time() - started == pytest.approx(0.1)  # one round trip, no compute
         mean = {k: (before_a[k] + before_b[k]) / 2 for k in before_a}
+        assert set(mean) == {"weight", "bias"}
         assert all(torch.allclose(model(a)[k], mean[k]) for k in mean)
         assert all(torch.allclose(model(b)[k], mean[k]) for k in mean)
         for me, other in ((a, "p1"), (b, "p0")):
             stats = me.counters.statistics()
             assert (stats.ok, stats.failed, stats.rejected) == (1, 0, 0)
             assert stats.peers[other].codec == "none" and stats.peers[other].ok == 1
+
+
+async def test_a_streamed_exchange_pipelines_its_chunks_and_mixes_the_same(autojump_clock):
+    async with runtimes(2, **CHUNKED) as (net, (a, b)):
+        net.set_delay("p0", "p1", 0.05)
+        assert len(a.plan(8)) == 5
+        a.ctx.trainer.train_step()
+        before_a, before_b = model(a), model(b)
+        started = trio.current_time()
+        assert await a.exchange_once()
+        # chunk 0 opens the exchange, then chunks 1-4 go four at a time: two round trips
+        assert trio.current_time() - started == pytest.approx(0.2)
+        mean = {k: (before_a[k] + before_b[k]) / 2 for k in before_a}
+        assert all(torch.allclose(model(x)[k], mean[k]) for x in (a, b) for k in mean)
+        assert net.bytes_sent[("p0", "p1")] > 33 * 4 and b._session is None
 
 
 async def test_after_step_starts_one_exchange_every_exchange_every_steps(autojump_clock):
@@ -43,7 +62,7 @@ async def test_after_step_starts_one_exchange_every_exchange_every_steps(autojum
 
 
 async def test_a_poisoned_reply_is_rejected_and_changes_nothing(autojump_clock):
-    async with runtimes(2, algorithm="adpsgd", codec="none") as (net, (a, b)):
+    async with runtimes(2, **CHUNKED) as (net, (a, b)):
         poison(b)
         before = model(a)
         assert not await a.exchange_once()
@@ -56,49 +75,112 @@ async def test_a_partner_that_never_answers_costs_one_deadline_and_is_backed_off
     async with runtimes(2, algorithm="adpsgd", codec="none") as (net, (a, b)):
         net.cut("p0", "p1")
         before = model(a)
-        size = len(a._encode(a.ctx.trainer.snapshot(), "none"))
-        deadline = a.ctx.peers.exchange_deadline("p1", size, trio.current_time())
+        size = len(a._mix(a.plan(a.ctx.chunk_numel), "none").send(0))
+        deadline = a.chunk_deadline("p1", size)  # (no tensor work measured on a virtual clock)
         started = trio.current_time()
         assert not await a.exchange_once()
         assert trio.current_time() - started == pytest.approx(deadline)
         assert same(model(a), before) and a.counters.statistics().failed == 1
         # the next deadline to that peer is longer (backoff) and the peer rests a while
-        assert a.ctx.peers.exchange_deadline("p1", size, trio.current_time()) > deadline
+        assert a.chunk_deadline("p1", size) > deadline
         assert not a.ctx.peers.selector._available("p1", trio.current_time())
 
 
-async def test_a_busy_responder_declines_without_mixing(autojump_clock):
-    async with runtimes(2, algorithm="adpsgd", codec="none") as (net, (a, b)):
-        b._responding = MAX_RESPONSES  # already answering as many as it will
+async def test_a_peer_gone_mid_stream_changes_neither_model(autojump_clock):
+    async with runtimes(2, **CHUNKED) as (net, (a, b)):
+        net.set_delay("p0", "p1", 0.05)
+        a.ctx.trainer.train_step()
+        before_a, before_b = model(a), model(b)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(a.exchange_once)
+            await trio.sleep(0.12)  # chunk 0 went through; chunks 1-4 are on the wire
+            net.cut("p0", "p1")  # the link dies (or b's machine does): they never arrive
+        assert same(model(a), before_a) and same(model(b), before_b)
+        assert a.counters.statistics().failed == 1 and not a.busy()
+        # b held the half-done exchange until it went quiet, then let it go and serves again
+        assert b._session is not None
+        await trio.sleep(60)
+        assert b._free() and b._session is None
+        net.heal("p0", "p1")
+        assert await a.exchange_once()
+        assert b.counters.statistics().failed == 1 and b.counters.statistics().ok == 1
+
+
+def _opening(algo, **changes) -> Exchange:
+    plan = algo.plan(algo.ctx.chunk_numel)
+    fields = {"algorithm": "adpsgd", "codec": "none", "step": 0, "xid": 7, "plan": plan.digest,
+              "chunk_numel": plan.chunk_numel, "chunks": len(plan), **changes}  # fmt: skip
+    return Exchange(**fields)
+
+
+def _chunks(algo) -> list[bytes]:
+    mix = algo._mix(algo.plan(algo.ctx.chunk_numel), "none")
+    return [mix.send(i) for i in range(len(mix.plan))]
+
+
+def _oversize(algo) -> bytes:
+    """Chunk 1's slices named right, but ten times the elements the plan gives them."""
+    slices = algo.plan(algo.ctx.chunk_numel).chunks[1]
+    named = [(s.label, torch.zeros(10 * s.numel)) for s in slices]
+    return compress.encode_named(named, compress.get_codec("none"))
+
+
+@pytest.mark.parametrize(
+    ("lie", "why"),
+    [
+        ("wrong total", "models differ"),
+        ("other shapes", "models differ"),
+        ("huge chunks", "chunks of"),
+        ("other algorithm", "runs adpsgd"),
+        ("unagreed codec", "refused"),
+        ("extra chunk", "chunk 5 of a 5-chunk plan"),
+        ("duplicate chunk", "twice"),
+        ("earlier exchange", "no exchange 6 open"),
+        ("unknown tensor", "not the plan's"),
+        ("oversize chunk", "rejected"),
+    ],
+)
+async def test_a_stream_that_lies_is_refused_and_loses_nothing(autojump_clock, lie, why):
+    async with runtimes(2, **CHUNKED) as (net, (a, b)):
+        a.ctx.trainer.train_step()
         before = model(b)
-        reply, _ = await b.handle(
-            PeerInfo("p0", b"", "mem://p0", "inbound"),
-            Exchange(algorithm="adpsgd", codec="none", step=1),
-            memoryview(a.ctx.encode(model(a), "none")),
-        )
+        peer = PeerInfo("p0", b"", "mem://p0", "inbound")
+        chunks = _chunks(a)
+        opening = {
+            "wrong total": _opening(a, chunks=4),
+            "other shapes": _opening(a, plan=123),
+            "huge chunks": _opening(a, chunk_numel=2**40),
+            "other algorithm": _opening(a, algorithm="choco"),
+            "unagreed codec": _opening(a, codec="topk:0.5"),
+        }.get(lie, _opening(a))
+        first = chunks[1] if lie == "unknown tensor" else chunks[0]
+        reply, _ = await b.handle(peer, opening, memoryview(first))
+        if lie in ("extra chunk", "duplicate chunk", "earlier exchange", "oversize chunk"):
+            assert not isinstance(reply, ErrorReply)
+            index, xid, data = {
+                "extra chunk": (5, 7, chunks[1]),
+                "duplicate chunk": (0, 7, chunks[0]),
+                "earlier exchange": (1, 6, chunks[1]),
+                "oversize chunk": (1, 7, _oversize(a)),
+            }[lie]
+            reply, _ = await b.handle(peer, ExchangeChunk(xid=xid, index=index), memoryview(data))
+        assert isinstance(reply, ErrorReply) and why in reply.reason, reply
+        assert same(model(b), before)
+        if lie != "earlier exchange":  # (that one is refused without touching the open one)
+            assert b._session is None  # nothing held: b serves the next exchange
+            assert await a.exchange_once()
+
+
+async def test_a_busy_node_declines_and_the_asker_counts_no_failure(autojump_clock):
+    async with runtimes(2, algorithm="adpsgd", codec="none") as (net, (a, b)):
+        b._running = True  # in an exchange of its own: one at a time
+        before = model(b)
+        reply, _ = await b.handle(PeerInfo("p0", b"", "mem://p0", "inbound"), _opening(b),
+                                  memoryview(_chunks(a)[0]))  # fmt: skip
         assert isinstance(reply, ErrorReply) and reply.code == "busy"
         assert same(model(b), before)
         assert not await a.exchange_once()  # the initiator: declined, not failed
         assert a.counters.statistics().failed == 0
-
-
-@pytest.mark.parametrize(
-    ("header", "why"),
-    [
-        (Exchange(algorithm="choco", codec="none", step=0), "runs adpsgd"),
-        (Exchange(algorithm="adpsgd", codec="topk:0.5", step=0), "refused"),
-        (Exchange(algorithm="adpsgd", codec="none", step=0), "rejected"),  # junk payload
-    ],
-)
-async def test_a_bad_request_is_answered_with_an_error_and_changes_nothing(
-    autojump_clock, header, why
-):
-    async with runtimes(2, algorithm="adpsgd", codec="auto") as (net, (a, b)):
-        before = model(b)
-        reply, _ = await b.handle(PeerInfo("p0", b"", "mem://p0", "inbound"), header,
-                                  memoryview(b"junk"))  # fmt: skip
-        assert isinstance(reply, ErrorReply) and reply.code == "bad_request" and why in reply.reason
-        assert same(model(b), before)
 
 
 async def test_error_feedback_survives_a_restart_from_state(autojump_clock):
@@ -112,3 +194,20 @@ async def test_error_feedback_survives_a_restart_from_state(autojump_clock):
         fresh.load_state(tensors, meta)
         again, _ = fresh.state()
         assert same(again, tensors)
+
+
+async def test_the_responder_drops_an_exchange_its_initiator_gave_up(autojump_clock):
+    async with runtimes(2, **CHUNKED) as (net, (a, b)):
+        net.set_delay("p0", "p1", 0.05)
+        before_b = model(b)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(a.exchange_once)
+            await trio.sleep(0.12)  # chunk 0 answered; chunks 1-4 on the wire ...
+            net.link("p0", "p1").cut = True  # ... and lost
+            await trio.sleep(0.1)
+            net.link("p0", "p1").cut = False  # the link is back before a gives up
+        assert a.counters.statistics().failed == 1 and b._session is not None
+        await trio.sleep(2.5)  # a's "gave up" message reached b long before b would idle out
+        assert b._session is None and b.counters.statistics().failed == 1
+        assert same(model(b), before_b)
+        assert await a.exchange_once()

@@ -10,7 +10,7 @@ import torch
 import trio
 from _runtimes import model, poison, runtimes, same
 
-from geotrain.node.algorithms.choco import ChocoExchange, ChocoSettings
+from geotrain.node.algorithms.choco import ChocoExchange, ChocoReply, ChocoSettings
 from geotrain.node.transport import ErrorReply, PeerInfo
 
 CHOCO = {
@@ -55,15 +55,38 @@ async def test_links_stay_equal_a_lost_reply_resyncs_both_ends_and_state_survive
         assert restored.links["p1"].seq == 1 and equal_links(restored.links["p1"], b_link)
 
 
-async def test_a_consensus_step_moves_both_models_towards_each_other(autojump_clock):
-    async with runtimes(2, **CHOCO) as (net, (a, b)):
+async def test_one_exchange_is_a_consensus_step_of_gamma(autojump_clock):
+    # With a lossless codec the estimates become the models themselves after one exchange, so
+    # each side moves exactly gamma/2 of the way to the other: x_a += gamma/2 (x_b - x_a).
+    exact = {**CHOCO, "codec": "none", "max_norm_ratio": 100.0}
+    async with runtimes(2, **exact) as (net, (a, b)):
         for _ in range(5):
             a.ctx.trainer.train_step()
-        gap = sum(float((model(a)[k] - model(b)[k]).norm()) for k in model(a))
-        for _ in range(10):
-            await a._exchange("p1")
-        after = sum(float((model(a)[k] - model(b)[k]).norm()) for k in model(a))
-        assert after < 0.8 * gap
+        xa, xb = model(a), model(b)
+        assert set(xa) == set(xb) and xa
+        await a._exchange("p1")
+        for k in xa:
+            torch.testing.assert_close(model(a)[k], xa[k] + 0.25 * (xb[k] - xa[k]))
+            torch.testing.assert_close(model(b)[k], xb[k] + 0.25 * (xa[k] - xb[k]))
+
+
+async def test_a_busy_link_declines_and_a_reply_of_the_wrong_count_is_not_used(autojump_clock):
+    async with runtimes(2, **CHOCO) as (net, (a, b)):
+        b._link("p0").busy = True
+        before = model(b)
+        header = ChocoExchange(codec="topk:0.1", seq=0, base=b.base_digest)
+        reply, _ = await b.handle(PeerInfo("p0", b"", "mem://p0", "inbound"), header,
+                                  memoryview(b""))  # fmt: skip
+        assert isinstance(reply, ErrorReply) and reply.code == "busy" and same(model(b), before)
+        b._link("p0").busy = False
+
+        async def miscounted(address, header, payload, *, deadline_s, expect_peer):
+            return ChocoReply(seq=header.seq + 5), bytearray(payload), None
+
+        a.ctx.network.request = miscounted
+        before = model(a)
+        await a._exchange("p1")
+        assert same(model(a), before) and a.counters.statistics().failed == 1
 
 
 async def test_a_poisoned_difference_is_rejected_and_changes_nothing(autojump_clock):
@@ -79,9 +102,11 @@ async def test_a_partner_that_never_answers_costs_one_deadline(autojump_clock):
     async with runtimes(2, **CHOCO) as (net, (a, b)):
         net.cut("p0", "p1")
         before = model(a)
+        payload_len = len(a._compress(a.links.link("p1", ["p1"]), "topk:0.1")[0])
         started = trio.current_time()
+        expected = a.ctx.peers.exchange_deadline("p1", payload_len, started)
         await a._exchange("p1")
-        assert 0 < trio.current_time() - started <= a.ctx.peers.links.config.deadline_cap_s
+        assert trio.current_time() - started == pytest.approx(expected)
         assert same(model(a), before) and a.counters.statistics().failed == 1
         assert a.links["p1"].seq == 0 and not a.links["p1"].busy
 
@@ -98,5 +123,5 @@ async def test_a_bad_request_is_refused_and_changes_nothing(autojump_clock, head
         before = model(b)
         peer = PeerInfo("p0", b"", "mem://p0", "inbound")
         reply, _ = await b.handle(peer, header, memoryview(b""))
-        assert isinstance(reply, ErrorReply) and why in reply.reason
+        assert isinstance(reply, ErrorReply) and reply.code == "bad_request" and why in reply.reason
         assert same(model(b), before)

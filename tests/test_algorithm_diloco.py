@@ -26,7 +26,7 @@ async def test_the_outer_step_uses_the_partners_update_and_survives_a_checkpoint
         for _ in range(2):
             b.ctx.trainer.train_step()
         await b.after_step(step(b, 2))  # b ends its round first: a gets b's update pushed
-        assert "p0" in b.used or "p1" in a.inbox
+        assert b.used == {} and "p1" in a.inbox
         for _ in range(2):
             a.ctx.trainer.train_step()
         delta_a = pseudo_gradient(a.start, a.ctx.trainer.params())
@@ -39,7 +39,7 @@ async def test_the_outer_step_uses_the_partners_update_and_survives_a_checkpoint
         NesterovOuter(0.7, 0.9).step(expected, average([delta_a, b.latest_delta]))
         assert all(torch.allclose(a.start[k], expected[k], atol=1e-6) for k in expected)
         assert same(model(a), a.start)
-        assert a.counters.statistics().ok >= 1
+        assert a.counters.statistics().ok == 2  # b's offer answered, our offer answered
         tensors, meta = a.state()
         momentum = {k: v.clone() for k, v in a.outer.buffers.items()}
         start = {k: v.clone() for k, v in a.start.items()}
@@ -77,3 +77,19 @@ async def test_a_poisoned_update_is_refused(autojump_clock):
             a.ctx.trainer.train_step()
         await a.after_step(step(a, 2))
         assert all(torch.isfinite(t).all() for t in model(a).values())
+
+
+async def test_an_update_is_used_once_and_never_when_too_stale(autojump_clock):
+    settings = {**DILOCO, "algorithm_settings": {"diloco": DilocoSettings(inner_steps=2,
+                                                                          max_staleness=1)}}
+    async with runtimes(2, **settings) as (net, (a, b)):
+        b.ctx.trainer.train_step()
+        await b.after_step(step(b, 2))  # b's update of its round 1 reaches a's inbox
+        a.ctx.peers.live_peers = lambda: ()  # a's later rounds ask nobody: only the inbox counts
+        await a.after_step(step(a, 2))  # a's round 1: b's round-1 update is fresh: used
+        assert a.statistics().peer_deltas_used == 1
+        await a.after_step(step(a, 4))  # round 2: nothing new from b: not used again
+        assert a.statistics().peer_deltas_used == 1
+        a.inbox["p1"] = (1, b.latest_delta)  # an update of b's round 1 offered again, late
+        await a.after_step(step(a, 6))  # round 3: two rounds old > max_staleness 1: left out
+        assert a.statistics().peer_deltas_used == 1

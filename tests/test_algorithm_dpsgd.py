@@ -100,8 +100,12 @@ async def test_a_responder_holds_a_request_only_as_long_as_its_asker_waits(autoj
         reply, _ = await b.handle(asker, request, memoryview(b""))
         assert isinstance(reply, ErrorReply) and reply.code == "busy"
         assert trio.current_time() - started == pytest.approx(0.3)
-        assert 0.3 < ROUND_WAIT_CAP_S
         assert b._attendance._heard["p0"][-1][1] == 7
+        # and never longer than ROUND_WAIT_CAP_S, whatever the asker says
+        greedy = RoundRequest(algorithm="dpsgd", codec="none", round=8, degree=1, wait_s=3600)
+        started = trio.current_time()
+        await b.handle(asker, greedy, memoryview(b""))
+        assert trio.current_time() - started == pytest.approx(ROUND_WAIT_CAP_S)
 
 
 async def test_the_round_survives_a_restart_from_state(autojump_clock):
@@ -113,3 +117,35 @@ async def test_the_round_survives_a_restart_from_state(autojump_clock):
     async with runtimes(2, **DPSGD) as (net, (fresh, _)):
         fresh.load_state(tensors, json.loads(json.dumps(meta)))
         assert fresh.round == 3
+
+
+async def test_a_round_ends_at_its_deadline_when_a_neighbour_is_cut_off(autojump_clock):
+    # the neighbour never even hears the request: only our own deadline ends the round
+    async with runtimes(3, **DPSGD) as (net, (a, b, c)):
+        net.cut("p0", "p2")
+        nbytes = a.ctx.peers.payload_nbytes("none")
+        now = trio.current_time()
+        deadline = max(a.ctx.peers.round_deadline(p, nbytes, now) for p in ("p1", "p2"))
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(b.after_step, step(b, 1))
+            started = trio.current_time()
+            await a.after_step(step(a, 1))
+        assert trio.current_time() - started == pytest.approx(deadline + 0.001)
+        assert a.counters.statistics().peers["p2"].failed == 1
+
+
+async def test_a_responder_serves_the_round_asked_for_while_it_has_it(autojump_clock):
+    async with runtimes(2, **DPSGD) as (net, (a, b)):
+        b.ctx.peers.live_peers = lambda: ()  # b publishes its rounds without asking anyone
+        await b.after_step(step(b, 1))
+        round_1 = model(b)
+        b.ctx.trainer.train_step()
+        await b.after_step(step(b, 2))
+        asker = PeerInfo("p0", b"", "mem://p0", "inbound")
+        request = RoundRequest(algorithm="dpsgd", codec="none", round=1, degree=1, wait_s=1.0)
+        reply, data = await b.handle(asker, request, memoryview(b""))
+        assert isinstance(reply, RoundReply) and reply.round == 1
+        assert same(a.ctx.decode(data, "none"), round_1)
+        wrong = RoundRequest(algorithm="choco", codec="none", round=1, degree=1, wait_s=1.0)
+        reply, _ = await b.handle(asker, wrong, memoryview(b""))
+        assert isinstance(reply, ErrorReply) and "runs dpsgd" in reply.reason

@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 from _runtimes import model, runtimes, same, settle, step
 
 from geotrain.node.algorithms.selsync import SelsyncSettings
@@ -55,4 +54,4 @@ async def test_the_reference_and_counts_survive_a_restart_from_state(autojump_cl
         restored.load_state(tensors, json.loads(json.dumps(meta)))
         assert same(restored.reference, reference)
         assert restored.statistics().communicated_steps == 1
-        assert torch.is_tensor(next(iter(restored.reference.values())))
+

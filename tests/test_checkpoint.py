@@ -93,3 +93,19 @@ def test_zero_dim_tensors_and_adam_state_round_trip(tmp_path):
         assert torch.equal(t, a.optimizer.state_dict()["state"][0][name]), name
     for name, p in b.params().items():
         assert torch.equal(p, a.params()[name])
+
+
+def test_a_checkpoint_is_streamed_to_disk_and_read_back_from_the_file(tmp_path):
+    # the file is written tensor by tensor from the tensors' own memory and is plain safetensors
+    import safetensors.torch
+
+    from geotrain.node.state._checkpoint import read_checkpoint
+
+    store = CheckpointStore(tmp_path)
+    ckpt = _ckpt(3)
+    ckpt.tensors["half"] = torch.arange(6, dtype=torch.bfloat16).reshape(2, 3)
+    path = store.save(ckpt)
+    back = read_checkpoint(path)
+    assert back.step == 3 and set(back.tensors) == set(ckpt.tensors)
+    assert all(torch.equal(back.tensors[k], v) for k, v in ckpt.tensors.items())
+    assert torch.equal(safetensors.torch.load_file(str(path))["half"], ckpt.tensors["half"])

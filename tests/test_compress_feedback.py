@@ -72,3 +72,19 @@ def test_a_lossless_codec_leaves_no_residual():
     ef = ErrorFeedback(get_codec("none"))
     ef.encode(torch.randn(50), name="w")
     assert ef.residual_norm() == 0.0
+
+
+def test_half_precision_residuals_hold_half_the_memory_and_still_correct():
+    torch.manual_seed(0)
+    x = torch.randn(10_000)
+    full = ErrorFeedback(get_codec("int8"))
+    half = ErrorFeedback(get_codec("int8"), dtype=torch.float16)
+    sent_full = decode(full.encode(x, name="w"), max_numel=x.numel())
+    sent_half = decode(half.encode(x, name="w"), max_numel=x.numel())
+    assert torch.equal(sent_full, sent_half)  # the first message is the same
+    assert half.residual("w").dtype == torch.float16
+    assert half.residual("w").element_size() * 2 == full.residual("w").element_size()
+    # what was sent plus the kept residual is what went in, up to the residual's own rounding
+    torch.testing.assert_close(sent_half + half.residual("w").float(), x, atol=1e-3, rtol=0)
+    with pytest.raises(ValueError, match="dtype"):
+        ErrorFeedback(get_codec("int8"), dtype=torch.int8)

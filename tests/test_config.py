@@ -142,3 +142,27 @@ def test_the_config_writer_round_trips(tmp_path):
     cfg = config_from_toml(config_to_toml(doc), base=Path("/elsewhere"))
     assert cfg.identity.key == tmp_path / "k.key" and cfg.network.bootstrap == ("tcp://127.0.0.1:1",)
     assert cfg.training.params == {"hidden": 64} and cfg.gossip.settings.degree == 2
+
+
+@pytest.mark.parametrize(
+    ("override", "field"),
+    [
+        ("gossip.max_norm_ratio=1.0", "gossip.max_norm_ratio"),
+        ("gossip.clip=0.0", "gossip.clip"),
+        ("gossip.probe_interval_s=0.01", "gossip.probe_interval_s"),
+        ("state.keep=0", "state.keep"),
+        ("network.chunk_mb=0", "network.chunk_mb"),
+        ("network.chunk_mb=300", "network.chunk_mb"),  # above max_message_mb (256)
+    ],
+)
+def test_shared_settings_are_validated_naming_the_field(override, field):
+    with pytest.raises(ConfigError, match=f"{field} = "):
+        config_from_toml(OPEN, base=Path(), overrides=[override])
+
+
+def test_a_settings_object_of_another_algorithm_is_refused():
+    from geotrain.node import GossipConfig
+    from geotrain.node.algorithms.choco import ChocoSettings
+
+    with pytest.raises(ConfigError, match="gossip.dpsgd = .*DpsgdSettings"):
+        GossipConfig(algorithm="dpsgd", algorithm_settings={"dpsgd": ChocoSettings()})

@@ -28,6 +28,7 @@ from geotrain.node.identity import Admission, Identity
 from geotrain.node.transport import (
     PROTOCOL_VERSION,
     ErrorReply,
+    HeaderDecodeError,
     Pong,
     TransportConfig,
     open_transport,
@@ -73,7 +74,7 @@ def test_unknown_gossip_kind_is_a_header_error():
     codec = node_header_codec()
     envelope = (PROTOCOL_VERSION, {"type": "gossip", "kind": "shout", "body": b""})
     raw = msgspec.msgpack.encode(envelope)
-    with pytest.raises(Exception, match="invalid 'gossip' header"):
+    with pytest.raises(HeaderDecodeError, match="invalid 'gossip' header"):
         codec.decode(raw)
 
 
@@ -113,11 +114,19 @@ async def test_a_node_answers_bad_messages_with_errors_and_keeps_serving(tmp_pat
 
             bad = await ask(Gossip(kind="ping", body=b"\xc1garbage"))
             assert isinstance(bad, ErrorReply) and bad.code == "bad_request"
-            wrong_algo = await ask(Exchange(algorithm="choco", codec="none", step=0))
+            plan = node.algorithm.plan(node.algorithm.ctx.chunk_numel)
+
+            def opening(**changes) -> Exchange:
+                fields = {"algorithm": "adpsgd", "codec": "none", "step": 0, "xid": 1,
+                          "plan": plan.digest, "chunk_numel": plan.chunk_numel,
+                          "chunks": len(plan), **changes}  # fmt: skip
+                return Exchange(**fields)
+
+            wrong_algo = await ask(opening(algorithm="choco"))
             assert isinstance(wrong_algo, ErrorReply) and "adpsgd" in wrong_algo.reason
-            bad_codec = await ask(Exchange(algorithm="adpsgd", codec="zip:9", step=0))
+            bad_codec = await ask(opening(codec="zip:9"))
             assert isinstance(bad_codec, ErrorReply) and bad_codec.code == "bad_request"
-            garbage_model = await ask(Exchange(algorithm="adpsgd", codec="none", step=0), b"junk")
+            garbage_model = await ask(opening(), b"junk")
             assert isinstance(garbage_model, ErrorReply) and "rejected" in garbage_model.reason
             too_big = await ask(Probe(), bytes(2 << 20))
             assert isinstance(too_big, ErrorReply)

@@ -91,3 +91,17 @@ def test_bad_trainer_settings_are_refused():
         _trainer(optimizer="lamb")
     with pytest.raises(ValueError, match="slowdown=0.5"):
         _trainer(slowdown=0.5)
+
+
+def test_bf16_autocast_trains_and_keeps_float32_weights():
+    from geotrain.node import TaskContext, resolve_task
+
+    task = resolve_task("synthetic-linreg")(TaskContext())
+    trainer = Trainer(task, precision="bf16")
+    first = task.evaluate(task.model)
+    for _ in range(200):
+        trainer.train_step()
+    assert task.evaluate(task.model) < 0.2 * first
+    assert all(p.dtype == torch.float32 for p in trainer.params().values())
+    with pytest.raises(ValueError, match="precision='fp8'"):
+        Trainer(task, precision="fp8")

@@ -144,6 +144,18 @@ async def test_request_and_reply_carry_header_payload_and_proven_peers(authority
     assert 3 < frame_out < stats_a.bytes_out  # the handshake is not counted per peer
 
 
+async def test_both_ends_count_every_byte_of_a_request_and_reply_sent_in_parts(authority):
+    config = TransportConfig(part_bytes=64 * 1024, max_message_bytes=1 << 20)
+    a, b = Node(authority), Node(authority)
+    big = bytes(range(256)) * 3000  # 768 KiB each way: 12 parts, the reply's parts pulled
+    async with _open(a, config) as ta, _open(b, config) as tb:
+        _, payload, _ = await ta.request(tb.address, Ping(1), big, deadline_s=30)
+        assert bytes(payload) == big[::-1]
+        stats_a, stats_b = ta.statistics(), tb.statistics()
+    assert stats_a.bytes_out == stats_b.bytes_in > len(big)
+    assert stats_a.bytes_in == stats_b.bytes_out > len(big)
+
+
 async def test_many_requests_to_many_peers_at_once(authority):
     client, servers = Node(authority), [Node(authority) for _ in range(3)]
     results = {}

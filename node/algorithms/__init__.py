@@ -13,9 +13,16 @@ from ._base import ExchangeStatistics as ExchangeStatistics
 from ._base import Network as Network
 from ._base import PeerExchangeStatistics as PeerExchangeStatistics
 from ._base import Tensors as Tensors
+from ._base import ToThread as ToThread
 from ._base import decode_model as decode_model
 from ._base import inline as inline
 from ._registry import algorithm_messages as algorithm_messages
 from ._registry import algorithm_specs as algorithm_specs
 from ._registry import get_algorithm as get_algorithm
 from ._registry import register_algorithm as register_algorithm
+from ._stream import CHUNKS_IN_FLIGHT as CHUNKS_IN_FLIGHT
+from ._stream import ChunkPlan as ChunkPlan
+from ._stream import PairwiseMix as PairwiseMix
+from ._stream import decode_chunk as decode_chunk
+from ._stream import encode_chunk as encode_chunk
+from ._stream import read_chunk as read_chunk

@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import random
+import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Protocol
@@ -113,6 +114,8 @@ class AlgorithmContext:
         start_soon: starts a background task in the node's nursery.
         to_thread: runs blocking tensor work (trio.to_thread.run_sync, or `inline` in tests).
         counters: exchange outcomes, read by the node's status.
+        chunk_numel: elements per chunk of the model streams we start (network.chunk_mb).
+        max_chunk_numel: the most a peer may ask for (what fits in one message).
     """
 
     trainer: Trainer
@@ -124,6 +127,11 @@ class AlgorithmContext:
     start_soon: Callable[..., None]
     to_thread: ToThread = trio.to_thread.run_sync
     counters: ExchangeCounters = field(default_factory=ExchangeCounters)
+    chunk_numel: int = 2 * 2**20
+    max_chunk_numel: int = 64 * 2**20
+    # seconds of the machine's own clock, for measuring tensor work (which takes no time on a
+    # virtual clock, where `now` stands still during it); tests pass a fixed one
+    clock: Callable[[], float] = time.perf_counter
 
     @property
     def numel(self) -> int:
@@ -226,6 +234,9 @@ class AlgorithmSpec:
             every field with a default), or None when it has no settings of its own.
         messages: every header type it sends or answers (registered with the transport).
         summary: one line for help texts.
+        memory: the most model copies it keeps beyond a plain training loop, for a gossip config
+            (its settings and codec); the node's memory budget is checked with it. None: unknown
+            (nothing is checked).
     """
 
     name: str
@@ -233,6 +244,7 @@ class AlgorithmSpec:
     settings: type | None
     messages: tuple[type[Header], ...]
     summary: str
+    memory: Callable[[GossipConfig], float] | None = None
 
     def default_settings(self) -> Any:
         return self.settings() if self.settings is not None else None

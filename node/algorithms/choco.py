@@ -256,5 +256,7 @@ ALGORITHM = register_algorithm(
         settings=ChocoSettings,
         messages=(ChocoExchange, ChocoReply, ChocoResync),
         summary="CHOCO-SGD: compressed differences against per-neighbour public estimates",
+        # the initial model, two estimates per tracked neighbour, and one difference in flight
+        memory=lambda g: 2.0 + 2 * g.settings.max_peers,
     )
 )

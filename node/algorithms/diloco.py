@@ -277,5 +277,8 @@ ALGORITHM = register_algorithm(
         settings=DilocoSettings,
         messages=(DeltaOffer, DeltaReply),
         summary="local SGD: inner_steps local steps, then an outer step on averaged updates",
+        # round start, outer momentum, error feedback, our update (and its payload), and up to
+        # fanout updates from peers offered to us plus fanout replies
+        memory=lambda g: 5.0 + 2 * g.settings.fanout,
     )
 )

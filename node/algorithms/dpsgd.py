@@ -274,5 +274,7 @@ ALGORITHM = register_algorithm(
         settings=DpsgdSettings,
         messages=(RoundRequest, RoundReply),
         summary="synchronous rounds with up to `degree` neighbours, stragglers left out",
+        # the models of the last KEEP_ROUNDS rounds, and each neighbour's model during a round
+        memory=lambda g: KEEP_ROUNDS + g.settings.degree,
     )
 )

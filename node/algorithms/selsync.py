@@ -13,7 +13,15 @@ from ..training import StepResult
 from ..transport import Header, PeerInfo
 from ._base import Algorithm, AlgorithmContext, AlgorithmSpec, Reply, Tensors
 from ._registry import register_algorithm
-from .adpsgd import Adpsgd, Exchange, ExchangeReply
+from .adpsgd import (
+    Adpsgd,
+    Exchange,
+    ExchangeAbort,
+    ExchangeChunk,
+    ExchangeChunkReply,
+    ExchangeReply,
+    adpsgd_copies,
+)
 
 
 @dataclass(frozen=True)
@@ -49,11 +57,12 @@ class Selsync(Algorithm):
     peers for fewer exchanges; with a high threshold the peers drift as if training alone.
     """
 
-    handles = (Exchange,)
+    handles = Adpsgd.handles
 
     def __init__(self, ctx: AlgorithmContext) -> None:
         super().__init__(ctx)
         self.pairwise = Adpsgd(ctx)  # shares ctx, so its exchanges fill the same counters
+        self.pairwise.on_answered_mix = self._reset_after_mix  # our progress was shared
         self.reference = ctx.trainer.snapshot()
         self.steps = self.communicated = 0
         self.last_change = 0.0
@@ -103,10 +112,7 @@ class Selsync(Algorithm):
             self.communicated += 1
 
     async def handle(self, peer: PeerInfo, header: Header, payload: memoryview) -> Reply:
-        reply = await self.pairwise.handle(peer, header, payload)
-        if isinstance(reply[0], ExchangeReply):  # we mixed: our progress is shared
-            await self._reset_after_mix()
-        return reply
+        return await self.pairwise.handle(peer, header, payload)
 
 
 ALGORITHM = register_algorithm(
@@ -114,7 +120,8 @@ ALGORITHM = register_algorithm(
         name="selsync",
         runtime=Selsync,
         settings=SelsyncSettings,
-        messages=(Exchange, ExchangeReply),
+        messages=(Exchange, ExchangeReply, ExchangeChunk, ExchangeChunkReply, ExchangeAbort),
         summary="an adpsgd exchange only when the model moved more than a threshold",
+        memory=lambda g: adpsgd_copies(g.codec) + 1.0,  # + the reference model
     )
 )

@@ -5,12 +5,13 @@
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import re
 import struct
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import safetensors.torch
 import torch
@@ -43,45 +44,69 @@ class Checkpoint:
     meta: dict[str, Any] = field(default_factory=dict)
 
 
+_DTYPES = {
+    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
+    torch.uint8: "U8", torch.bool: "BOOL",
+}  # fmt: skip
+
+
+def _raw(t: torch.Tensor) -> memoryview:
+    """The bytes of a CPU tensor, without a copy when it is contiguous."""
+    flat = t.detach().reshape(-1)
+    if not flat.is_contiguous() or flat.device.type != "cpu":
+        flat = flat.cpu().contiguous()
+    return memoryview(flat.view(torch.uint8).numpy()) if flat.numel() else memoryview(b"")
+
+
 def _digest(tensors: dict[str, torch.Tensor]) -> str:
     h = hashlib.sha256()
     for name in sorted(tensors):
-        t = tensors[name].detach().cpu().contiguous()
+        t = tensors[name]
         h.update(name.encode())
         h.update(str(tuple(t.shape)).encode() + str(t.dtype).encode())
-        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+        h.update(_raw(t))
     return h.hexdigest()
 
 
+def _header(ckpt: Checkpoint) -> tuple[bytes, list[str]]:
+    """The safetensors header (8-byte length, JSON padded to 8) and the tensors' order."""
+    names = sorted(ckpt.tensors)
+    info = {
+        "format": FORMAT, "step": ckpt.step, "algorithm": ckpt.algorithm,
+        "sha256": _digest(ckpt.tensors), "meta": ckpt.meta,
+    }  # fmt: skip
+    header: dict[str, Any] = {"__metadata__": {"geotrain": json.dumps(info)}}
+    offset = 0
+    for name in names:
+        t = ckpt.tensors[name]
+        if t.dtype not in _DTYPES:
+            raise ValueError(f"checkpoint tensor {name!r}: dtype {t.dtype} is not supported")
+        size = t.numel() * t.element_size()
+        header[name] = {"dtype": _DTYPES[t.dtype], "shape": list(t.shape),
+                        "data_offsets": [offset, offset + size]}  # fmt: skip
+        offset += size
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    return struct.pack("<Q", len(raw)) + raw, names
+
+
+def write_checkpoint(f: BinaryIO, ckpt: Checkpoint) -> None:
+    """Write `ckpt` as a safetensors file to `f`, tensor by tensor from their own memory (no copy
+    of the whole is made; the caller keeps the tensors unchanged meanwhile)."""
+    header, names = _header(ckpt)
+    f.write(header)
+    for name in names:
+        f.write(_raw(ckpt.tensors[name]))
+
+
 def encode_checkpoint(ckpt: Checkpoint) -> bytes:
-    tensors = {k: v.detach().cpu().contiguous() for k, v in ckpt.tensors.items()}
-    header = {
-        "format": FORMAT,
-        "step": ckpt.step,
-        "algorithm": ckpt.algorithm,
-        "sha256": _digest(tensors),
-        "meta": ckpt.meta,
-    }
-    return safetensors.torch.save(tensors, metadata={"geotrain": json.dumps(header)})
+    buffer = io.BytesIO()
+    write_checkpoint(buffer, ckpt)
+    return buffer.getvalue()
 
 
-def decode_checkpoint(data: bytes) -> Checkpoint:
-    """Parse and verify a checkpoint file's bytes.
-
-    Raises:
-        CheckpointError: truncated, corrupt, or not a geotrain checkpoint.
-    """
-    if len(data) < 8:
-        raise CheckpointError("file shorter than its 8-byte header length")
-    (header_len,) = struct.unpack("<Q", data[:8])
-    if header_len > min(MAX_HEADER_BYTES, len(data) - 8):
-        raise CheckpointError(f"header length {header_len} exceeds the file")
-    try:
-        st_header = json.loads(data[8 : 8 + header_len])
-        info = json.loads(st_header["__metadata__"]["geotrain"])
-        tensors = safetensors.torch.load(data)
-    except Exception as exc:  # safetensors raises its own error types; JSON ours; any is "corrupt"
-        raise CheckpointError(f"unreadable: {exc}") from exc
+def _verified(info: Any, tensors: dict[str, torch.Tensor]) -> Checkpoint:
     if not isinstance(info, dict) or info.get("format") != FORMAT:
         raise CheckpointError(f"format is not {FORMAT}")
     try:
@@ -95,6 +120,49 @@ def decode_checkpoint(data: bytes) -> Checkpoint:
         raise CheckpointError("step or algorithm missing")
     meta = info.get("meta")
     return Checkpoint(step, algorithm, tensors, meta if isinstance(meta, dict) else {})
+
+
+def _info(head: bytes, size: int) -> Any:
+    if len(head) < 8:
+        raise CheckpointError("file shorter than its 8-byte header length")
+    (header_len,) = struct.unpack("<Q", head[:8])
+    if header_len > min(MAX_HEADER_BYTES, size - 8):
+        raise CheckpointError(f"header length {header_len} exceeds the file")
+    return header_len
+
+
+def decode_checkpoint(data: bytes) -> Checkpoint:
+    """Parse and verify a checkpoint file's bytes.
+
+    Raises:
+        CheckpointError: truncated, corrupt, or not a geotrain checkpoint.
+    """
+    header_len = _info(data[:8], len(data))
+    try:
+        st_header = json.loads(data[8 : 8 + header_len])
+        info = json.loads(st_header["__metadata__"]["geotrain"])
+        tensors = safetensors.torch.load(data)
+    except Exception as exc:  # safetensors raises its own error types; JSON ours; any is "corrupt"
+        raise CheckpointError(f"unreadable: {exc}") from exc
+    return _verified(info, tensors)
+
+
+def read_checkpoint(path: Path) -> Checkpoint:
+    """Read and verify a checkpoint file without holding its bytes and its tensors at once.
+
+    Raises:
+        CheckpointError, OSError: truncated, corrupt, not a geotrain checkpoint, unreadable.
+    """
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        header_len = _info(f.read(8), size)
+        raw_header = f.read(header_len)
+    try:
+        info = json.loads(json.loads(raw_header)["__metadata__"]["geotrain"])
+        tensors = safetensors.torch.load_file(str(path))
+    except Exception as exc:  # safetensors raises its own error types; JSON ours; any is "corrupt"
+        raise CheckpointError(f"unreadable: {exc}") from exc
+    return _verified(info, tensors)
 
 
 class CheckpointStore:
@@ -119,7 +187,7 @@ class CheckpointStore:
 
     def save(self, ckpt: Checkpoint) -> Path:
         path = self.directory / f"ckpt-{ckpt.step:010d}.safetensors"
-        write_atomically(path, encode_checkpoint(ckpt))
+        write_atomically(path, lambda f: write_checkpoint(f, ckpt))
         for old in self.paths()[self.keep :]:
             old.unlink(missing_ok=True)
         return path
@@ -129,7 +197,7 @@ class CheckpointStore:
         skipped: list[str] = []
         for path in self.paths():
             try:
-                return decode_checkpoint(path.read_bytes()), skipped
+                return read_checkpoint(path), skipped
             except (CheckpointError, OSError) as exc:
                 skipped.append(f"{path.name}: {exc}")
         return None, skipped

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import os
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
+from typing import BinaryIO
 
 
 def _fsync_dir(directory: Path) -> None:
@@ -15,12 +17,20 @@ def _fsync_dir(directory: Path) -> None:
         os.close(fd)
 
 
-def write_atomically(path: Path, data: bytes) -> None:
-    """Write `data` to `path` so that a crash leaves either the old file or the new one."""
+def write_atomically(path: Path, data: bytes | Callable[[BinaryIO], None]) -> None:
+    """Write `data` to `path` so that a crash leaves either the old file or the new one.
+
+    Args:
+        data: the bytes, or a function that writes them to the open file (so a big file can be
+            written piece by piece, never held whole).
+    """
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
         with open(fd, "wb") as f:
-            f.write(data)
+            if callable(data):
+                data(f)
+            else:
+                f.write(data)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)

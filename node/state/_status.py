@@ -49,6 +49,8 @@ class NodeStatus:
     pid: int
     running: bool = True
     peers: tuple[PeerStatus, ...] = field(default_factory=tuple)
+    peak_rss_mb: float | None = None  # the node process's peak resident memory
+    memory_estimate_mb: float | None = None  # what the node estimated it needs at start
     algorithm_stats: dict[str, float | int] = field(default_factory=dict)  # per-algorithm counters
 
     def to_json(self) -> dict[str, Any]:

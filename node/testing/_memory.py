@@ -127,18 +127,18 @@ class MemoryTransport:
 
         async def serve() -> None:
             there, back = net.link(self.peer_id, peer_id), net.link(peer_id, self.peer_id)
-            if there.cut:
-                return
             await trio.sleep(there.delay_s)
+            if there.cut or address not in net._handlers:  # cut (or gone) while on the way
+                return
             net._count(self.peer_id, peer_id, len(wire) + len(data))
             answer, answer_payload = await handler(me, net.codec.decode(wire), memoryview(data))
             reply_wire, reply_data = net.codec.encode(answer), bytearray(answer_payload)
-            if back.cut:
-                return
             if there.lose_replies:
                 there.lose_replies -= 1
                 return
             await trio.sleep(back.delay_s)
+            if back.cut or net._handlers.get(self.address) is None:
+                return
             net._count(peer_id, self.peer_id, len(reply_wire) + len(reply_data))
             reply.append((net.codec.decode(reply_wire), reply_data))
             done.set()
@@ -186,6 +186,7 @@ def algorithm_on(
     start_soon: Callable[..., None],
     *,
     seed: int = 0,
+    chunk_numel: int | None = None,
 ) -> Algorithm:
     """The runtime of `gossip.algorithm` for `peer_id` on `network`, with tensor work inline.
 
@@ -199,6 +200,7 @@ def algorithm_on(
         peers: the other peers it sees live.
         start_soon: where it starts background exchanges (a nursery's start_soon).
         seed: seeds its Random.
+        chunk_numel: elements per chunk of the model streams it starts (default: the node's).
     """
     rng = random.Random(seed)
     membership = StaticMembership(list(peers))
@@ -210,8 +212,10 @@ def algorithm_on(
     ctx = AlgorithmContext(
         trainer=trainer, gossip=gossip, settings=gossip.settings, peers=choice,
         network=transport, rng=rng, start_soon=start_soon, to_thread=inline,
-        counters=ExchangeCounters(),
+        counters=ExchangeCounters(), clock=trio.current_time,
     )  # fmt: skip
+    if chunk_numel is not None:
+        ctx.chunk_numel = chunk_numel
     algorithm = get_algorithm(gossip.algorithm).runtime(ctx)
     network.set_handler(peer_id, algorithm.handle)
     return algorithm

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import gzip
+import math
 import sysconfig
+from collections.abc import Iterator
 from importlib import resources
 from pathlib import Path
 
@@ -194,8 +196,52 @@ def charlm(ctx: TaskContext) -> Task:
     )
 
 
+def _random_batches(
+    width: int, batch_size: int, seed: int, device: torch.device
+) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(seed)
+    while True:
+        x = torch.randn(batch_size, width, generator=gen).to(device)
+        yield x, x
+
+
+def wide_linear(ctx: TaskContext) -> Task:
+    """A model of real size for memory and streaming checks: one square linear layer (no bias)
+    learning the identity on random inputs, generated batch by batch (no data is held).
+
+    Params: millions (parameters, in millions; default 100: a 10,000 x 10,000 weight of 400 MB in
+    float32), batch_size (default 8). The metric is the held-out mean squared error (1.33 at the
+    start, 0 when learned); one step costs about 6 x batch_size x parameters floating-point ops.
+    """
+    millions = ctx.param("millions", 100.0, float)
+    batch_size = ctx.param("batch_size", 8, int)
+    if not 1e-6 <= millions <= 1e5:
+        raise ValueError(f"task.params.millions={millions!r}: expected 1e-6..1e5")
+    width = max(1, round(math.sqrt(millions * 1e6)))
+    torch.manual_seed(ctx.seed)
+    model = nn.Linear(width, width, bias=False).to(ctx.device)
+    x_eval = torch.randn(64, width, generator=torch.Generator().manual_seed(ctx.seed + 1))
+    x_eval = x_eval.to(ctx.device)
+
+    def mse(m: nn.Module) -> float:
+        with torch.no_grad():
+            return float(nn.functional.mse_loss(m(x_eval), x_eval))
+
+    return Task(
+        model=model,
+        batches=_random_batches(width, batch_size, ctx.seed * 1000 + ctx.shard_index, ctx.device),
+        loss=lambda m, b: nn.functional.mse_loss(m(b[0]), b[1]),
+        evaluate=mse,
+        metric="mse",
+        higher_is_better=False,
+        default_target=0.5,
+        lr=0.5,  # a step moves W along each input x by about 2 lr / batch_size: stable below 1
+    )
+
+
 BUILTIN_TASKS: dict[str, TaskFunction] = {
     "digits-mlp": digits_mlp,
     "synthetic-linreg": synthetic_linreg,
     "charlm": charlm,
+    "wide-linear": wide_linear,
 }

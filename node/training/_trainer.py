@@ -3,11 +3,12 @@
 # interleave; every tensor stays on the task's device; nothing here touches the network.
 from __future__ import annotations
 
+import contextlib
 import math
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -19,6 +20,7 @@ from ..state import optimizer_from_checkpoint, optimizer_to_checkpoint
 from ._tasks import Task
 
 OPTIMIZERS = ("sgd", "adam")
+PRECISIONS = ("fp32", "bf16")
 T = TypeVar("T")
 
 
@@ -39,6 +41,8 @@ class Trainer:
         momentum: SGD momentum.
         slowdown: emulate a slower machine: after each step, wait (slowdown - 1) x its compute
             time (the testbed's stragglers). 1.0 = full speed.
+        precision: "fp32", or "bf16" to run the forward pass and loss under torch.autocast in
+            bfloat16 (weights, gradients and optimizer state stay float32).
         sleep: the function used for that wait (tests pass a fake).
     """
 
@@ -50,10 +54,13 @@ class Trainer:
         lr: float | None = None,
         momentum: float = 0.9,
         slowdown: float = 1.0,
+        precision: str = "fp32",
         sleep: Callable[[float], None] = time.sleep,
     ) -> None:
         if optimizer not in OPTIMIZERS:
             raise ValueError(f"optimizer={optimizer!r}: expected one of {OPTIMIZERS}")
+        if precision not in PRECISIONS:
+            raise ValueError(f"precision={precision!r}: expected one of {PRECISIONS}")
         if slowdown < 1.0:
             raise ValueError(f"slowdown={slowdown}: expected >= 1.0")
         self.task = task
@@ -66,8 +73,9 @@ class Trainer:
             else torch.optim.Adam(params, lr=rate)
         )
         self.slowdown = slowdown
+        self.precision = precision
         self._sleep = sleep
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # re-entrant: `locked()` callers use the methods too
         self.step = 0
         self.last_loss = math.nan
         self._step_ends: deque[float] = deque(maxlen=50)  # monotonic end times of recent steps
@@ -82,7 +90,11 @@ class Trainer:
         with self._lock:
             batch = next(self.task.batches)
             self.optimizer.zero_grad(set_to_none=True)
-            loss = self.task.loss(self.model, batch)
+            if self.precision == "bf16":
+                with torch.autocast(self.task_device.type, dtype=torch.bfloat16):
+                    loss = self.task.loss(self.model, batch)
+            else:
+                loss = self.task.loss(self.model, batch)
             loss.backward()
             self.optimizer.step()
             self.step += 1
@@ -158,13 +170,27 @@ class Trainer:
             finally:
                 self.model.train()
 
-    def state_tensors(self) -> tuple[dict[str, torch.Tensor], dict]:
-        """Model and optimizer state for a checkpoint: tensors by name, and JSON-able scalars."""
+    def state_tensors(self, *, copy: bool = True) -> tuple[dict[str, torch.Tensor], dict]:
+        """Model and optimizer state for a checkpoint: tensors by name, and JSON-able scalars.
+
+        Args:
+            copy: copies (True), or the live tensors themselves: only for a caller that holds
+                `locked()` for as long as it uses them (a checkpoint written without a copy).
+        """
         with self._lock:
-            tensors = {f"model/{k}": v.detach().clone() for k, v in self.model.state_dict().items()}
+            sd = self.model.state_dict()
+            tensors = {f"model/{k}": v.detach() for k, v in sd.items()}
             opt_tensors, opt_meta = optimizer_to_checkpoint(self.optimizer)
-            tensors.update({k: v.detach().clone() for k, v in opt_tensors.items()})
+            tensors.update({k: v.detach() for k, v in opt_tensors.items()})
+            if copy:
+                tensors = {k: v.clone() for k, v in tensors.items()}
             return tensors, {"optimizer": opt_meta, "step": self.step}
+
+    @contextlib.contextmanager
+    def locked(self) -> Iterator[None]:
+        """Hold the model lock: no step, mix or snapshot runs meanwhile (blocks them)."""
+        with self._lock:
+            yield
 
     def restore(self, tensors: dict[str, torch.Tensor], meta: dict, step: int) -> None:
         """Load what `state_tensors` produced (from a checkpoint)."""

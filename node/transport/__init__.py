@@ -20,6 +20,8 @@ from ._messages import Name as Name
 from ._messages import Ping as Ping
 from ._messages import Pong as Pong
 from ._transport import Transport as Transport
+from ._transport import open_raw_pynng_exchange as open_raw_pynng_exchange
+from ._transport import open_raw_pynng_pair as open_raw_pynng_pair
 from ._transport import open_transport as open_transport
 from ._types import Handler as Handler
 from ._types import HandshakeError as HandshakeError

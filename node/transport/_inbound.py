@@ -132,7 +132,10 @@ class _Inbound:
         self.counters.moved(session.peer, len(view), 0)
         try:
             if session.channel is not None:
-                return await self._on_frame(session, view)
+                reply = await self._on_frame(session, view)
+                # every frame out is counted here: replies, part acknowledgements, pulled parts
+                self.counters.moved(session.peer, 0, len(reply._buffer))
+                return reply
             kind = view[0] if len(view) else -1
             if kind == HS1 and session.handshake is None:
                 session.handshake = self.creds.handshake(initiator=False)
@@ -251,9 +254,7 @@ class _Inbound:
         else:
             reply_header, reply_payload = await self._call_handler(session.peer, header, payload)
         self.counters.requests_served += 1
-        reply = await self._seal_reply(session, self.codec.encode(reply_header), reply_payload)
-        self.counters.moved(session.peer, 0, len(reply._buffer))
-        return reply
+        return await self._seal_reply(session, self.codec.encode(reply_header), reply_payload)
 
     async def _call_handler(self, peer: PeerInfo, header: Header, payload: bytearray):
         try:

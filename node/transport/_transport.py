@@ -323,27 +323,45 @@ def _bound_address(requested: str, local: str) -> str:
     return requested
 
 
-# ---- baseline for node.bench: plain pynng, here because the transport modules alone own pynng ---
+# ---- baselines for the benchmarks: plain pynng, here because the transport modules own pynng ----
 @asynccontextmanager
 async def open_raw_pynng_pair(max_bytes: int) -> AsyncIterator[Callable[[bytes], Awaitable[None]]]:
     """A Req0->Rep0 pair over loopback with no security, for benchmarks only. Yields
     `round_trip(payload)`: send `payload` one way with pynng's ordinary bytes API, 2 bytes back."""
+    async with open_raw_pynng_exchange(max_bytes, in_flight=1) as exchange:
+
+        async def round_trip(payload: bytes) -> None:
+            await exchange(payload, 2)
+
+        yield round_trip
+
+
+@asynccontextmanager
+async def open_raw_pynng_exchange(
+    max_bytes: int, in_flight: int
+) -> AsyncIterator[Callable[[bytes, int], Awaitable[None]]]:
+    """Like open_raw_pynng_pair, but `exchange(payload, reply_bytes)` gets `reply_bytes` back, and
+    up to `in_flight` requests may run at once (one nng context each on both ends)."""
     limit = max_bytes + 1024
     opts = {"recv_max_size": limit, "recv_timeout": 600_000, "send_timeout": 600_000}
     with pynng.Rep0(**opts) as rep, pynng.Req0(**opts) as req:
         listener = rep.listen("tcp://127.0.0.1:0")
         req.dial(_bound_address("tcp://127.0.0.1:0", str(listener.local_address)), block=True)
+        reply = bytes(max_bytes)
 
-        async def echo() -> None:
-            while True:
-                await rep.arecv()
-                await rep.asend(b"ok")
+        async def serve() -> None:
+            with rep.new_context() as ctx:
+                while True:
+                    data = await ctx.arecv()
+                    await ctx.asend(reply[: int.from_bytes(data[:8], "big")])
 
-        async def round_trip(payload: bytes) -> None:
-            await req.asend(payload)
-            await req.arecv()
+        async def exchange(payload: bytes, reply_bytes: int) -> None:
+            with req.new_context() as ctx:
+                await ctx.asend(reply_bytes.to_bytes(8, "big") + payload)
+                await ctx.arecv()
 
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(echo)
-            yield round_trip
+            for _ in range(in_flight):
+                nursery.start_soon(serve)
+            yield exchange
             nursery.cancel_scope.cancel()

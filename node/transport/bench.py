@@ -18,7 +18,11 @@ import trio
 from ..cli import configure_logging
 from ..identity import Admission, Identity
 from ._messages import Ping, Pong
-from ._transport import TransportConfig, open_raw_pynng_pair, open_transport
+from ._transport import (
+    TransportConfig,
+    open_raw_pynng_pair,
+    open_transport,
+)
 
 MB = 10**6
 DEFAULT_SIZES_MB = (1, 16, 64, 256)

@@ -1,0 +1,112 @@
+# The node's memory budget. Invariants: the estimate is made from the model's size alone, before
+# training starts, in model copies: the plain training loop (weights, gradients, optimizer state),
+# what the algorithm keeps (its spec says), and a fixed runtime share; a config whose estimate
+# exceeds limits.memory_gb is refused with the figures, never discovered by the OOM killer later.
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import resource
+import sys
+from dataclasses import dataclass
+
+from ._config import ConfigError, NodeConfig
+from .algorithms import CHUNKS_IN_FLIGHT, AlgorithmSpec
+from .training import Trainer
+
+RUNTIME_GB = 0.5  # interpreter, torch, transport buffers: a small node's RSS on this kind of box
+# Chunks of a stream in flight each hold a few buffers at once (read, encoded, encrypted, received,
+# decoded, the difference): about this many chunk sizes per chunk in flight.
+BUFFERS_PER_CHUNK = 8
+OPTIMIZER_COPIES = {"sgd": 1.0, "adam": 2.0}  # momentum; first and second moments
+
+
+class MemoryBudgetError(ConfigError):
+    """The node would need more memory than limits.memory_gb allows; the message has the figures."""
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    model_gb: float  # the model's parameters
+    plain_copies: float  # weights + gradients + optimizer state
+    algorithm: str
+    algorithm_copies: float | None  # None: the algorithm states none
+    buffers_gb: float = 0.0  # chunks of model streams in flight
+    runtime_gb: float = RUNTIME_GB
+
+    @property
+    def copies(self) -> float:
+        return self.plain_copies + (self.algorithm_copies or 0.0)
+
+    @property
+    def total_gb(self) -> float:
+        return self.model_gb * self.copies + self.buffers_gb + self.runtime_gb
+
+    def explain(self) -> str:
+        extra = "?" if self.algorithm_copies is None else f"{self.algorithm_copies:g}"
+        return (
+            f"model {self.model_gb:.3g} GB x ({self.plain_copies:g} plain training loop + {extra} "
+            f"{self.algorithm}) + {self.buffers_gb:.2g} GB chunks in flight + "
+            f"{self.runtime_gb:g} GB runtime = {self.total_gb:.3g} GB"
+        )
+
+
+def estimate_memory(config: NodeConfig, trainer: Trainer, spec: AlgorithmSpec) -> MemoryEstimate:
+    """The node's memory need for this model, optimizer and algorithm."""
+    model_bytes = sum(p.numel() * p.element_size() for p in trainer.params().values())
+    optimizer = config.training.optimizer or "sgd"
+    extra = spec.memory(config.gossip) if spec.memory is not None else None
+    chunk_bytes = min(model_bytes, config.network.chunk_numel * 4)
+    buffers = CHUNKS_IN_FLIGHT * BUFFERS_PER_CHUNK * chunk_bytes
+    return MemoryEstimate(
+        model_bytes / 1e9, 2.0 + OPTIMIZER_COPIES.get(optimizer, 2.0), spec.name, extra,
+        buffers / 1e9,
+    )  # fmt: skip
+
+
+def check_budget(config: NodeConfig, estimate: MemoryEstimate) -> None:
+    """Refuse a config whose estimate does not fit limits.memory_gb.
+
+    Raises:
+        MemoryBudgetError: it does not fit (the message names the figures and what to change).
+    """
+    limit = config.limits.memory_gb
+    if limit is None or estimate.total_gb <= limit:
+        return
+    raise MemoryBudgetError(
+        f"limits.memory_gb = {limit:g}: this node needs about {estimate.explain()}; raise the "
+        f"limit, use a smaller model, or an algorithm that keeps fewer copies (README: Memory)"
+    )
+
+
+def peak_rss_mb() -> float:
+    """This process's peak resident memory so far, in MB (Linux reports KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e6
+
+
+M_MMAP_THRESHOLD, M_ARENA_MAX = -3, -8  # glibc's mallopt parameters
+_tuned = False
+
+
+def tune_allocator() -> bool:
+    """Make glibc's malloc give freed chunk buffers back to the system (Linux only; idempotent).
+
+    A model stream allocates and frees megabyte buffers from several threads. With glibc's
+    defaults the mmap threshold grows to the largest block freed so far and every thread gets its
+    own arena, so those buffers pile up in arenas: measured on a 100M-parameter exchange, a node's
+    peak went from 5.3 to 6.8 model copies. A fixed 1 MiB mmap threshold (big blocks are mapped
+    and unmapped) and at most 2 arenas keep it at 5.3. Process-wide; the node calls it at start.
+
+    Returns:
+        Whether the allocator was tuned (False off glibc).
+    """
+    global _tuned
+    if _tuned or not sys.platform.startswith("linux"):
+        return _tuned
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):  # not glibc (musl has no mallopt)
+        return False
+    _tuned = bool(mallopt(M_MMAP_THRESHOLD, 1 << 20)) and bool(mallopt(M_ARENA_MAX, 2))
+    return _tuned

@@ -1,0 +1,265 @@
+# A model as a stream of bounded chunks. Invariants: both ends derive the same chunk plan from the
+# model's names and shapes and the chunk size (its digest travels in the first message, so ends
+# that disagree find out before any tensor work); a chunk is at most `chunk_numel` elements, so no
+# message, buffer or handler ever holds a whole uncompressed model it does not need; a received
+# chunk is decoded within its own size, must name exactly the slices the plan says and be finite;
+# a pairwise session never touches the live model before every chunk has arrived and the
+# whole-model checks passed: until then the mix waits in one buffer of the model's size, so a
+# rejected, timed-out or abandoned exchange leaves the model exactly as it was.
+from __future__ import annotations
+
+import hashlib
+import math
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from geotrain import compress
+from geotrain.gossip import RejectedUpdate
+
+from ..training import Trainer
+from ._base import Tensors
+
+DEFAULT_CHUNK_BYTES = 8 * 2**20  # of float32: small enough to pipeline, big enough per round trip
+CHUNKS_IN_FLIGHT = 4  # requests of one stream on the wire at once
+
+
+@dataclass(frozen=True)
+class Slice:
+    """Elements [start, stop) of tensor `name`, flattened."""
+
+    name: str
+    start: int
+    stop: int
+
+    @property
+    def label(self) -> str:
+        return f"{self.name}@{self.start}"
+
+    @property
+    def numel(self) -> int:
+        return self.stop - self.start
+
+
+@dataclass(frozen=True)
+class ChunkPlan:
+    """How a model is cut into chunks: consecutive slices of its tensors in name order, each chunk
+    at most `chunk_numel` elements (small tensors share a chunk)."""
+
+    chunks: tuple[tuple[Slice, ...], ...]
+    shapes: tuple[tuple[str, tuple[int, ...]], ...]
+    chunk_numel: int
+    digest: int  # of the shapes and chunk_numel: equal plans have equal digests
+
+    @classmethod
+    def build(cls, shapes: Sequence[tuple[str, Sequence[int]]], chunk_numel: int) -> ChunkPlan:
+        if chunk_numel < 1:
+            raise ValueError(f"chunk_numel={chunk_numel}: expected >= 1")
+        ordered = tuple(sorted((name, tuple(int(d) for d in shape)) for name, shape in shapes))
+        chunks: list[tuple[Slice, ...]] = []
+        current: list[Slice] = []
+        room = chunk_numel
+        for name, shape in ordered:
+            numel, start = math.prod(shape), 0
+            while start < numel:
+                take = min(room, numel - start)
+                current.append(Slice(name, start, start + take))
+                start += take
+                room -= take
+                if room == 0:
+                    chunks.append(tuple(current))
+                    current, room = [], chunk_numel
+        if current or not chunks:
+            chunks.append(tuple(current))
+        h = hashlib.sha256(repr((ordered, chunk_numel)).encode()).digest()
+        return cls(tuple(chunks), ordered, chunk_numel, int.from_bytes(h[:8], "big") >> 1)
+
+    @classmethod
+    def for_model(cls, params: Tensors, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> ChunkPlan:
+        return cls.build([(n, tuple(t.shape)) for n, t in params.items()], max(1, chunk_bytes // 4))
+
+    def __len__(self) -> int:
+        return len(self.chunks)
+
+    @property
+    def numel(self) -> int:
+        return sum(math.prod(shape) for _, shape in self.shapes)
+
+    def chunk_numel_of(self, index: int) -> int:
+        return sum(s.numel for s in self.chunks[index])
+
+
+def read_chunk(trainer: Trainer, plan: ChunkPlan, index: int) -> list[tuple[Slice, torch.Tensor]]:
+    """Copies of the live model's slices of chunk `index` (under the trainer's lock)."""
+
+    def copy(live: Tensors) -> list[tuple[Slice, torch.Tensor]]:
+        return [(s, live[s.name].reshape(-1)[s.start : s.stop].clone()) for s in plan.chunks[index]]
+
+    return trainer.update(copy)
+
+
+def encode_chunk(
+    slices: list[tuple[Slice, torch.Tensor]],
+    spec: str,
+    feedback: compress.ErrorFeedback | None = None,
+    seed: int = 0,
+) -> bytes:
+    """One chunk's payload: its slices, each named `name@start`, coded with `spec`."""
+    named = [(s.label, t) for s, t in slices]
+    codec = compress.get_codec(spec)
+    return compress.encode_named(named, codec, error_feedback=feedback, seed=seed)
+
+
+def decode_chunk(
+    payload: bytes | bytearray | memoryview,
+    spec: str,
+    plan: ChunkPlan,
+    index: int,
+    device: torch.device,
+) -> list[torch.Tensor]:
+    """A peer's chunk `index`: exactly the plan's slices, finite, decoded within its size.
+
+    Raises:
+        compress.DecodeError: not a payload of `spec`'s family or bigger than the chunk.
+        RejectedUpdate: other slices than the plan's ("names", "shape") or NaN/inf ("nonfinite").
+    """
+    expected = plan.chunks[index]
+    pairs = compress.decode_named(
+        payload,
+        max_numel=plan.chunk_numel_of(index),
+        device=device,
+        allowed=compress.codec_family(compress.get_codec(spec)),
+    )
+    labels = [label for label, _ in pairs]
+    if labels != [s.label for s in expected]:
+        raise RejectedUpdate("names", f"chunk {index}: slices {labels[:3]} are not the plan's")
+    out = []
+    for s, (_, t) in zip(expected, pairs, strict=True):
+        if t.numel() != s.numel:
+            raise RejectedUpdate("shape", f"chunk {index}: {s.label} has {t.numel()} elements")
+        if not t.is_floating_point() or not bool(torch.isfinite(t).all()):
+            raise RejectedUpdate("nonfinite", f"chunk {index}: {s.label} holds NaN or inf")
+        out.append(t.reshape(-1).float())
+    return out
+
+
+class PairwiseMix:
+    """One side of a streamed pairwise average: x += weight * (x_peer - x_sent), per chunk.
+
+    Our chunk i is read from the live model when it is sent (`send`), the peer's chunk i is
+    checked when it arrives (`receive`), and weight * (theirs - ours as sent) is kept in a buffer
+    of the model's size; `commit` checks the whole (norm) and adds the buffer to the live model in
+    one step under the trainer's lock. Dropping the object without `commit` changes nothing.
+
+    Args:
+        trainer: our model; plan: the chunk plan both ends agreed on; spec: the codec.
+        feedback: error feedback for what we send (None: none kept).
+        weight: the peer's share; max_norm_ratio: refuse a peer model whose norm is above this
+            multiple of ours (+1); clip: bound the distance one exchange may move us.
+    """
+
+    def __init__(
+        self,
+        trainer: Trainer,
+        plan: ChunkPlan,
+        spec: str,
+        feedback: compress.ErrorFeedback | None,
+        *,
+        weight: float = 0.5,
+        max_norm_ratio: float = 10.0,
+        clip: float | None = None,
+        seed: int = 0,
+    ) -> None:
+        self.trainer, self.plan, self.spec, self.feedback = trainer, plan, spec, feedback
+        self.weight, self.max_norm_ratio, self.clip, self.seed = weight, max_norm_ratio, clip, seed
+        self.device = trainer.task_device
+        # chunk -> what we sent (until theirs came); None while it is being encoded
+        self.sent: dict[int, list[torch.Tensor] | None] = {}
+        self.received: set[int] = set()
+        self._lock = threading.Lock()  # chunks are sent and received from several threads
+        self._delta: dict[str, torch.Tensor] = {}  # name -> (shape,) buffer, made as needed
+        self._ours_sq = self._theirs_sq = self._diff_sq = 0.0
+
+    @property
+    def complete(self) -> bool:
+        return len(self.received) == len(self.plan)
+
+    def send(self, index: int) -> bytes:
+        """Our chunk `index`, read from the live model now and encoded (a worker thread).
+
+        Raises:
+            ValueError: an index out of the plan or sent before; our model is not finite.
+        """
+        with self._lock:
+            if not 0 <= index < len(self.plan) or index in self.sent or index in self.received:
+                raise ValueError(f"chunk {index} of a {len(self.plan)}-chunk plan, or twice")
+            self.sent[index] = None  # taken: being read and encoded
+        slices = read_chunk(self.trainer, self.plan, index)
+        self.sent[index] = [t.float() for _, t in slices]
+        return encode_chunk(slices, self.spec, self.feedback, seed=self.seed + index)
+
+    def receive(self, index: int, payload: bytes | bytearray | memoryview) -> bool:
+        """Check the peer's chunk `index` and keep its share of the mix (a worker thread).
+
+        Returns:
+            True for the call that completed the model (commit then, once).
+
+        Raises:
+            RejectedUpdate, compress.DecodeError: the chunk is bad (the exchange must be dropped).
+            ValueError: a chunk we did not send, or one received before.
+        """
+        with self._lock:
+            ours = self.sent.get(index)
+            if index in self.received or ours is None:
+                raise ValueError(f"chunk {index}: already received, or not sent by us")
+            del self.sent[index]
+        theirs = decode_chunk(payload, self.spec, self.plan, index, self.device)
+        sums = [0.0, 0.0, 0.0]
+        for s, mine, other in zip(self.plan.chunks[index], ours, theirs, strict=True):
+            diff = other - mine
+            sums[0] += float(torch.linalg.vector_norm(mine)) ** 2
+            sums[1] += float(torch.linalg.vector_norm(other)) ** 2
+            sums[2] += float(torch.linalg.vector_norm(diff)) ** 2
+            with self._lock:
+                buffer = self._delta.get(s.name)
+                if buffer is None:
+                    shape = dict(self.plan.shapes)[s.name]
+                    buffer = self._delta[s.name] = torch.zeros(shape, device=self.device)
+            buffer.reshape(-1)[s.start : s.stop] = diff
+        with self._lock:
+            self._ours_sq += sums[0]
+            self._theirs_sq += sums[1]
+            self._diff_sq += sums[2]
+            self.received.add(index)
+            return self.complete
+
+    def commit(self) -> float:
+        """Check the whole peer model's norm and mix it in (a worker thread).
+
+        Returns:
+            The L2 distance between the peer's model and ours as sent (before clipping).
+
+        Raises:
+            RejectedUpdate: its norm is too big; nothing was changed.
+        """
+        if not self.complete:
+            raise ValueError(f"commit after {len(self.received)} of {len(self.plan)} chunks")
+        theirs, ours = math.sqrt(self._theirs_sq), math.sqrt(self._ours_sq)
+        if theirs > self.max_norm_ratio * ours + 1.0:
+            raise RejectedUpdate(
+                "norm", f"norm {theirs:.3g} > {self.max_norm_ratio} x local {ours:.3g} + 1"
+            )
+        distance = math.sqrt(self._diff_sq)
+        scale = self.weight
+        if self.clip is not None and distance > self.clip:
+            scale = self.weight * self.clip / distance
+
+        def apply(live: Tensors) -> None:
+            for name, delta in self._delta.items():
+                live[name].add_(delta.view_as(live[name]), alpha=scale)
+
+        self.trainer.update(apply)
+        self._delta.clear()
+        return distance
