@@ -90,17 +90,29 @@ class Codec:
         Returns:
             The exact bytes to send; `len()` of them is the wire size.
         """
+        return b"".join(self.encode_parts(t, seed=seed, state=state, name=name))
+
+    def encode_parts(
+        self,
+        t: torch.Tensor,
+        *,
+        seed: int = 0,
+        state: CodecState | None = None,
+        name: str = "",
+    ) -> list[bytes | memoryview]:
+        """`encode`'s payload as the pieces that make it, not yet joined: a caller that puts the
+        payload into a bigger one joins once (the pieces may view `t`'s memory: join them before
+        `t` changes)."""
         if not isinstance(t, torch.Tensor) or t.dtype not in DTYPE_CODES:
             raise TypeError(f"expected a float16/bfloat16/float32/float64 tensor, got {t!r:.80}")
         if not 0 <= seed < 2**64:
             raise ValueError(f"seed={seed}: expected 0 <= seed < 2**64")
         fallback = self.fallback_for(tuple(t.shape))
         if fallback is not None:
-            return fallback.encode(t, seed=seed, state=state, name=name)
+            return fallback.encode_parts(t, seed=seed, state=state, name=name)
         x = t.detach().reshape(-1)
         header = pack_header(Header(self.codec_id, t.dtype, tuple(t.shape), seed))
-        body = self._encode_body(x, tuple(t.shape), seed, state, name)
-        return b"".join([header, *body])
+        return [header, *self._encode_body(x, tuple(t.shape), seed, state, name)]
 
     def fallback_for(self, shape: tuple[int, ...]) -> Codec | None:
         """The codec used instead of this one for a tensor of `shape`, or None."""

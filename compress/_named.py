@@ -59,11 +59,12 @@ def encode_named(
             raise ValueError(f"encode_named: name {name[:40]!r}... is over 65535 bytes")
         s = tensor_seed(seed, i)
         if error_feedback is not None:
-            data = error_feedback.encode(t, name=name, seed=s, codec=codec, state=state)
+            pieces: list = [error_feedback.encode(t, name=name, seed=s, codec=codec, state=state)]
         else:
-            data = codec.encode(t, seed=s, state=state, name=name)
-        parts += [struct.pack("<H", len(raw_name)), raw_name, struct.pack("<Q", len(data)), data]
-    return b"".join(parts)
+            pieces = codec.encode_parts(t, seed=s, state=state, name=name)
+        length = sum(memoryview(p).nbytes for p in pieces)
+        parts += [struct.pack("<H", len(raw_name)), raw_name, struct.pack("<Q", length), *pieces]
+    return b"".join(parts)  # the one copy of the values
 
 
 def expected_nbytes_named(shapes: Sequence[tuple[str, tuple[int, ...]]], codec: Codec) -> int:

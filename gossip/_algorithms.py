@@ -10,7 +10,7 @@ from collections.abc import Iterable, Mapping, MutableMapping
 
 import torch
 
-from ._averaging import params_norm
+from ._averaging import distance_squared, params_norm
 
 Params = Mapping[str, torch.Tensor]
 
@@ -139,7 +139,7 @@ class NesterovOuter:
 
 def relative_change(live: Params, reference: Params) -> float:
     """||live - reference|| / ||live|| (selsync's significance measure; inf for a zero model)."""
-    change = math.sqrt(sum(float((live[n] - reference[n]).double().pow(2).sum()) for n in live))
+    change = math.sqrt(sum(distance_squared(live[n], reference[n]) for n in live))
     norm = params_norm(live)
     return change / norm if norm > 0 else math.inf
 

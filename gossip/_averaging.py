@@ -25,10 +25,23 @@ class RejectedUpdate(RemoteProtocolError):
         self.reason = reason
 
 
+SLICE = 1 << 20  # elements per step of the reductions below: bounded temporaries at any size
+
+
 def params_norm(params: Params) -> float:
-    """The L2 norm of all tensors together."""
-    total = sum(float(t.detach().double().pow(2).sum()) for t in params.values())
-    return math.sqrt(total)
+    """The L2 norm of all tensors together (no temporary copy of a tensor is made)."""
+    norms = (float(torch.linalg.vector_norm(t.detach())) for t in params.values())
+    return math.sqrt(sum(n * n for n in norms))
+
+
+def distance_squared(a: torch.Tensor, b: torch.Tensor) -> float:
+    """||a - b||^2, a slice at a time: the difference is never held whole."""
+    x, y = a.detach().reshape(-1), b.detach().reshape(-1)
+    total = 0.0
+    for start in range(0, x.numel(), SLICE):
+        part = x[start : start + SLICE] - y[start : start + SLICE]
+        total += float(torch.linalg.vector_norm(part)) ** 2
+    return total
 
 
 def check_update(local: Params, remote: Params, *, max_norm_ratio: float) -> None:

@@ -218,16 +218,16 @@ class PairwiseMix:
         theirs = decode_chunk(payload, self.spec, self.plan, index, self.device)
         sums = [0.0, 0.0, 0.0]
         for s, mine, other in zip(self.plan.chunks[index], ours, theirs, strict=True):
-            diff = other - mine
-            sums[0] += float(torch.linalg.vector_norm(mine)) ** 2
-            sums[1] += float(torch.linalg.vector_norm(other)) ** 2
-            sums[2] += float(torch.linalg.vector_norm(diff)) ** 2
             with self._lock:
                 buffer = self._delta.get(s.name)
                 if buffer is None:
                     shape = dict(self.plan.shapes)[s.name]
                     buffer = self._delta[s.name] = torch.zeros(shape, device=self.device)
-            buffer.reshape(-1)[s.start : s.stop] = diff
+            diff = buffer.reshape(-1)[s.start : s.stop]
+            torch.sub(other, mine, out=diff)  # straight into the mix buffer: no temporary
+            sums[0] += float(torch.linalg.vector_norm(mine)) ** 2
+            sums[1] += float(torch.linalg.vector_norm(other)) ** 2
+            sums[2] += float(torch.linalg.vector_norm(diff)) ** 2
         with self._lock:
             self._ours_sq += sums[0]
             self._theirs_sq += sums[1]

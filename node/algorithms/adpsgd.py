@@ -337,7 +337,7 @@ class Adpsgd(Algorithm):
             idle = 2 * self.chunk_deadline(peer.peer_id, 4 * plan.chunk_numel + 2**16)
             mix = self._mix(plan, header.codec)
             self._session = _Session(peer.peer_id, header.xid, mix, self.ctx.now() + idle, idle)
-            return await self._answer(self._session, 0, bytes(payload), ExchangeReply(
+            return await self._answer(self._session, 0, payload, ExchangeReply(
                 step=self.ctx.trainer.step, xid=header.xid))  # fmt: skip
         if isinstance(header, ExchangeAbort):
             session = self._session
@@ -353,7 +353,7 @@ class Adpsgd(Algorithm):
             reason = f"no exchange {header.xid} open with you (ended, or never started)"
             return ErrorReply(code="bad_request", reason=reason), b""
         reply = ExchangeChunkReply(xid=header.xid, index=header.index)
-        return await self._answer(session, header.index, bytes(payload), reply)
+        return await self._answer(session, header.index, payload, reply)
 
     def _refuse_opening(self, peer: PeerInfo, header: Exchange) -> Reply | None:
         ctx = self.ctx
@@ -373,7 +373,11 @@ class Adpsgd(Algorithm):
             return ErrorReply(code="busy", reason="already in an exchange"), b""
         return None
 
-    async def _answer(self, session: _Session, index: int, data: bytes, reply: Header) -> Reply:
+    async def _answer(
+        self, session: _Session, index: int, data: memoryview, reply: Header
+    ) -> Reply:
+        # `data` is the transport's buffer, valid until we return: the worker threads that read
+        # it are awaited here (a cancelled wait still waits for its thread), so no copy is made.
         ctx, mix = self.ctx, session.mix
         session.expires_at = ctx.now() + session.idle_s
         try:
