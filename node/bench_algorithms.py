@@ -29,8 +29,7 @@ SETTINGS: dict[str, dict] = {
     "selsync": {"exchange_every": 1},
 }
 COMMON = {
-    "training": {"task": "digits-mlp", "threads": 1, "eval_every": 25, "num_shards": 4,
-                 "wait_for_peers": 3},
+    "training": {"task": "digits-mlp", "threads": 1, "eval_every": 25},
     # state_sync off: all start from the seed's model at once, none copies another
     "gossip": {"state_sync": False, "probe_interval_s": 0.5, "exchange_every": 2},
     "state": {"status_every_s": 0.25},
@@ -43,7 +42,8 @@ def start_swarm(root: Path, n: int, gossip: dict, special: dict | None = None) -
     nodes, bootstrap = [], []
     for i in range(n):
         extra = (special or {}).get(i, {})
-        sections = {**extra, "training": {"shard_index": i, **extra.get("training", {})}}
+        training = {"shard_index": i, "num_shards": n, "wait_for_peers": n - 1}
+        sections = {**extra, "training": {**training, **extra.get("training", {})}}
         if bootstrap:
             sections["network"] = {"bootstrap": bootstrap}
         nodes.append(swarm.start(swarm.add(f"n{i}", **sections)))
