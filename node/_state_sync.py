@@ -20,10 +20,12 @@ from geotrain.gossip import LinkTable, RejectedUpdate
 from ._peer_choice import MembershipView
 from ._protocol import StateReply, StateRequest
 from .algorithms import (
+    CHUNKS_IN_FLIGHT,
     Algorithm,
     ChunkPlan,
     Network,
     ToThread,
+    cached_plan,
     decode_chunk,
     encode_chunk,
     read_chunk,
@@ -34,7 +36,6 @@ from .transport import ErrorReply, Header, PeerInfo, TransportError
 STATE_SYNC_WAIT_S = 30.0  # how long a joiner looks for a live peer before it trains from scratch
 MAX_TRIES = 8  # fetches that failed (peer gone, bad chunks) before it trains from scratch
 PROGRESS_EVERY_S = 5.0
-CHUNKS_IN_FLIGHT = 4
 log = structlog.get_logger()
 
 
@@ -84,11 +85,7 @@ class StateSync:
         self._to_thread = to_thread
 
     def _plan(self, chunk_numel: int) -> ChunkPlan:
-        plan = self._plans.get(chunk_numel)
-        if plan is None:
-            shapes = [(n, tuple(t.shape)) for n, t in self._trainer.params().items()]
-            plan = self._plans[chunk_numel] = ChunkPlan.build(shapes, chunk_numel)
-        return plan
+        return cached_plan(self._plans, self._trainer, chunk_numel)
 
     # -- serving ----------------------------------------------------------------------------
     async def handle(
@@ -101,7 +98,10 @@ class StateSync:
         if not 1 <= header.chunk_numel <= self._max_chunk_numel:
             reason = f"chunks of {header.chunk_numel} elements: expected 1..{self._max_chunk_numel}"
             return ErrorReply(code="bad_request", reason=reason), b""
-        plan = self._plan(header.chunk_numel)
+        try:
+            plan = self._plan(header.chunk_numel)
+        except ValueError as exc:  # cut too finely
+            return ErrorReply(code="bad_request", reason=str(exc)[:500]), b""
         if header.plan != plan.digest:
             return ErrorReply(code="bad_request", reason="models differ: names or shapes"), b""
         if header.index >= len(plan):
@@ -182,7 +182,8 @@ class StateSync:
         request = StateRequest(
             algorithm=self._name, plan=plan.digest, chunk_numel=plan.chunk_numel, index=index
         )
-        nbytes = 4 * plan.chunk_numel_of(index) + 4096
+        # the link's deadline for a whole window: this chunk may queue behind the others
+        nbytes = CHUNKS_IN_FLIGHT * (4 * plan.chunk_numel_of(index) + 4096)
         deadline = self._links.exchange_deadline(peer, nbytes, trio.current_time())
         started = trio.current_time()
         reply, payload, _ = await self._network.request(

@@ -17,14 +17,18 @@ from geotrain.node.testing import MemoryNetwork, algorithm_on, open_memory_netwo
 from geotrain.node.training import StepResult
 
 
-def trainer(index: int, n: int, task: str = "synthetic-linreg") -> Trainer:
+def trainer(
+    index: int, n: int, task: str = "synthetic-linreg", params: dict | None = None
+) -> Trainer:
     """The trainer of peer `index` of `n` (same seed, so the same initial model everywhere)."""
-    return Trainer(resolve_task(task)(TaskContext(shard_index=index, num_shards=n)))
+    ctx = TaskContext(shard_index=index, num_shards=n, params=params or {})
+    return Trainer(resolve_task(task)(ctx))
 
 
 @asynccontextmanager
 async def runtimes(
-    n: int = 2, *, task: str = "synthetic-linreg", chunk_numel: int | None = None, **gossip
+    n: int = 2, *, task: str = "synthetic-linreg", params: dict | None = None,
+    chunk_numel: int | None = None, **gossip
 ) -> AsyncIterator[tuple[MemoryNetwork, list]]:
     """`n` runtimes of `gossip["algorithm"]`, peers "p0".."p<n-1>", each seeing all others live
     (model streams in chunks of `chunk_numel` elements when given)."""
@@ -32,7 +36,7 @@ async def runtimes(
     names = [f"p{i}" for i in range(n)]
     async with open_memory_network() as net, trio.open_nursery() as nursery:
         algos = [
-            algorithm_on(net, name, trainer(i, n, task), config,
+            algorithm_on(net, name, trainer(i, n, task, params), config,
                          [p for p in names if p != name], nursery.start_soon, seed=i,
                          chunk_numel=chunk_numel)
             for i, name in enumerate(names)

@@ -45,7 +45,7 @@ async def test_a_streamed_exchange_pipelines_its_chunks_and_mixes_the_same(autoj
         assert trio.current_time() - started == pytest.approx(0.2)
         mean = {k: (before_a[k] + before_b[k]) / 2 for k in before_a}
         assert all(torch.allclose(model(x)[k], mean[k]) for x in (a, b) for k in mean)
-        assert net.bytes_sent[("p0", "p1")] > 33 * 4 and b._session is None
+        assert net.bytes_sent[("p0", "p1")] > 33 * 4 and not b._sessions
 
 
 async def test_after_step_starts_one_exchange_every_exchange_every_steps(autojump_clock):
@@ -98,9 +98,9 @@ async def test_a_peer_gone_mid_stream_changes_neither_model(autojump_clock):
         assert same(model(a), before_a) and same(model(b), before_b)
         assert a.counters.statistics().failed == 1 and not a.busy()
         # b held the half-done exchange until it went quiet, then let it go and serves again
-        assert b._session is not None
+        assert b._sessions
         await trio.sleep(60)
-        assert b._free() and b._session is None
+        assert b._free() and not b._sessions
         net.heal("p0", "p1")
         assert await a.exchange_once()
         assert b.counters.statistics().failed == 1 and b.counters.statistics().ok == 1
@@ -167,13 +167,14 @@ async def test_a_stream_that_lies_is_refused_and_loses_nothing(autojump_clock, l
         assert isinstance(reply, ErrorReply) and why in reply.reason, reply
         assert same(model(b), before)
         if lie != "earlier exchange":  # (that one is refused without touching the open one)
-            assert b._session is None  # nothing held: b serves the next exchange
+            assert not b._sessions  # nothing held: b serves the next exchange
             assert await a.exchange_once()
 
 
 async def test_a_busy_node_declines_and_the_asker_counts_no_failure(autojump_clock):
     async with runtimes(2, algorithm="adpsgd", codec="none") as (net, (a, b)):
-        b._running = True  # in an exchange of its own: one at a time
+        b.max_exchanges = 1  # as for a big model: one exchange at a time ...
+        b._running = True  # ... and it is in one of its own
         before = model(b)
         reply, _ = await b.handle(PeerInfo("p0", b"", "mem://p0", "inbound"), _opening(b),
                                   memoryview(_chunks(a)[0]))  # fmt: skip
@@ -206,8 +207,64 @@ async def test_the_responder_drops_an_exchange_its_initiator_gave_up(autojump_cl
             net.link("p0", "p1").cut = True  # ... and lost
             await trio.sleep(0.1)
             net.link("p0", "p1").cut = False  # the link is back before a gives up
-        assert a.counters.statistics().failed == 1 and b._session is not None
+        assert a.counters.statistics().failed == 1 and b._sessions
         await trio.sleep(2.5)  # a's "gave up" message reached b long before b would idle out
-        assert b._session is None and b.counters.statistics().failed == 1
+        assert not b._sessions and b.counters.statistics().failed == 1
         assert same(model(b), before_b)
         assert await a.exchange_once()
+
+
+async def test_a_plan_finer_than_max_chunks_is_refused_before_it_is_built(autojump_clock):
+    from geotrain.node.algorithms import MAX_CHUNKS
+
+    wide = {"task": "wide-linear", "params": {"millions": 0.1}}  # 100,489 parameters
+    async with runtimes(2, algorithm="adpsgd", codec="none", **wide) as (net, (a, b)):
+        numel = sum(t.numel() for t in model(b).values())
+        assert numel > MAX_CHUNKS
+        peer = PeerInfo("p0", b"", "mem://p0", "inbound")
+        for chunks in (numel, 5):  # the true count, or a lie about it
+            opening = Exchange(algorithm="adpsgd", codec="none", step=0, xid=1, plan=0,
+                               chunk_numel=1, chunks=chunks)  # fmt: skip
+            reply, _ = await b.handle(peer, opening, memoryview(b""))
+            assert isinstance(reply, ErrorReply) and reply.code == "bad_request", reply
+        assert 1 not in b._plans and not b._sessions
+
+
+async def test_peers_that_cut_the_model_differently_still_exchange_with_lossy_codecs(
+    autojump_clock,
+):
+    # error feedback is kept per tensor, not per slice: chunk sizes may differ between peers
+    async with runtimes(2, algorithm="adpsgd", codec="int8", chunk_numel=8) as (net, (a, b)):
+        b.ctx.chunk_numel = 16
+        for _ in range(3):
+            a.ctx.trainer.train_step()
+            assert await a.exchange_once() and await b.exchange_once()
+        assert a.counters.statistics().ok == 6 and b.counters.statistics().rejected == 0
+        assert set(a.feedback.state_dict()) == {"weight", "bias"}
+
+
+async def test_a_replaced_model_drops_the_exchange_it_was_answering(autojump_clock):
+    async with runtimes(2, **CHUNKED) as (net, (a, b)):
+        peer = PeerInfo("p0", b"", "mem://p0", "inbound")
+        reply, _ = await b.handle(peer, _opening(a), memoryview(_chunks(a)[0]))
+        assert b._sessions
+        b.model_replaced()  # state sync replaced b's model
+        assert not b._sessions
+        reply, _ = await b.handle(peer, ExchangeChunk(xid=7, index=1), memoryview(_chunks(a)[1]))
+        assert isinstance(reply, ErrorReply) and "no exchange 7" in reply.reason
+
+
+async def test_a_small_model_answers_while_it_exchanges_and_a_big_one_does_not(autojump_clock):
+    async with runtimes(3, **CHUNKED) as (net, (a, b, c)):
+        assert a.max_exchanges == 3  # 33 parameters: three mix buffers cost nothing
+        net.set_delay("p0", "p1", 0.05)
+        net.set_delay("p2", "p1", 0.05)
+        async with trio.open_nursery() as nursery:  # a and c both start an exchange with b
+            a.ctx.peers.choose_partner = lambda now: "p1"
+            c.ctx.peers.choose_partner = lambda now: "p1"
+            nursery.start_soon(a.exchange_once)
+            nursery.start_soon(c.exchange_once)
+        assert b.counters.statistics().ok == 2  # b answered both at once
+    wide = {"task": "wide-linear", "params": {"millions": 8.0}}  # 32 MB: 3 buffers are too many
+    async with runtimes(2, algorithm="adpsgd", codec="none", **wide) as (net, (a, b)):
+        assert a.max_exchanges == 1

@@ -20,9 +20,12 @@ DILOCO = {
 }
 
 
-async def test_the_outer_step_uses_the_partners_update_and_survives_a_checkpoint(autojump_clock):
+@pytest.mark.parametrize("chunk_numel", [None, 8])  # one chunk; or 5 chunks of 33 parameters
+async def test_the_outer_step_uses_the_partners_update_and_survives_a_checkpoint(
+    autojump_clock, chunk_numel
+):
     torch.manual_seed(0)
-    async with runtimes(2, **DILOCO) as (net, (a, b)):
+    async with runtimes(2, chunk_numel=chunk_numel, **DILOCO) as (net, (a, b)):
         for _ in range(2):
             b.ctx.trainer.train_step()
         await b.after_step(step(b, 2))  # b ends its round first: a gets b's update pushed

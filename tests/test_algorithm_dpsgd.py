@@ -10,10 +10,19 @@ import torch
 import trio
 from _runtimes import model, poison, runtimes, same, step
 
+from geotrain.node.algorithms import decode_chunk
 from geotrain.node.algorithms.dpsgd import ROUND_WAIT_CAP_S, RoundReply, RoundRequest
 from geotrain.node.transport import ErrorReply, PeerInfo
 
 DPSGD = {"algorithm": "dpsgd", "codec": "none", "exchange_every": 1}
+
+
+def asking(algo, **fields) -> RoundRequest:
+    """A request of `algo`'s round model, chunk 0, cut as `algo` cuts it."""
+    plan = algo.plan(algo.ctx.chunk_numel)
+    base = {"algorithm": "dpsgd", "codec": "none", "round": 1, "degree": 1, "plan": plan.digest,
+            "chunk_numel": plan.chunk_numel}  # fmt: skip
+    return RoundRequest(**{**base, **fields})
 
 
 async def test_a_round_mixes_both_ways_and_a_responder_waits_for_the_round(autojump_clock):
@@ -67,7 +76,9 @@ async def test_a_reply_for_an_older_round_is_never_mixed(autojump_clock):
         payload = a.ctx.encode(model(a), "none")
 
         async def stale(address, header, data, *, deadline_s, expect_peer):
-            return RoundReply(round=header.round - 1, degree=1), bytearray(payload), None
+            chunks = len(a.plan(a.ctx.chunk_numel))
+            reply = RoundReply(round=header.round - 1, degree=1, chunks=chunks)
+            return reply, bytearray(payload), None
 
         a.ctx.network.request = stale
         before = model(a)
@@ -95,14 +106,14 @@ async def test_a_responder_holds_a_request_only_as_long_as_its_asker_waits(autoj
     # round (so a's next miss can be judged: is a catching up or a straggler?).
     async with runtimes(2, **DPSGD) as (net, (a, b)):
         asker = PeerInfo("p0", b"", "mem://p0", "inbound")
-        request = RoundRequest(algorithm="dpsgd", codec="none", round=7, degree=1, wait_s=0.3)
+        request = asking(b, round=7, wait_s=0.3)
         started = trio.current_time()
         reply, _ = await b.handle(asker, request, memoryview(b""))
         assert isinstance(reply, ErrorReply) and reply.code == "busy"
         assert trio.current_time() - started == pytest.approx(0.3)
         assert b._attendance._heard["p0"][-1][1] == 7
         # and never longer than ROUND_WAIT_CAP_S, whatever the asker says
-        greedy = RoundRequest(algorithm="dpsgd", codec="none", round=8, degree=1, wait_s=3600)
+        greedy = asking(b, round=8, wait_s=3600)
         started = trio.current_time()
         await b.handle(asker, greedy, memoryview(b""))
         assert trio.current_time() - started == pytest.approx(ROUND_WAIT_CAP_S)
@@ -142,10 +153,37 @@ async def test_a_responder_serves_the_round_asked_for_while_it_has_it(autojump_c
         b.ctx.trainer.train_step()
         await b.after_step(step(b, 2))
         asker = PeerInfo("p0", b"", "mem://p0", "inbound")
-        request = RoundRequest(algorithm="dpsgd", codec="none", round=1, degree=1, wait_s=1.0)
+        request = asking(b, round=1, wait_s=1.0)
         reply, data = await b.handle(asker, request, memoryview(b""))
         assert isinstance(reply, RoundReply) and reply.round == 1
-        assert same(a.ctx.decode(data, "none"), round_1)
-        wrong = RoundRequest(algorithm="choco", codec="none", round=1, degree=1, wait_s=1.0)
+        plan = b.plan(b.ctx.chunk_numel)
+        assert len(plan) == 1
+        got = decode_chunk(data, "none", plan, 0, torch.device("cpu"))
+        expected = torch.cat([round_1[k].reshape(-1) for k in sorted(round_1)])
+        assert torch.equal(torch.cat(got), expected)
+        wrong = asking(b, round=1, wait_s=1.0, algorithm="choco")
         reply, _ = await b.handle(asker, wrong, memoryview(b""))
         assert isinstance(reply, ErrorReply) and "runs dpsgd" in reply.reason
+
+
+async def test_a_round_model_streams_in_chunks_and_a_broken_stream_is_left_out(autojump_clock):
+    chunked = {**DPSGD, "chunk_numel": 8}  # 33 parameters: 5 chunks
+    async with runtimes(2, **chunked) as (net, (a, b)):
+        a.ctx.trainer.train_step()
+        a_model, b_model = model(a), model(b)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(b.after_step, step(b, 1))
+            await a.after_step(step(a, 1))
+        expected = {k: (a_model[k] + b_model[k]) / 2 for k in a_model}
+        assert all(torch.allclose(model(a)[k], expected[k]) for k in expected)
+        assert a.statistics().full_rounds == 1 and len(a.plan(8)) == 5
+        # round 2: b's model arrives in part only (the link dies after its first chunk)
+        before = model(a)
+        net.set_delay("p0", "p1", 0.05)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(b.after_step, step(b, 2))
+            nursery.start_soon(a.after_step, step(a, 2))
+            await trio.sleep(0.12)
+            net.cut("p0", "p1")
+        assert same(model(a), before)  # nothing of b's partial model was mixed
+        assert a.statistics().missed_neighbours == 1

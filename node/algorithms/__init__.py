@@ -21,8 +21,13 @@ from ._registry import algorithm_specs as algorithm_specs
 from ._registry import get_algorithm as get_algorithm
 from ._registry import register_algorithm as register_algorithm
 from ._stream import CHUNKS_IN_FLIGHT as CHUNKS_IN_FLIGHT
+from ._stream import MAX_CHUNKS as MAX_CHUNKS
 from ._stream import ChunkPlan as ChunkPlan
+from ._stream import ModelAssembly as ModelAssembly
 from ._stream import PairwiseMix as PairwiseMix
+from ._stream import SliceFeedback as SliceFeedback
+from ._stream import cached_plan as cached_plan
 from ._stream import decode_chunk as decode_chunk
 from ._stream import encode_chunk as encode_chunk
+from ._stream import model_chunk as model_chunk
 from ._stream import read_chunk as read_chunk

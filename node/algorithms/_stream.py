@@ -24,6 +24,7 @@ from ._base import Tensors
 
 DEFAULT_CHUNK_BYTES = 8 * 2**20  # of float32: small enough to pipeline, big enough per round trip
 CHUNKS_IN_FLIGHT = 4  # requests of one stream on the wire at once
+MAX_CHUNKS = 1 << 16  # the most chunks a plan may have: a peer cannot make us cut a model finely
 
 
 @dataclass(frozen=True)
@@ -58,11 +59,17 @@ class ChunkPlan:
         if chunk_numel < 1:
             raise ValueError(f"chunk_numel={chunk_numel}: expected >= 1")
         ordered = tuple(sorted((name, tuple(int(d) for d in shape)) for name, shape in shapes))
+        expected = -(-sum(math.prod(shape) for _, shape in ordered) // chunk_numel)
+        if expected > MAX_CHUNKS:
+            raise ValueError(f"chunks of {chunk_numel} elements: {expected} chunks, at most "
+                             f"{MAX_CHUNKS}")  # fmt: skip
         chunks: list[tuple[Slice, ...]] = []
         current: list[Slice] = []
         room = chunk_numel
         for name, shape in ordered:
             numel, start = math.prod(shape), 0
+            if numel == 0:  # an empty tensor still travels (by name), so both ends have it
+                current.append(Slice(name, 0, 0))
             while start < numel:
                 take = min(room, numel - start)
                 current.append(Slice(name, start, start + take))
@@ -91,6 +98,22 @@ class ChunkPlan:
         return sum(s.numel for s in self.chunks[index])
 
 
+def cached_plan(cache: dict[int, ChunkPlan], trainer: Trainer, chunk_numel: int) -> ChunkPlan:
+    """The plan of `trainer`'s model for `chunk_numel`, from `cache` (which keeps at most 4).
+
+    Raises:
+        ValueError: more than MAX_CHUNKS chunks.
+    """
+    plan = cache.get(chunk_numel)
+    if plan is None:
+        shapes = [(n, tuple(t.shape)) for n, t in trainer.params().items()]
+        plan = ChunkPlan.build(shapes, chunk_numel)
+        while len(cache) >= 4:
+            del cache[next(iter(cache))]
+        cache[chunk_numel] = plan
+    return plan
+
+
 def read_chunk(trainer: Trainer, plan: ChunkPlan, index: int) -> list[tuple[Slice, torch.Tensor]]:
     """Copies of the live model's slices of chunk `index` (under the trainer's lock)."""
 
@@ -100,16 +123,77 @@ def read_chunk(trainer: Trainer, plan: ChunkPlan, index: int) -> list[tuple[Slic
     return trainer.update(copy)
 
 
+def model_chunk(model: Tensors, plan: ChunkPlan, index: int) -> list[tuple[Slice, torch.Tensor]]:
+    """Views of chunk `index`'s slices of a model held apart (a published round, an update)."""
+    return [(s, model[s.name].reshape(-1)[s.start : s.stop]) for s in plan.chunks[index]]
+
+
+class SliceFeedback:
+    """Error feedback for model streams: one residual per tensor (in `dtype`, made on first
+    use), of which each chunk corrects and updates its slices. Residuals do not depend on how a
+    model is cut, so peers with other chunk sizes, or a restart with another one, share them.
+
+    Args:
+        dtype: float16 (half a model of memory; a residual's rounding is ~1e-3 of itself) or
+            float32.
+    """
+
+    def __init__(self, dtype: torch.dtype = torch.float16) -> None:
+        self.dtype = dtype
+        self._residuals: dict[str, torch.Tensor] = {}
+        self._lock = threading.Lock()
+
+    def encode(self, slices: list[tuple[Slice, torch.Tensor]], spec: str, shapes: dict,
+               seed: int = 0) -> bytes:  # fmt: skip
+        """The chunk's payload of `slices` + their residuals; keeps what the codec dropped."""
+        codec = compress.get_codec(spec)
+        named = []
+        corrected_all = []
+        for s, t in slices:
+            residual = self._residual(s.name, shapes[s.name], t.device).reshape(-1)
+            corrected = t.float() + residual[s.start : s.stop].float()
+            named.append((s.label, corrected))
+            corrected_all.append((s, corrected, residual))
+        payload = compress.encode_named(named, codec, seed=seed)
+        sent = compress.decode_named(payload, max_numel=sum(s.numel for s, _ in slices),
+                                     device=slices[0][1].device if slices else "cpu")  # fmt: skip
+        for (s, corrected, residual), (_, value) in zip(corrected_all, sent, strict=True):
+            residual[s.start : s.stop] = corrected - value.reshape(-1).float()
+        return payload
+
+    def _residual(self, name: str, shape: tuple, device: torch.device) -> torch.Tensor:
+        with self._lock:
+            r = self._residuals.get(name)
+            if r is None or tuple(r.shape) != tuple(shape):
+                r = self._residuals[name] = torch.zeros(shape, dtype=self.dtype, device=device)
+            return r
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        with self._lock:
+            return {name: r.clone() for name, r in self._residuals.items()}
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        with self._lock:
+            self._residuals = {n: r.detach().to(self.dtype).clone() for n, r in state.items()}
+
+    def reset(self) -> None:
+        with self._lock:
+            self._residuals.clear()
+
+
 def encode_chunk(
     slices: list[tuple[Slice, torch.Tensor]],
     spec: str,
-    feedback: compress.ErrorFeedback | None = None,
+    feedback: SliceFeedback | None = None,
     seed: int = 0,
+    shapes: dict | None = None,
 ) -> bytes:
-    """One chunk's payload: its slices, each named `name@start`, coded with `spec`."""
+    """One chunk's payload: its slices, each named `name@start`, coded with `spec` (with error
+    feedback when given; `shapes` then names every tensor's shape)."""
+    if feedback is not None:
+        return feedback.encode(slices, spec, shapes or {}, seed)
     named = [(s.label, t) for s, t in slices]
-    codec = compress.get_codec(spec)
-    return compress.encode_named(named, codec, error_feedback=feedback, seed=seed)
+    return compress.encode_named(named, compress.get_codec(spec), seed=seed)
 
 
 def decode_chunk(
@@ -165,7 +249,7 @@ class PairwiseMix:
         trainer: Trainer,
         plan: ChunkPlan,
         spec: str,
-        feedback: compress.ErrorFeedback | None,
+        feedback: SliceFeedback | None,
         *,
         weight: float = 0.5,
         max_norm_ratio: float = 10.0,
@@ -198,7 +282,8 @@ class PairwiseMix:
             self.sent[index] = None  # taken: being read and encoded
         slices = read_chunk(self.trainer, self.plan, index)
         self.sent[index] = [t.float() for _, t in slices]
-        return encode_chunk(slices, self.spec, self.feedback, seed=self.seed + index)
+        return encode_chunk(slices, self.spec, self.feedback, seed=self.seed + index,
+                            shapes=dict(self.plan.shapes))  # fmt: skip
 
     def receive(self, index: int, payload: bytes | bytearray | memoryview) -> bool:
         """Check the peer's chunk `index` and keep its share of the mix (a worker thread).
@@ -263,3 +348,44 @@ class PairwiseMix:
         self.trainer.update(apply)
         self._delta.clear()
         return distance
+
+
+class ModelAssembly:
+    """A peer's model (or update) arriving chunk by chunk, each checked as it comes, into one
+    staging copy. Thread-safe: chunks may be added from several worker threads at once.
+
+    Args:
+        plan: the chunk plan both ends agreed on; spec: the codec; device: where it lands.
+    """
+
+    def __init__(self, plan: ChunkPlan, spec: str, device: torch.device) -> None:
+        self.plan, self.spec, self.device = plan, spec, device
+        self.tensors: Tensors = {}
+        self.received: set[int] = set()
+        self._lock = threading.Lock()
+
+    @property
+    def complete(self) -> bool:
+        return len(self.received) == len(self.plan)
+
+    def add(self, index: int, payload: bytes | bytearray | memoryview) -> bool:
+        """Check chunk `index` and keep it (a worker thread). Returns whether that completed it.
+
+        Raises:
+            RejectedUpdate, compress.DecodeError: the chunk is bad.
+            ValueError: an index out of the plan, or one received before.
+        """
+        with self._lock:
+            if not 0 <= index < len(self.plan) or index in self.received:
+                raise ValueError(f"chunk {index} of a {len(self.plan)}-chunk plan, or twice")
+            self.received.add(index)
+        values = decode_chunk(payload, self.spec, self.plan, index, self.device)
+        for s, t in zip(self.plan.chunks[index], values, strict=True):
+            with self._lock:
+                buffer = self.tensors.get(s.name)
+                if buffer is None:
+                    shape = dict(self.plan.shapes)[s.name]
+                    buffer = self.tensors[s.name] = torch.empty(shape, device=self.device)
+            buffer.reshape(-1)[s.start : s.stop] = t
+        with self._lock:
+            return self.complete

@@ -23,9 +23,16 @@ from ..training import StepResult
 from ..transport import U63, CodecSpec, ErrorReply, Header, Name, PeerInfo, TransportError
 from ._base import Algorithm, AlgorithmContext, AlgorithmSpec, Reply, Tensors
 from ._registry import register_algorithm
-from ._stream import CHUNKS_IN_FLIGHT, ChunkPlan, PairwiseMix
+from ._stream import (
+    CHUNKS_IN_FLIGHT,
+    MAX_CHUNKS,
+    ChunkPlan,
+    PairwiseMix,
+    SliceFeedback,
+    cached_plan,
+)
 
-MAX_CHUNKS = 2**32
+SMALL_EXCHANGES_BYTES = 64 * 2**20  # mix buffers of concurrent exchanges a small model may hold
 log = structlog.get_logger()
 
 
@@ -76,13 +83,16 @@ OnMixed = Callable[[], Awaitable[None]]
 
 @dataclass
 class _Session:
-    """An exchange this node answers: whose, its mix, and until when it may idle."""
+    """An exchange this node answers: whose, its mix, until when it may idle, and until when it
+    may last at all (a peer that trickles chunks cannot hold our one exchange slot for ever)."""
 
     peer: str
     xid: int
     mix: PairwiseMix
     expires_at: float
     idle_s: float
+    ends_at: float
+    committing: bool = False
 
 
 class _Abort(Exception):
@@ -105,9 +115,14 @@ class Adpsgd(Algorithm):
     def __init__(self, ctx: AlgorithmContext) -> None:
         super().__init__(ctx)
         # Residuals of lossy codecs in half precision: half a model's bytes (the memory budget).
-        self.feedback = compress.ErrorFeedback(compress.get_codec("none"), dtype=torch.float16)
+        self.feedback = SliceFeedback(torch.float16)  # half a model, lossy codecs only
         self._plans: dict[int, ChunkPlan] = {}
-        self._session: _Session | None = None  # the exchange we answer, if any
+        self._sessions: dict[str, _Session] = {}  # the exchanges we answer, by peer
+        model_bytes = 4 * ctx.peers.numel
+        # One exchange at a time keeps a big model's memory to one mix buffer; a small model
+        # affords three at once (one started, two answered), which keeps a busy swarm mixing
+        # instead of declining: nodes that all start exchanges would otherwise mostly collide.
+        self.max_exchanges = 3 if 3 * model_bytes <= SMALL_EXCHANGES_BYTES else 1
         self._running = False  # an exchange we started runs
         self._seed = 0
         self.on_answered_mix: OnMixed | None = None  # awaited after we mixed as the responder
@@ -118,40 +133,44 @@ class Adpsgd(Algorithm):
         return {f"ef/{k}": v for k, v in self.feedback.state_dict().items()}, {}
 
     def load_state(self, tensors: Tensors, meta: dict) -> None:
-        residuals: Tensors = {}
-        plan = self.plan(self.ctx.chunk_numel)
-        for key, tensor in tensors.items():
-            if not key.startswith("ef/"):
-                continue
-            name = key[3:]
-            if "@" in name:
-                residuals[name] = tensor
-                continue
-            flat = tensor.reshape(-1)  # a whole tensor's residual (before chunks): cut it up
-            for chunk in plan.chunks:
-                for s in chunk:
-                    if s.name == name and s.stop <= flat.numel():
-                        residuals[s.label] = flat[s.start : s.stop].clone()
-        self.feedback.load_state_dict(residuals)
+        # one residual per tensor, named as the model's (any chunk size uses them)
+        shapes = {n: tuple(t.shape) for n, t in self.ctx.trainer.params().items()}
+        residuals = {k[3:]: t for k, t in tensors.items()
+                     if k.startswith("ef/") and shapes.get(k[3:]) == tuple(t.shape)}  # fmt: skip
+        self.feedback.load_state_dict(
+            {n: t.to(self.ctx.trainer.task_device) for n, t in residuals.items()}
+        )
+
+    def model_replaced(self) -> None:
+        # an exchange answered for the old model must not be mixed into the new one
+        self._sessions.clear()
+        self.feedback.reset()
 
     def busy(self) -> bool:
         return self._running
 
     def plan(self, chunk_numel: int) -> ChunkPlan:
-        """The chunk plan of our model for chunks of `chunk_numel` elements (cached)."""
-        plan = self._plans.get(chunk_numel)
-        if plan is None:
-            shapes = [(n, tuple(t.shape)) for n, t in self.ctx.trainer.params().items()]
-            plan = self._plans[chunk_numel] = ChunkPlan.build(shapes, chunk_numel)
-        return plan
+        """The chunk plan of our model for chunks of `chunk_numel` elements (a few cached).
+
+        Raises:
+            ValueError: it would have more than MAX_CHUNKS chunks.
+        """
+        return cached_plan(self._plans, self.ctx.trainer, chunk_numel)
 
     def _free(self) -> bool:
-        """Whether this node can take part in another exchange now (one at a time)."""
-        if self._session is not None and self.ctx.now() > self._session.expires_at:
-            log.info("exchange_abandoned", peer=self._session.peer[:12], reason="peer went quiet")
-            self.counters.record_failed(self._session.peer, self._session.mix.spec)
-            self._session = None
-        return self._session is None and not self._running
+        """Whether this node can take part in another exchange now (max_exchanges at a time)."""
+        now = self.ctx.now()
+        for session in list(self._sessions.values()):
+            if not session.committing and (now > session.expires_at or now > session.ends_at):
+                late = "peer went quiet" if now > session.expires_at else "exchange took too long"
+                log.info("exchange_abandoned", peer=session.peer[:12], reason=late)
+                self.counters.record_failed(session.peer, session.mix.spec)
+                self._end(session)
+        return len(self._sessions) + self._running < self.max_exchanges
+
+    def _session(self, peer: str, xid: int) -> _Session | None:
+        session = self._sessions.get(peer)
+        return session if session is not None and session.xid == xid else None
 
     def _mix(self, plan: ChunkPlan, spec: str) -> PairwiseMix:
         cfg = self.ctx.gossip
@@ -176,7 +195,7 @@ class Adpsgd(Algorithm):
         Returns:
             Whether an exchange was started.
         """
-        if not self._free() or not self.ctx.peers.live_peers():
+        if self._running or not self._free() or not self.ctx.peers.live_peers():
             return False
         self._running = True
         self.ctx.start_soon(self._run_exchange, on_mixed)
@@ -186,12 +205,14 @@ class Adpsgd(Algorithm):
         try:
             if await self._exchange_once() and on_mixed is not None:
                 await on_mixed()
+        except Exception as exc:  # a bug must cost this exchange, not the node
+            log.error("exchange_crashed", error=f"{type(exc).__name__}: {exc}", exc_info=True)
         finally:
             self._running = False
 
     async def exchange_once(self) -> bool:
         """Pick a partner and average with it now. Returns True when our model was mixed."""
-        if not self._free():
+        if self._running or not self._free():
             return False
         self._running = True
         try:
@@ -335,21 +356,26 @@ class Adpsgd(Algorithm):
                 return refusal
             plan = self.plan(header.chunk_numel)
             idle = 2 * self.chunk_deadline(peer.peer_id, 4 * plan.chunk_numel + 2**16)
+            rounds = -(-len(plan) // CHUNKS_IN_FLIGHT)
+            now = self.ctx.now()
             mix = self._mix(plan, header.codec)
-            self._session = _Session(peer.peer_id, header.xid, mix, self.ctx.now() + idle, idle)
-            return await self._answer(self._session, 0, payload, ExchangeReply(
+            session = self._sessions[peer.peer_id] = _Session(
+                peer.peer_id, header.xid, mix, now + idle, idle, now + idle * (rounds + 1)
+            )
+            return await self._answer(session, 0, payload, ExchangeReply(
                 step=self.ctx.trainer.step, xid=header.xid))  # fmt: skip
         if isinstance(header, ExchangeAbort):
-            session = self._session
-            if session is None or session.peer != peer.peer_id or session.xid != header.xid:
+            session = self._session(peer.peer_id, header.xid)
+            if session is None:
                 return ErrorReply(code="bad_request", reason=f"no exchange {header.xid}"), b""
-            self._end(session)
-            self.counters.record_failed(session.peer, session.mix.spec)
-            log.info("exchange_abandoned", peer=session.peer[:12], reason="the initiator gave up")
+            if not session.committing:  # (a mix already being applied is finished)
+                self._end(session)
+                self.counters.record_failed(session.peer, session.mix.spec)
+                log.info("exchange_abandoned", peer=session.peer[:12], reason="initiator gave up")
             return ExchangeChunkReply(xid=header.xid, index=0), b""
         assert isinstance(header, ExchangeChunk)
-        session = self._session
-        if session is None or session.peer != peer.peer_id or session.xid != header.xid:
+        session = self._session(peer.peer_id, header.xid)
+        if session is None:
             reason = f"no exchange {header.xid} open with you (ended, or never started)"
             return ErrorReply(code="bad_request", reason=reason), b""
         reply = ExchangeChunkReply(xid=header.xid, index=header.index)
@@ -365,12 +391,19 @@ class Adpsgd(Algorithm):
         if not 1 <= header.chunk_numel <= ctx.max_chunk_numel or header.chunks > MAX_CHUNKS:
             reason = f"chunks of {header.chunk_numel} elements: expected 1..{ctx.max_chunk_numel}"
             return ErrorReply(code="bad_request", reason=reason), b""
-        plan = self.plan(header.chunk_numel)
+        try:
+            plan = self.plan(header.chunk_numel)
+        except ValueError as exc:  # cut too finely: MAX_CHUNKS
+            return ErrorReply(code="bad_request", reason=str(exc)[:500]), b""
         if header.plan != plan.digest or header.chunks != len(plan):
             reason = "models differ: other parameter names or shapes (or a wrong chunk count)"
             return ErrorReply(code="bad_request", reason=reason), b""
-        if not self._free():
-            return ErrorReply(code="busy", reason="already in an exchange"), b""
+        old = self._sessions.get(peer.peer_id)
+        if old is not None and not old.committing:  # the peer started anew: its old one is over
+            self.counters.record_failed(old.peer, old.mix.spec)
+            self._end(old)
+        if peer.peer_id in self._sessions or not self._free():
+            return ErrorReply(code="busy", reason="in as many exchanges as it takes"), b""
         return None
 
     async def _answer(
@@ -385,7 +418,6 @@ class Adpsgd(Algorithm):
             ours = await ctx.to_thread(mix.send, index)
             completed = await ctx.to_thread(mix.receive, index, data)
             self._timed(ctx.clock() - started)
-            distance = await ctx.to_thread(mix.commit) if completed else None
         except (RejectedUpdate, compress.DecodeError) as exc:
             self._end(session)
             self.counters.record_rejected(session.peer, mix.spec)
@@ -396,16 +428,28 @@ class Adpsgd(Algorithm):
             self.counters.record_failed(session.peer, mix.spec)
             log.warning("exchange_refused", peer=session.peer[:12], reason=str(exc))
             return ErrorReply(code="bad_request", reason=str(exc)[:500]), b""
-        if distance is not None:
-            self._end(session)
-            self.counters.record_ok(session.peer, mix.spec)
-            if self.on_answered_mix is not None:
-                await self.on_answered_mix()
+        if completed:  # the reply goes now; the mix (a wait for the model lock) right after it
+            session.committing = True
+            ctx.start_soon(self._commit, session)
         return reply, ours
 
+    async def _commit(self, session: _Session) -> None:
+        """Apply a completed exchange we answered (its last reply is already on its way)."""
+        try:
+            await self.ctx.to_thread(session.mix.commit)
+        except (RejectedUpdate, ValueError) as exc:
+            self.counters.record_rejected(session.peer, session.mix.spec)
+            log.warning("update_rejected", peer=session.peer[:12], reason=str(exc))
+            return
+        finally:
+            self._end(session)
+        self.counters.record_ok(session.peer, session.mix.spec)
+        if self.on_answered_mix is not None:
+            await self.on_answered_mix()
+
     def _end(self, session: _Session) -> None:
-        if self._session is session:
-            self._session = None
+        if self._sessions.get(session.peer) is session:
+            del self._sessions[session.peer]
 
 
 def adpsgd_copies(codec: str) -> float:

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import structlog
+import torch
 import trio
 
 from geotrain import compress
@@ -17,6 +18,7 @@ from geotrain.gossip import (
     NesterovOuter,
     RejectedUpdate,
     average,
+    check_update,
     fresh_deltas,
     pseudo_gradient,
 )
@@ -26,19 +28,42 @@ from ..training import StepResult
 from ..transport import U63, CodecSpec, ErrorReply, Header, PeerInfo, TransportError
 from ._base import Algorithm, AlgorithmContext, AlgorithmSpec, Reply, Tensors
 from ._registry import register_algorithm
+from ._stream import (
+    CHUNKS_IN_FLIGHT,
+    ChunkPlan,
+    ModelAssembly,
+    SliceFeedback,
+    cached_plan,
+    encode_chunk,
+    model_chunk,
+)
+
+
+class _Refused(Exception):
+    """A partner answered an offer's chunk with something else than a chunk."""
 
 log = structlog.get_logger()
 
 
 class DeltaOffer(Header, frozen=True, tag="delta_offer"):
-    """The payload is the sender's pseudo-gradient of outer round `round`."""
+    """The payload is chunk `index` of the sender's pseudo-gradient of outer round `round`.
+
+    An offer is `chunks` such requests under one `xid`, cut by the plan whose digest is `plan`
+    (chunks of at most `chunk_numel` elements; both ends must agree). Each is answered with the
+    same chunk of the responder's latest pseudo-gradient.
+    """
 
     codec: CodecSpec
     round: U63
+    xid: U63
+    plan: U63
+    chunk_numel: U63
+    chunks: U63
+    index: U63
 
 
 class DeltaReply(Header, frozen=True, tag="delta_reply"):
-    """The responder's latest pseudo-gradient (empty payload when it has none yet)."""
+    """A chunk of the responder's latest pseudo-gradient (round 0, empty: it has none yet)."""
 
     round: U63
 
@@ -100,11 +125,14 @@ class Diloco(Algorithm):
         self.outer = NesterovOuter(cfg.outer_lr, cfg.outer_momentum)
         self.start = ctx.trainer.snapshot()  # the parameters this outer round started from
         self.round = 0  # outer rounds completed
-        self.latest: tuple[int, bytes | None, str] = (0, None, "")  # (round, payload, codec)
+        # our latest update: (round, its chunks encoded with `codec`, codec), and its values
+        self.latest: tuple[int, list[bytes], str] = (0, [], "")
         self.latest_delta: Tensors | None = None
         self.inbox: dict[str, tuple[int, Tensors]] = {}
         self.used: dict[str, int] = {}
-        self.feedback = compress.ErrorFeedback(compress.get_codec("none"))
+        self._incoming: dict[str, tuple[int, int, ModelAssembly]] = {}  # peer -> xid, round, ...
+        self._plans: dict[int, ChunkPlan] = {}
+        self.feedback = SliceFeedback(torch.float16)
         self._rejected_now: set[str] = set()  # partners whose update this round was refused
         self.outer_steps = self.peer_deltas_used = self.missing = 0
 
@@ -123,7 +151,8 @@ class Diloco(Algorithm):
             for key, t in tensors.items():
                 if key.startswith(prefix):
                     target[key[len(prefix) :]] = t.to(device)
-        self.feedback.load_state_dict({k[3:]: v for k, v in tensors.items() if k.startswith("ef/")})
+        residuals = {k[3:]: v for k, v in tensors.items() if k.startswith("ef/") and "@" not in k}
+        self.feedback.load_state_dict({k: v.to(device) for k, v in residuals.items()})
         self.round = int(meta.get("round", 0))
 
     def model_replaced(self) -> None:
@@ -137,13 +166,23 @@ class Diloco(Algorithm):
         specs = {peers.choose_codec(p, now) for p in partners} or {"fp16"}
         return min(specs, key=peers.payload_nbytes)
 
-    def _round_end(self, spec: str) -> tuple[Tensors, bytes]:
+    def plan(self, chunk_numel: int) -> ChunkPlan:
+        """The chunk plan of our model for chunks of `chunk_numel` elements (a few cached).
+
+        Raises:
+            ValueError: it would have more than MAX_CHUNKS chunks.
+        """
+        return cached_plan(self._plans, self.ctx.trainer, chunk_numel)
+
+    def _round_end(self, spec: str) -> tuple[Tensors, list[bytes]]:
+        """Our update of this round, and its chunks encoded once (error feedback applies once)."""
         delta = self.ctx.trainer.update(lambda live: pseudo_gradient(self.start, live))
-        codec = compress.get_codec(spec)
-        payload = compress.encode_named(
-            sorted(delta.items()), codec, error_feedback=self.feedback, seed=self.round
-        )
-        return delta, payload
+        plan = self.plan(self.ctx.chunk_numel)
+        feedback = None if spec == "none" else self.feedback
+        shapes = dict(plan.shapes)
+        chunks = [encode_chunk(model_chunk(delta, plan, i), spec, feedback, seed=self.round + i,
+                               shapes=shapes) for i in range(len(plan))]  # fmt: skip
+        return delta, chunks
 
     async def after_step(self, result: StepResult) -> None:
         ctx = self.ctx
@@ -153,18 +192,17 @@ class Diloco(Algorithm):
         live = sorted(ctx.peers.live_peers())
         partners = sorted(ctx.rng.sample(live, min(len(live), ctx.settings.fanout)))
         spec = self._spec(partners)
-        delta, payload = await ctx.to_thread(self._round_end, spec)
-        self.latest, self.latest_delta = (round_, payload, spec), delta
+        delta, chunks = await ctx.to_thread(self._round_end, spec)
+        self.latest, self.latest_delta = (round_, chunks, spec), delta
         replies: dict[str, tuple[int, Tensors | None]] = {}  # who answered (with its update)
         if partners:
             now = ctx.now()
-            deadline = max(ctx.peers.round_deadline(p, len(payload), now) for p in partners)
+            nbytes = sum(len(c) for c in chunks)
+            deadline = max(ctx.peers.round_deadline(p, 2 * nbytes, now) for p in partners)
             with trio.move_on_after(deadline):
                 async with trio.open_nursery() as nursery:
                     for peer in partners:
-                        nursery.start_soon(
-                            self._offer, peer, round_, spec, payload, deadline, replies
-                        )
+                        nursery.start_soon(self._offer, peer, round_, spec, deadline, replies)
         now = ctx.now()
         for peer in partners:  # an offer cut off by the deadline raised nothing: count it here
             if peer not in replies and peer not in self._rejected_now:
@@ -209,39 +247,68 @@ class Diloco(Algorithm):
             missing=[p[:12] for p in missing],
         )
 
-    async def _offer(self, peer, round_, spec, payload, deadline, replies) -> None:
+    async def _offer(self, peer, round_, spec, deadline, replies) -> None:
+        """Send our update to `peer` chunk by chunk and take its latest one from the replies."""
         ctx = self.ctx
         address = ctx.peers.address_of(peer)
         if address is None:
             return
-        started = ctx.now()
+        plan = self.plan(ctx.chunk_numel)
+        chunks = self.latest[1]
+        xid = ctx.rng.getrandbits(63)
+        theirs = ModelAssembly(plan, spec, ctx.trainer.task_device)
+        their_round: list[int] = []
+        started, moved = ctx.now(), [0]
+        limit = trio.Semaphore(CHUNKS_IN_FLIGHT)
+        failure: list[BaseException] = []
+
+        async def one(index: int) -> None:
+            try:
+                header = DeltaOffer(codec=spec, round=round_, xid=xid, plan=plan.digest,
+                                    chunk_numel=plan.chunk_numel, chunks=len(plan), index=index)
+                reply, data, _ = await ctx.network.request(
+                    address, header, chunks[index], deadline_s=deadline, expect_peer=peer
+                )  # fmt: skip
+                if not isinstance(reply, DeltaReply):
+                    raise _Refused(getattr(reply, "reason", "") or type(reply).__name__)
+                moved[0] += len(chunks[index]) + len(data)
+                if their_round and reply.round != their_round[0]:
+                    raise _Refused("its update changed during the offer")
+                their_round.append(reply.round)
+                if reply.round > 0:
+                    await ctx.to_thread(theirs.add, index, data)
+            except Exception as exc:  # the first failure ends the offer (re-raised below)
+                failure.append(exc)
+                nursery.cancel_scope.cancel()
+            finally:
+                limit.release()
+
+        async with trio.open_nursery() as nursery:
+            for index in range(len(plan)):
+                await limit.acquire()
+                if failure:
+                    break
+                nursery.start_soon(one, index)
+        now = ctx.now()
         try:
-            reply, data, _ = await ctx.network.request(
-                address,
-                DeltaOffer(codec=spec, round=round_),
-                payload,
-                deadline_s=deadline,
-                expect_peer=peer,
-            )
-        except TransportError as exc:  # counted as failed when the round ends
+            if failure:
+                raise failure[0]
+            delta = None
+            if their_round and their_round[0] > 0:
+                delta = theirs.tensors
+                await ctx.to_thread(lambda: check_update(
+                    ctx.trainer.params(), delta, max_norm_ratio=ctx.gossip.max_norm_ratio))
+        except (TransportError, _Refused) as exc:  # counted as failed when the round ends
             log.info("exchange_failed", partner=peer[:12], reason=str(exc))
             return
-        if not isinstance(reply, DeltaReply):
-            log.info("exchange_failed", partner=peer[:12], reason=getattr(reply, "reason", ""))
+        except (RejectedUpdate, compress.DecodeError, ValueError) as exc:
+            self._rejected_now.add(peer)
+            self.counters.record_rejected(peer, spec)
+            ctx.peers.unreliable(peer, now)
+            log.warning("update_rejected", peer=peer[:12], reason=str(exc))
             return
-        now = ctx.now()
-        ctx.peers.transferred(peer, len(payload) + len(data), now - started, now)
-        delta = None
-        if data:
-            try:
-                delta = await ctx.to_thread(ctx.decode_checked, bytes(data), spec)
-            except (RejectedUpdate, compress.DecodeError) as exc:
-                self._rejected_now.add(peer)
-                self.counters.record_rejected(peer, spec)
-                ctx.peers.unreliable(peer, now)
-                log.warning("update_rejected", peer=peer[:12], reason=str(exc))
-                return
-        replies[peer] = (reply.round, delta)
+        ctx.peers.transferred(peer, moved[0], now - started, now)
+        replies[peer] = (their_round[0] if their_round else 0, delta)
         self.counters.record_ok(peer, spec)
 
     async def handle(self, peer: PeerInfo, header: Header, payload: memoryview) -> Reply:
@@ -249,25 +316,55 @@ class Diloco(Algorithm):
         ctx = self.ctx
         if not ctx.acceptable(header.codec):
             return ErrorReply(code="bad_request", reason=f"codec {header.codec!r} refused"), b""
-        data = bytes(payload)
+        if not 1 <= header.chunk_numel <= ctx.max_chunk_numel:
+            reason = f"chunks of {header.chunk_numel} elements: expected 1..{ctx.max_chunk_numel}"
+            return ErrorReply(code="bad_request", reason=reason), b""
         try:
-            delta = await ctx.to_thread(ctx.decode_checked, data, header.codec)
-        except (RejectedUpdate, compress.DecodeError) as exc:
+            plan = self.plan(header.chunk_numel)
+        except ValueError as exc:  # cut too finely
+            return ErrorReply(code="bad_request", reason=str(exc)[:500]), b""
+        if header.plan != plan.digest or header.chunks != len(plan) or header.index >= len(plan):
+            reason = f"models differ, or chunk {header.index} of a {len(plan)}-chunk plan"
+            return ErrorReply(code="bad_request", reason=reason), b""
+        try:
+            await self._take(peer.peer_id, header, payload, plan)
+        except (RejectedUpdate, compress.DecodeError, ValueError) as exc:
+            self._incoming.pop(peer.peer_id, None)
             self.counters.record_rejected(peer.peer_id, header.codec)
             log.warning("update_rejected", peer=peer.short_id, reason=str(exc))
             return ErrorReply(code="bad_request", reason=f"update rejected: {exc}"[:500]), b""
-        if header.round > self.inbox.get(peer.peer_id, (-1, None))[0]:
-            self.inbox[peer.peer_id] = (header.round, delta)
-        self.counters.record_ok(peer.peer_id, header.codec)
-        round_, latest, spec = self.latest
-        if latest is None:
+        round_, chunks, spec = self.latest
+        if not chunks or self.latest_delta is None:
             return DeltaReply(round=0), b""
-        if spec != header.codec and self.latest_delta is not None:
-            try:
-                latest = await ctx.to_thread(ctx.encode, self.latest_delta, header.codec)
-            except ValueError as exc:
-                return ErrorReply(code="bad_request", reason=f"codec: {exc}"[:500]), b""
-        return DeltaReply(round=round_), latest
+        if spec == header.codec and plan.chunk_numel == ctx.chunk_numel:
+            return DeltaReply(round=round_), chunks[header.index]
+        delta = self.latest_delta  # another codec or cut: encode this chunk for it (no feedback)
+        data = await ctx.to_thread(
+            lambda: encode_chunk(model_chunk(delta, plan, header.index), header.codec)
+        )
+        return DeltaReply(round=round_), data
+
+    async def _take(self, peer: str, header: DeltaOffer, payload: memoryview, plan) -> None:
+        """Add one chunk of `peer`'s offer; a complete, checked update goes to the inbox."""
+        ctx = self.ctx
+        current = self._incoming.get(peer)
+        if current is None and peer not in self.inbox and len(self.inbox) + len(
+            self._incoming
+        ) >= ctx.settings.fanout:  # as many updates held as the memory budget counts
+            raise ValueError(f"already holding {ctx.settings.fanout} peers' updates")
+        if current is None or current[0] != header.xid:  # a new offer replaces an unfinished one
+            assembly = ModelAssembly(plan, header.codec, ctx.trainer.task_device)
+            current = self._incoming[peer] = (header.xid, header.round, assembly)
+        assembly = current[2]
+        if not await ctx.to_thread(assembly.add, header.index, payload):
+            return
+        del self._incoming[peer]
+        delta = assembly.tensors
+        await ctx.to_thread(lambda: check_update(
+            ctx.trainer.params(), delta, max_norm_ratio=ctx.gossip.max_norm_ratio))
+        if header.round > self.inbox.get(peer, (-1, None))[0]:
+            self.inbox[peer] = (header.round, delta)
+        self.counters.record_ok(peer, header.codec)
 
 
 ALGORITHM = register_algorithm(

@@ -17,6 +17,7 @@ from geotrain import compress
 from geotrain.gossip import (
     RejectedUpdate,
     RoundAttendance,
+    check_update,
     metropolis_hastings_weights,
     neighbourhood_mix,
 )
@@ -26,6 +27,18 @@ from ..training import StepResult
 from ..transport import U63, CodecSpec, ErrorReply, Header, Name, PeerInfo, TransportError
 from ._base import Algorithm, AlgorithmContext, AlgorithmSpec, Reply, Tensors
 from ._registry import register_algorithm
+from ._stream import (
+    CHUNKS_IN_FLIGHT,
+    ChunkPlan,
+    ModelAssembly,
+    cached_plan,
+    encode_chunk,
+    model_chunk,
+)
+
+
+class _Refused(Exception):
+    """A neighbour answered a chunk request with something else than the chunk."""
 
 ROUND_WAIT_CAP_S = 30.0  # the most a responder holds a request for a round it has not reached
 CATCH_UP_FLOOR_S = 5.0  # a neighbour that reaches our round within this (or 4 rounds) is waited for
@@ -35,24 +48,30 @@ Degree = Annotated[int, msgspec.Meta(ge=0, le=4096)]
 
 
 class RoundRequest(Header, frozen=True, tag="round_request"):
-    """Ask a neighbour for its model at the boundary of round `round`.
+    """Ask a neighbour for chunk `index` of its model at the boundary of round `round`.
 
-    The neighbour answers RoundReply once it has reached that round with the model it had there,
-    or a newer one when that round is gone; it waits for that at most `wait_s` (the requester's
-    deadline: after it nobody listens, and a held request ties up one of its inbound workers).
-    `degree` is the requester's neighbour count this round (for Metropolis-Hastings weights).
+    For chunk 0 the neighbour answers RoundReply once it has reached that round with the model it
+    had there, or a newer one when that round is gone; it waits for that at most `wait_s` (the
+    requester's deadline: after it nobody listens, and a held request ties up one of its inbound
+    workers). Chunks 1.. are asked of the round the first reply named, and refused once it is
+    gone. `degree` is the requester's neighbour count this round (for Metropolis-Hastings
+    weights); `plan` and `chunk_numel` say how the model is cut (both ends must agree).
     """
 
     algorithm: Name
     codec: CodecSpec
     round: U63
     degree: Degree
+    plan: U63
+    chunk_numel: U63
+    index: U63 = 0
     wait_s: Annotated[float, msgspec.Meta(ge=0.0, le=3600.0)] = 30.0
 
 
 class RoundReply(Header, frozen=True, tag="round_reply"):
     round: U63
     degree: Degree
+    chunks: U63
 
 
 @dataclass(frozen=True)
@@ -108,6 +127,7 @@ class Dpsgd(Algorithm):
         self._attendance = RoundAttendance()
         self._step_s = 0.0
         self._rejected_now: set[str] = set()  # neighbours whose model this round was refused
+        self._plans: dict[int, ChunkPlan] = {}
         self.rounds = self.full_rounds = self.missed = self.late_ignored = 0
 
     def statistics(self) -> DpsgdStatistics:
@@ -121,6 +141,14 @@ class Dpsgd(Algorithm):
 
     def load_state(self, tensors: Tensors, meta: dict) -> None:
         self.round = int(meta.get("round", -1))
+
+    def plan(self, chunk_numel: int) -> ChunkPlan:
+        """The chunk plan of our model for chunks of `chunk_numel` elements (a few cached).
+
+        Raises:
+            ValueError: it would have more than MAX_CHUNKS chunks.
+        """
+        return cached_plan(self._plans, self.ctx.trainer, chunk_numel)
 
     def _neighbours(self, round_: int) -> list[str]:
         live = sorted(self.ctx.peers.live_peers())
@@ -214,37 +242,76 @@ class Dpsgd(Algorithm):
         if address is None:
             reasons[peer] = "no address"
             return
-        header = RoundRequest(
-            algorithm="dpsgd",
-            codec=self._spec(peer),
-            round=round_,
-            degree=degree,
-            wait_s=min(deadline, ROUND_WAIT_CAP_S),  # the responder never holds it longer
-        )
+        plan = self.plan(ctx.chunk_numel)
+
+        def request(round_asked: int, index: int) -> RoundRequest:
+            return RoundRequest(
+                algorithm="dpsgd", codec=self._spec(peer), round=round_asked, degree=degree,
+                plan=plan.digest, chunk_numel=plan.chunk_numel, index=index,
+                wait_s=min(deadline, ROUND_WAIT_CAP_S),  # the responder never holds it longer
+            )  # fmt: skip
+
+        first = request(round_, 0)
+        assembly = ModelAssembly(plan, first.codec, ctx.trainer.task_device)
         try:
             reply, payload, _ = await ctx.network.request(
-                address, header, b"", deadline_s=deadline, expect_peer=peer
+                address, first, b"", deadline_s=deadline, expect_peer=peer
             )
+            if not isinstance(reply, RoundReply) or reply.chunks != len(plan):
+                reasons[peer] = getattr(reply, "reason", type(reply).__name__)[:200]
+                return
+            self._attendance.heard(peer, reply.round, ctx.now())
+            if reply.round < round_:  # an answer for an older round: never mixed into this one
+                self.late_ignored += 1
+                reasons[peer] = f"reply for round {reply.round}"
+                return
+            await ctx.to_thread(assembly.add, 0, payload)
+            await self._rest(address, peer, plan, assembly, request(reply.round, 0), deadline)
+            remote = assembly.tensors
+            await ctx.to_thread(lambda: check_update(
+                ctx.trainer.params(), remote, max_norm_ratio=ctx.gossip.max_norm_ratio))
         except TransportError as exc:
             reasons[peer] = f"{type(exc).__name__}: {exc}"[:200]
             return
-        if not isinstance(reply, RoundReply):
-            reasons[peer] = getattr(reply, "reason", type(reply).__name__)[:200]
+        except _Refused as exc:
+            reasons[peer] = str(exc)[:200]
             return
-        self._attendance.heard(peer, reply.round, ctx.now())
-        if reply.round < round_:  # an answer for an older round: never mixed into this one
-            self.late_ignored += 1
-            reasons[peer] = f"reply for round {reply.round}"
-            return
-        try:
-            remote = await ctx.to_thread(ctx.decode_checked, bytes(payload), header.codec)
-        except (RejectedUpdate, compress.DecodeError) as exc:
+        except (RejectedUpdate, compress.DecodeError, ValueError) as exc:
             reasons[peer] = f"rejected: {exc}"[:200]
             self._rejected_now.add(peer)
-            self.counters.record_rejected(peer, header.codec)
+            self.counters.record_rejected(peer, first.codec)
             log.warning("update_rejected", peer=peer[:12], reason=str(exc))
             return
         got[peer] = (remote, reply.degree)
+
+    async def _rest(self, address, peer, plan, assembly, template, deadline) -> None:
+        """Chunks 1.. of the round `template` names, CHUNKS_IN_FLIGHT at a time."""
+        limit = trio.Semaphore(CHUNKS_IN_FLIGHT)
+        failure: list[BaseException] = []
+
+        async def one(index: int) -> None:
+            try:
+                header = msgspec.structs.replace(template, index=index, wait_s=0.0)
+                reply, payload, _ = await self.ctx.network.request(
+                    address, header, b"", deadline_s=deadline, expect_peer=peer
+                )
+                if not isinstance(reply, RoundReply) or reply.round != template.round:
+                    raise _Refused(getattr(reply, "reason", "") or f"chunk {index}: no reply")
+                await self.ctx.to_thread(assembly.add, index, payload)
+            except Exception as exc:  # the first failure ends the fetch (re-raised below)
+                failure.append(exc)
+                nursery.cancel_scope.cancel()
+            finally:
+                limit.release()
+
+        async with trio.open_nursery() as nursery:
+            for index in range(1, len(plan)):
+                await limit.acquire()
+                if failure:
+                    break
+                nursery.start_soon(one, index)
+        if failure:
+            raise failure[0]
 
     async def handle(self, peer: PeerInfo, header: Header, payload: memoryview) -> Reply:
         assert isinstance(header, RoundRequest)
@@ -254,17 +321,36 @@ class Dpsgd(Algorithm):
             return ErrorReply(code="bad_request", reason=reason), b""
         if not ctx.acceptable(header.codec):
             return ErrorReply(code="bad_request", reason=f"codec {header.codec!r} refused"), b""
-        if peer.peer_id in ctx.peers.live_peers():  # its own round (strangers are not tracked)
-            self._attendance.heard(peer.peer_id, header.round, ctx.now())
-        with trio.move_on_after(min(header.wait_s, ROUND_WAIT_CAP_S)):
-            while self.round < header.round:
-                await self._published.wait()
-        if self.round < header.round:
-            return ErrorReply(code="busy", reason=f"round {header.round} not reached"), b""
-        round_ = header.round if header.round in self._models else self.round
+        if not 1 <= header.chunk_numel <= ctx.max_chunk_numel:
+            reason = f"chunks of {header.chunk_numel} elements: expected 1..{ctx.max_chunk_numel}"
+            return ErrorReply(code="bad_request", reason=reason), b""
+        try:
+            plan = self.plan(header.chunk_numel)
+        except ValueError as exc:  # cut too finely
+            return ErrorReply(code="bad_request", reason=str(exc)[:500]), b""
+        if header.plan != plan.digest or header.index >= len(plan):
+            reason = f"models differ, or chunk {header.index} of a {len(plan)}-chunk plan"
+            return ErrorReply(code="bad_request", reason=reason), b""
+        if header.index > 0:  # the rest of a round already answered: that round or nothing
+            if header.round not in self._models:
+                return ErrorReply(code="busy", reason=f"round {header.round} is gone"), b""
+            round_ = header.round
+        else:
+            if peer.peer_id in ctx.peers.live_peers():  # its own round (strangers: untracked)
+                self._attendance.heard(peer.peer_id, header.round, ctx.now())
+            with trio.move_on_after(min(header.wait_s, ROUND_WAIT_CAP_S)):
+                while self.round < header.round:
+                    await self._published.wait()
+            if self.round < header.round:
+                return ErrorReply(code="busy", reason=f"round {header.round} not reached"), b""
+            round_ = header.round if header.round in self._models else self.round
+            if round_ not in self._models:  # (resumed from a checkpoint: nothing published yet)
+                return ErrorReply(code="busy", reason=f"round {round_} not published yet"), b""
         model, degree = self._models[round_]
-        data = await ctx.to_thread(ctx.encode, model, header.codec, round_)
-        return RoundReply(round=round_, degree=degree), data
+        data = await ctx.to_thread(
+            lambda: encode_chunk(model_chunk(model, plan, header.index), header.codec, seed=round_)
+        )
+        return RoundReply(round=round_, degree=degree, chunks=len(plan)), data
 
 
 ALGORITHM = register_algorithm(
