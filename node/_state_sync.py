@@ -28,6 +28,8 @@ from .algorithms import (
     cached_plan,
     decode_chunk,
     encode_chunk,
+    in_window,
+    plan_refusal,
     read_chunk,
 )
 from .training import Trainer
@@ -41,6 +43,9 @@ log = structlog.get_logger()
 
 class _Failed(Exception):
     pass
+
+
+FETCH_ERRORS = (_Failed, TransportError, RejectedUpdate, compress.DecodeError)
 
 
 class StateSync:
@@ -95,18 +100,12 @@ class StateSync:
         if header.algorithm != self._name:
             reason = f"this node runs {self._name}, not {header.algorithm}"
             return ErrorReply(code="bad_request", reason=reason), b""
-        if not 1 <= header.chunk_numel <= self._max_chunk_numel:
-            reason = f"chunks of {header.chunk_numel} elements: expected 1..{self._max_chunk_numel}"
-            return ErrorReply(code="bad_request", reason=reason), b""
-        try:
-            plan = self._plan(header.chunk_numel)
-        except ValueError as exc:  # cut too finely
-            return ErrorReply(code="bad_request", reason=str(exc)[:500]), b""
-        if header.plan != plan.digest:
-            return ErrorReply(code="bad_request", reason="models differ: names or shapes"), b""
-        if header.index >= len(plan):
-            reason = f"chunk {header.index} of a {len(plan)}-chunk plan"
-            return ErrorReply(code="bad_request", reason=reason), b""
+        plan, why = plan_refusal(
+            self._plans, self._trainer, header.chunk_numel, self._max_chunk_numel, header.plan,
+            None, header.index,
+        )  # fmt: skip
+        if plan is None:
+            return ErrorReply(code="bad_request", reason=why[:500]), b""
         step = self._trainer.step
         data = await self._to_thread(
             lambda: encode_chunk(read_chunk(self._trainer, plan, header.index), "none")
@@ -149,31 +148,16 @@ class StateSync:
         progress = _Progress(peer, len(plan), plan.numel * 4)
         try:
             step = await self._chunk(peer, address, plan, 0, staged, progress)
-            limit = trio.Semaphore(CHUNKS_IN_FLIGHT)
-            failures: list[BaseException] = []
 
             async def one(index: int) -> None:
-                try:
-                    await self._chunk(peer, address, plan, index, staged, progress)
-                except (_Failed, TransportError, RejectedUpdate, compress.DecodeError) as exc:
-                    failures.append(exc)
-                    nursery.cancel_scope.cancel()
-                finally:
-                    limit.release()
+                await self._chunk(peer, address, plan, index, staged, progress)
 
-            async with trio.open_nursery() as nursery:
-                for index in range(1, len(plan)):
-                    await limit.acquire()
-                    if failures:
-                        break
-                    nursery.start_soon(one, index)
-            if failures:
-                raise failures[0]
+            await in_window(range(1, len(plan)), one, catch=FETCH_ERRORS)
             trainer = self._trainer
             await self._to_thread(
                 lambda: trainer.load_params(staged, max_norm_ratio=float("inf"))
             )
-        except (_Failed, TransportError, RejectedUpdate, compress.DecodeError) as exc:
+        except FETCH_ERRORS as exc:
             log.info("state_sync_failed", peer=peer[:12], reason=str(exc), chunks=progress.done)
             return None
         return step

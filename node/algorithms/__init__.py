@@ -29,5 +29,7 @@ from ._stream import SliceFeedback as SliceFeedback
 from ._stream import cached_plan as cached_plan
 from ._stream import decode_chunk as decode_chunk
 from ._stream import encode_chunk as encode_chunk
+from ._stream import in_window as in_window
 from ._stream import model_chunk as model_chunk
+from ._stream import plan_refusal as plan_refusal
 from ._stream import read_chunk as read_chunk

@@ -11,10 +11,11 @@ from __future__ import annotations
 import hashlib
 import math
 import threading
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
+import trio
 
 from geotrain import compress
 from geotrain.gossip import RejectedUpdate
@@ -96,6 +97,56 @@ class ChunkPlan:
 
     def chunk_numel_of(self, index: int) -> int:
         return sum(s.numel for s in self.chunks[index])
+
+
+async def in_window(
+    indices: Iterable[int],
+    fetch: Callable[[int], Awaitable[None]],
+    catch: type[BaseException] | tuple[type[BaseException], ...] = Exception,
+    width: int = CHUNKS_IN_FLIGHT,
+) -> None:
+    """Run `fetch(i)` for each index, `width` at a time; the first `catch` failure cancels the
+    others and is raised here (not wrapped in an exception group)."""
+    limit = trio.Semaphore(width)
+    failure: list[BaseException] = []
+
+    async def one(index: int) -> None:
+        try:
+            await fetch(index)
+        except catch as exc:
+            failure.append(exc)
+            nursery.cancel_scope.cancel()
+        finally:
+            limit.release()
+
+    async with trio.open_nursery() as nursery:
+        for index in indices:
+            await limit.acquire()
+            if failure:
+                break
+            nursery.start_soon(one, index)
+    if failure:
+        raise failure[0]
+
+
+def plan_refusal(
+    cache: dict[int, ChunkPlan], trainer: Trainer, chunk_numel: int, most: int, digest: int,
+    chunks: int | None, index: int,
+) -> tuple[ChunkPlan | None, str]:  # fmt: skip
+    """A peer's request for chunk `index` of a plan: (our plan, "") when it is one we agree to,
+    else (None, why not): chunks of 1..`most` elements, at most MAX_CHUNKS of them, the same
+    digest (and chunk count when given), an index inside."""
+    if not 1 <= chunk_numel <= most:
+        return None, f"chunks of {chunk_numel} elements: expected 1..{most}"
+    try:
+        plan = cached_plan(cache, trainer, chunk_numel)
+    except ValueError as exc:  # cut too finely
+        return None, str(exc)
+    if digest != plan.digest or (chunks is not None and chunks != len(plan)):
+        return None, "models differ: other parameter names or shapes (or a wrong chunk count)"
+    if index >= len(plan):
+        return None, f"chunk {index} of a {len(plan)}-chunk plan"
+    return plan, ""
 
 
 def cached_plan(cache: dict[int, ChunkPlan], trainer: Trainer, chunk_numel: int) -> ChunkPlan:

@@ -14,7 +14,6 @@ from dataclasses import dataclass
 
 import structlog
 import torch
-import trio
 
 from geotrain import compress
 from geotrain.gossip import RejectedUpdate
@@ -30,6 +29,7 @@ from ._stream import (
     PairwiseMix,
     SliceFeedback,
     cached_plan,
+    in_window,
 )
 
 SMALL_EXCHANGES_BYTES = 64 * 2**20  # mix buffers of concurrent exchanges a small model may hold
@@ -279,27 +279,12 @@ class Adpsgd(Algorithm):
             plan=plan.digest, chunk_numel=plan.chunk_numel, chunks=len(plan),
         )  # fmt: skip
         await self._chunk(partner, address, mix, 0, opening, ExchangeReply, moved)
-        failure: list[_Abort] = []
-        limit = trio.Semaphore(CHUNKS_IN_FLIGHT)
 
         async def one(index: int) -> None:
-            try:
-                header = ExchangeChunk(xid=xid, index=index)
-                await self._chunk(partner, address, mix, index, header, ExchangeChunkReply, moved)
-            except _Abort as exc:
-                failure.append(exc)
-                nursery.cancel_scope.cancel()
-            finally:
-                limit.release()
+            header = ExchangeChunk(xid=xid, index=index)
+            await self._chunk(partner, address, mix, index, header, ExchangeChunkReply, moved)
 
-        async with trio.open_nursery() as nursery:
-            for index in range(1, len(plan)):
-                await limit.acquire()
-                if failure:
-                    break
-                nursery.start_soon(one, index)
-        if failure:
-            raise failure[0]
+        await in_window(range(1, len(plan)), one, catch=_Abort)
 
     async def _chunk(self, partner, address, mix: PairwiseMix, index: int, header: Header,
                      expect: type, moved: list) -> None:  # fmt: skip

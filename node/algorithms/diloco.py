@@ -29,13 +29,14 @@ from ..transport import U63, CodecSpec, ErrorReply, Header, PeerInfo, TransportE
 from ._base import Algorithm, AlgorithmContext, AlgorithmSpec, Reply, Tensors
 from ._registry import register_algorithm
 from ._stream import (
-    CHUNKS_IN_FLIGHT,
     ChunkPlan,
     ModelAssembly,
     SliceFeedback,
     cached_plan,
     encode_chunk,
+    in_window,
     model_chunk,
+    plan_refusal,
 )
 
 
@@ -259,40 +260,24 @@ class Diloco(Algorithm):
         theirs = ModelAssembly(plan, spec, ctx.trainer.task_device)
         their_round: list[int] = []
         started, moved = ctx.now(), [0]
-        limit = trio.Semaphore(CHUNKS_IN_FLIGHT)
-        failure: list[BaseException] = []
 
         async def one(index: int) -> None:
-            try:
-                header = DeltaOffer(codec=spec, round=round_, xid=xid, plan=plan.digest,
-                                    chunk_numel=plan.chunk_numel, chunks=len(plan), index=index)
-                reply, data, _ = await ctx.network.request(
-                    address, header, chunks[index], deadline_s=deadline, expect_peer=peer
-                )  # fmt: skip
-                if not isinstance(reply, DeltaReply):
-                    raise _Refused(getattr(reply, "reason", "") or type(reply).__name__)
-                moved[0] += len(chunks[index]) + len(data)
-                if their_round and reply.round != their_round[0]:
-                    raise _Refused("its update changed during the offer")
-                their_round.append(reply.round)
-                if reply.round > 0:
-                    await ctx.to_thread(theirs.add, index, data)
-            except Exception as exc:  # the first failure ends the offer (re-raised below)
-                failure.append(exc)
-                nursery.cancel_scope.cancel()
-            finally:
-                limit.release()
+            header = DeltaOffer(codec=spec, round=round_, xid=xid, plan=plan.digest,
+                                chunk_numel=plan.chunk_numel, chunks=len(plan), index=index)
+            reply, data, _ = await ctx.network.request(
+                address, header, chunks[index], deadline_s=deadline, expect_peer=peer
+            )  # fmt: skip
+            if not isinstance(reply, DeltaReply):
+                raise _Refused(getattr(reply, "reason", "") or type(reply).__name__)
+            moved[0] += len(chunks[index]) + len(data)
+            if their_round and reply.round != their_round[0]:
+                raise _Refused("its update changed during the offer")
+            their_round.append(reply.round)
+            if reply.round > 0:
+                await ctx.to_thread(theirs.add, index, data)
 
-        async with trio.open_nursery() as nursery:
-            for index in range(len(plan)):
-                await limit.acquire()
-                if failure:
-                    break
-                nursery.start_soon(one, index)
-        now = ctx.now()
         try:
-            if failure:
-                raise failure[0]
+            await in_window(range(len(plan)), one)
             delta = None
             if their_round and their_round[0] > 0:
                 delta = theirs.tensors
@@ -304,9 +289,10 @@ class Diloco(Algorithm):
         except (RejectedUpdate, compress.DecodeError, ValueError) as exc:
             self._rejected_now.add(peer)
             self.counters.record_rejected(peer, spec)
-            ctx.peers.unreliable(peer, now)
+            ctx.peers.unreliable(peer, ctx.now())
             log.warning("update_rejected", peer=peer[:12], reason=str(exc))
             return
+        now = ctx.now()
         ctx.peers.transferred(peer, moved[0], now - started, now)
         replies[peer] = (their_round[0] if their_round else 0, delta)
         self.counters.record_ok(peer, spec)
@@ -316,16 +302,11 @@ class Diloco(Algorithm):
         ctx = self.ctx
         if not ctx.acceptable(header.codec):
             return ErrorReply(code="bad_request", reason=f"codec {header.codec!r} refused"), b""
-        if not 1 <= header.chunk_numel <= ctx.max_chunk_numel:
-            reason = f"chunks of {header.chunk_numel} elements: expected 1..{ctx.max_chunk_numel}"
-            return ErrorReply(code="bad_request", reason=reason), b""
-        try:
-            plan = self.plan(header.chunk_numel)
-        except ValueError as exc:  # cut too finely
-            return ErrorReply(code="bad_request", reason=str(exc)[:500]), b""
-        if header.plan != plan.digest or header.chunks != len(plan) or header.index >= len(plan):
-            reason = f"models differ, or chunk {header.index} of a {len(plan)}-chunk plan"
-            return ErrorReply(code="bad_request", reason=reason), b""
+        plan, why = plan_refusal(self._plans, ctx.trainer, header.chunk_numel,
+                                 ctx.max_chunk_numel, header.plan, header.chunks,
+                                 header.index)  # fmt: skip
+        if plan is None:
+            return ErrorReply(code="bad_request", reason=why[:500]), b""
         try:
             await self._take(peer.peer_id, header, payload, plan)
         except (RejectedUpdate, compress.DecodeError, ValueError) as exc:

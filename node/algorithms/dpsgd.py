@@ -28,12 +28,13 @@ from ..transport import U63, CodecSpec, ErrorReply, Header, Name, PeerInfo, Tran
 from ._base import Algorithm, AlgorithmContext, AlgorithmSpec, Reply, Tensors
 from ._registry import register_algorithm
 from ._stream import (
-    CHUNKS_IN_FLIGHT,
     ChunkPlan,
     ModelAssembly,
     cached_plan,
     encode_chunk,
+    in_window,
     model_chunk,
+    plan_refusal,
 )
 
 
@@ -286,32 +287,17 @@ class Dpsgd(Algorithm):
 
     async def _rest(self, address, peer, plan, assembly, template, deadline) -> None:
         """Chunks 1.. of the round `template` names, CHUNKS_IN_FLIGHT at a time."""
-        limit = trio.Semaphore(CHUNKS_IN_FLIGHT)
-        failure: list[BaseException] = []
 
         async def one(index: int) -> None:
-            try:
-                header = msgspec.structs.replace(template, index=index, wait_s=0.0)
-                reply, payload, _ = await self.ctx.network.request(
-                    address, header, b"", deadline_s=deadline, expect_peer=peer
-                )
-                if not isinstance(reply, RoundReply) or reply.round != template.round:
-                    raise _Refused(getattr(reply, "reason", "") or f"chunk {index}: no reply")
-                await self.ctx.to_thread(assembly.add, index, payload)
-            except Exception as exc:  # the first failure ends the fetch (re-raised below)
-                failure.append(exc)
-                nursery.cancel_scope.cancel()
-            finally:
-                limit.release()
+            header = msgspec.structs.replace(template, index=index, wait_s=0.0)
+            reply, payload, _ = await self.ctx.network.request(
+                address, header, b"", deadline_s=deadline, expect_peer=peer
+            )
+            if not isinstance(reply, RoundReply) or reply.round != template.round:
+                raise _Refused(getattr(reply, "reason", "") or f"chunk {index}: no reply")
+            await self.ctx.to_thread(assembly.add, index, payload)
 
-        async with trio.open_nursery() as nursery:
-            for index in range(1, len(plan)):
-                await limit.acquire()
-                if failure:
-                    break
-                nursery.start_soon(one, index)
-        if failure:
-            raise failure[0]
+        await in_window(range(1, len(plan)), one)
 
     async def handle(self, peer: PeerInfo, header: Header, payload: memoryview) -> Reply:
         assert isinstance(header, RoundRequest)
@@ -321,16 +307,10 @@ class Dpsgd(Algorithm):
             return ErrorReply(code="bad_request", reason=reason), b""
         if not ctx.acceptable(header.codec):
             return ErrorReply(code="bad_request", reason=f"codec {header.codec!r} refused"), b""
-        if not 1 <= header.chunk_numel <= ctx.max_chunk_numel:
-            reason = f"chunks of {header.chunk_numel} elements: expected 1..{ctx.max_chunk_numel}"
-            return ErrorReply(code="bad_request", reason=reason), b""
-        try:
-            plan = self.plan(header.chunk_numel)
-        except ValueError as exc:  # cut too finely
-            return ErrorReply(code="bad_request", reason=str(exc)[:500]), b""
-        if header.plan != plan.digest or header.index >= len(plan):
-            reason = f"models differ, or chunk {header.index} of a {len(plan)}-chunk plan"
-            return ErrorReply(code="bad_request", reason=reason), b""
+        plan, why = plan_refusal(self._plans, ctx.trainer, header.chunk_numel,
+                                 ctx.max_chunk_numel, header.plan, None, header.index)  # fmt: skip
+        if plan is None:
+            return ErrorReply(code="bad_request", reason=why[:500]), b""
         if header.index > 0:  # the rest of a round already answered: that round or nothing
             if header.round not in self._models:
                 return ErrorReply(code="busy", reason=f"round {header.round} is gone"), b""
