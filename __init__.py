@@ -7,6 +7,8 @@ The public API; everything else (geotrain.node.*, geotrain.gossip._*, ...) is im
     def my_task(ctx: geotrain.TaskContext) -> geotrain.Task: ...      # what a node trains
     config = geotrain.load_config(Path("node.toml"))                 # NodeConfig, ConfigError
     async with geotrain.open_node(config) as node: ...               # a node in your program
+    swarm = geotrain.join("node.toml", model)                        # or your own loop:
+    opt = swarm.wrap(torch.optim.AdamW(model.parameters()))          # opt.step() joins in
 
 Names load on first use, so `import geotrain.gossip` (say) pulls in neither torch nor the node.
 """
@@ -20,6 +22,11 @@ _EXPORTS = {
     "TaskContext": "geotrain.node",
     "endless_batches": "geotrain.node",
     "shard_indices": "geotrain.node",
+    # your own training loop in a swarm
+    "join": "geotrain.node",
+    "Swarm": "geotrain.node",
+    "SwarmOptimizer": "geotrain.node",
+    "LoopClosed": "geotrain.node",
     # configuring and running a node
     "NodeConfig": "geotrain.node",
     "IdentityConfig": "geotrain.node",

@@ -41,6 +41,10 @@ from .transport import TransportError as TransportError
 # name -> module (relative to this package) for the names that import torch
 _LAZY = {
     "Node": "._node",
+    "join": "._library",
+    "Swarm": "._library",
+    "SwarmOptimizer": "._library",
+    "LoopClosed": ".training",
     "open_node": "._node",
     "ResumeError": "._checkpointer",
     "MemoryBudgetError": "._memory",

@@ -62,6 +62,7 @@ class TrainingDriver:
                 await self._checkpointer.write()
 
     async def evaluate(self) -> None:
+        """Evaluate the held-out metric now (a worker thread)."""
         self._progress.metric = await trio.to_thread.run_sync(self._trainer.evaluate)
         self._progress.metric_step = self._trainer.step
 
@@ -72,3 +73,24 @@ class TrainingDriver:
                 await trio.sleep(0.01)
         await self.evaluate()
         await self._checkpointer.write()
+
+
+class LoopDriver(TrainingDriver):
+    """The training driver of a loop of the user's own: its steps arrive on `steps` (sent by the
+    wrapped optimizer from the user's thread); the algorithm, evaluations and checkpoints follow
+    them as they do the daemon's own steps. Ends when the channel closes or on stop."""
+
+    def __init__(self, steps: trio.MemoryReceiveChannel, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._steps = steps
+
+    async def run(self) -> None:
+        async with self._steps:
+            async for result in self._steps:
+                if self._stop.is_set():
+                    return
+                await self._algorithm.after_step(result)
+                if self._eval_every and result.step % self._eval_every == 0:
+                    await self.evaluate()
+                if result.step % self._checkpoint_every == 0:
+                    await self._checkpointer.write()

@@ -51,10 +51,13 @@ class MemoryEstimate:
         )
 
 
-def estimate_memory(config: NodeConfig, trainer: Trainer, spec: AlgorithmSpec) -> MemoryEstimate:
-    """The node's memory need for this model, optimizer and algorithm."""
+def estimate_memory(
+    config: NodeConfig, trainer: Trainer, spec: AlgorithmSpec, optimizer: str | None = None
+) -> MemoryEstimate:
+    """The node's memory need for this model, optimizer and algorithm (`optimizer`: the one a
+    user's own loop brings, when the config's does not apply; Adam's two moments if unknown)."""
     model_bytes = sum(p.numel() * p.element_size() for p in trainer.params().values())
-    optimizer = config.training.optimizer or "sgd"
+    optimizer = optimizer or config.training.optimizer or "sgd"
     extra = spec.memory(config.gossip) if spec.memory is not None else None
     chunk_bytes = min(model_bytes, config.network.chunk_numel * 4)
     buffers = CHUNKS_IN_FLIGHT * BUFFERS_PER_CHUNK * chunk_bytes

@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import random
 from collections import Counter
@@ -24,7 +25,7 @@ from geotrain.gossip import LinkTable, PartnerSelector
 from ._checkpointer import Checkpointer, load_checkpoint
 from ._config import NodeConfig
 from ._credentials import load_identity
-from ._driver import TrainingDriver
+from ._driver import LoopDriver, TrainingDriver
 from ._membership_service import MembershipService
 from ._memory import check_budget, estimate_memory, tune_allocator
 from ._peer_choice import PeerChoice
@@ -34,7 +35,7 @@ from ._status_report import Progress, StatusReporter, StatusSources
 from .algorithms import Algorithm, AlgorithmContext, get_algorithm
 from .identity import Admission, Identity
 from .state import Checkpoint, CheckpointStore, NodeStatus, StateDir, write_atomically
-from .training import Task, TaskContext, Trainer, resolve_device, resolve_task
+from .training import LoopTrainer, Task, TaskContext, Trainer, resolve_device, resolve_task
 from .transport import ErrorReply, Header, PeerInfo, Transport, TransportConfig, open_transport
 
 STOP_GRACE_S = 5.0
@@ -77,10 +78,23 @@ class Node:
     Args:
         config: the validated node configuration.
         identity: this node's key; admission: whom it lets in and its own credential.
+        loop: a training loop of the user's own (see geotrain.join) instead of the config's task.
+        on_ready: called (in the node's thread) once peers are ready and the model is synced.
     """
 
-    def __init__(self, config: NodeConfig, identity: Identity, admission: Admission) -> None:
+    def __init__(
+        self,
+        config: NodeConfig,
+        identity: Identity,
+        admission: Admission,
+        *,
+        loop: LoopTrainer | None = None,
+        on_ready: Callable[[], None] | None = None,
+    ) -> None:
         self.config = config
+        self.loop = loop  # a user's own training loop (geotrain.join), or None: the task's
+        self._on_ready = on_ready  # called once the node can take the loop's first step
+        self.steps: trio.MemorySendChannel | None = None  # where a user's loop sends its steps
         self.identity = identity
         self.admission = admission
         self.state = StateDir(config.state.dir)
@@ -118,8 +132,13 @@ class Node:
         return self._reporter.snapshot()
 
     # -- set-up (a worker thread) ---------------------------------------------------------------
-    def _build_training(self) -> tuple[Task, Trainer, Checkpoint | None, CheckpointStore]:
+    def _build_training(self) -> tuple[Task | None, Trainer, Checkpoint | None, CheckpointStore]:
         t = self.config.training
+        store = CheckpointStore(self.state.checkpoints, keep=self.config.state.keep)
+        if self.loop is not None:
+            self.memory = estimate_memory(self.config, self.loop, self.spec, optimizer="adam")
+            check_budget(self.config, self.memory)
+            return None, self.loop, load_checkpoint(store, self.config.gossip.algorithm), store
         if t.threads:
             torch.set_num_threads(t.threads)
         ctx = TaskContext(
@@ -138,7 +157,6 @@ class Node:
         log.info("memory_estimate", need_gb=round(self.memory.total_gb, 3),
                  detail=self.memory.explain(), limit_gb=self.config.limits.memory_gb)  # fmt: skip
         check_budget(self.config, self.memory)
-        store = CheckpointStore(self.state.checkpoints, keep=self.config.state.keep)
         ckpt = load_checkpoint(store, self.config.gossip.algorithm)
         return task, trainer, ckpt, store
 
@@ -204,7 +222,9 @@ class Node:
                 self._reporter = StatusReporter(
                     StatusSources(
                         self.identity.peer_id, self.address, cfg.gossip.algorithm,
-                        cfg.training.task, task, trainer, transport, membership, self.links,
+                        cfg.training.task if task is not None else "own loop",
+                        task.metric if task is not None else trainer.metric, trainer, transport,
+                        membership, self.links,
                         algorithm, self.progress, self.memory.total_gb * 1000,
                     ),
                     self.state, cfg.state.status_every_s, lambda: self._running,
@@ -252,10 +272,17 @@ class Node:
         await membership.wait_for_peers(t.wait_for_peers, t.wait_for_peers_s, self._stop)
         if ckpt is None and cfg.gossip.state_sync and cfg.network.bootstrap:
             await state_sync.fetch(self._stop)
-        driver = TrainingDriver(
-            self.trainer, algorithm, checkpointer, self.progress, max_steps=t.max_steps,
-            eval_every=t.eval_every, checkpoint_every=cfg.state.checkpoint_every, stop=self._stop,
-        )  # fmt: skip
+        cadence = {"eval_every": t.eval_every, "checkpoint_every": cfg.state.checkpoint_every,
+                   "stop": self._stop}  # fmt: skip
+        if self.loop is not None:
+            self.steps, receive = trio.open_memory_channel(math.inf)
+            driver: TrainingDriver = LoopDriver(receive, self.trainer, algorithm, checkpointer,
+                                                self.progress, max_steps=0, **cadence)
+        else:
+            driver = TrainingDriver(self.trainer, algorithm, checkpointer, self.progress,
+                                    max_steps=t.max_steps, **cadence)  # fmt: skip
+        if self._on_ready is not None:
+            self._on_ready()
         await driver.run()
         await driver.finish(STOP_GRACE_S)
 

@@ -21,7 +21,7 @@ from ._memory import peak_rss_mb
 from ._protocol import StatusReply, StatusRequest
 from .algorithms import Algorithm
 from .state import NodeStatus, PeerStatus, StateDir, append_metrics, write_status
-from .training import Task, Trainer
+from .training import Trainer
 from .transport import Header, PeerInfo, Transport
 
 
@@ -41,7 +41,7 @@ class StatusSources:
     address: str
     algorithm_name: str
     task_name: str
-    task: Task
+    metric_name: str
     trainer: Trainer
     transport: Transport
     membership: MembershipService
@@ -99,7 +99,7 @@ class StatusReporter:
             address=s.address,
             algorithm=s.algorithm_name,
             task=s.task_name,
-            metric_name=s.task.metric,
+            metric_name=s.metric_name,
             elapsed_s=time.monotonic() - self._started,
             step=s.trainer.step,
             steps_per_s=1.0 / interval if interval else 0.0,

@@ -35,3 +35,29 @@ def test_every_command_in_the_readme_table_exists():
     listed = set(re.findall(r"^\| `geotrain ([a-z]+)", README, re.M))  # the command table
     choices = parser._subparsers._group_actions[0].choices  # the subcommand table
     assert listed and listed <= set(choices), listed - set(choices)
+
+
+def test_the_own_training_script_example_runs(tmp_path, monkeypatch):
+    import torch
+
+    from geotrain.node import Identity
+
+    section = README[README.index("### Use it from your own training script") :]
+    code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    Identity.generate().save(tmp_path / "me.key")
+    (tmp_path / "node.toml").write_text(
+        '[identity]\nkey = "me.key"\nopen_swarm = true\n[state]\ndir = "state"\n'
+    )
+    monkeypatch.chdir(tmp_path)  # the example names "node.toml", as a user's script would
+    namespace: dict = {}
+    exec(compile(code, "README example", "exec"), namespace)
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    loader = [(torch.randn(8, 4), torch.randn(8, 1)) for _ in range(30)]
+
+    def compute_loss(m, batch):
+        return torch.nn.functional.mse_loss(m(batch[0]), batch[1])
+
+    namespace["train"](model, loader, compute_loss)
+    checkpoints = list((tmp_path / "state" / "checkpoints").glob("ckpt-*.safetensors"))
+    assert checkpoints  # closed cleanly: the final checkpoint

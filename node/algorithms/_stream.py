@@ -396,7 +396,7 @@ class PairwiseMix:
             for name, delta in self._delta.items():
                 live[name].add_(delta.view_as(live[name]), alpha=scale)
 
-        self.trainer.update(apply)
+        self.trainer.apply(apply)
         self._delta.clear()
         return distance
 

@@ -18,7 +18,7 @@ import torch
 from geotrain import compress
 from geotrain.gossip import RejectedUpdate
 
-from ..training import StepResult
+from ..training import LoopClosed, StepResult
 from ..transport import U63, CodecSpec, ErrorReply, Header, Name, PeerInfo, TransportError
 from ._base import Algorithm, AlgorithmContext, AlgorithmSpec, Reply, Tensors
 from ._registry import register_algorithm
@@ -205,6 +205,8 @@ class Adpsgd(Algorithm):
         try:
             if await self._exchange_once() and on_mixed is not None:
                 await on_mixed()
+        except LoopClosed:  # the user's loop ended while our mix waited for its next step
+            log.debug("exchange_dropped", reason="the training loop was closed")
         except Exception as exc:  # a bug must cost this exchange, not the node
             log.error("exchange_crashed", error=f"{type(exc).__name__}: {exc}", exc_info=True)
         finally:
@@ -425,6 +427,8 @@ class Adpsgd(Algorithm):
         except (RejectedUpdate, ValueError) as exc:
             self.counters.record_rejected(session.peer, session.mix.spec)
             log.warning("update_rejected", peer=session.peer[:12], reason=str(exc))
+            return
+        except LoopClosed:  # the user's loop ended before our mix could join it
             return
         finally:
             self._end(session)

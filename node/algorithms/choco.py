@@ -131,7 +131,7 @@ class Choco(Algorithm):
 
     def _apply(self, link: ChocoLink, q_mine: Tensors, q_theirs: Tensors) -> float:
         gamma = self.ctx.settings.gamma
-        return self.ctx.trainer.update(lambda live: link.apply(live, q_mine, q_theirs, gamma))
+        return self.ctx.trainer.apply(lambda live: link.apply(live, q_mine, q_theirs, gamma))
 
     def _decode_q(self, payload: bytes, spec: str) -> Tensors:
         # a difference, not a model: its norm is bounded by the model's (ratio + 1), names/shapes

@@ -230,7 +230,7 @@ class Diloco(Algorithm):
             for name, tensor in live.items():
                 tensor.copy_(self.start[name])
 
-        await self.ctx.to_thread(lambda: self.ctx.trainer.update(step))
+        await self.ctx.to_thread(lambda: self.ctx.trainer.apply(step))
         for peer in use:
             self.used[peer] = offered[peer][0]
         self.inbox.clear()

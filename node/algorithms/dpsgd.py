@@ -221,7 +221,7 @@ class Dpsgd(Algorithm):
         )
         remotes = {p: m for p, (m, _) in got.items()}
         await ctx.to_thread(
-            lambda: ctx.trainer.update(lambda live: neighbourhood_mix(live, sent, remotes, weights))
+            lambda: ctx.trainer.apply(lambda live: neighbourhood_mix(live, sent, remotes, weights))
         )
         self.rounds += 1
         self.full_rounds += not missing

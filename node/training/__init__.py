@@ -2,6 +2,8 @@
 
 from ._builtin import BUILTIN_TASKS as BUILTIN_TASKS
 from ._device import resolve_device as resolve_device
+from ._loop import LoopClosed as LoopClosed
+from ._loop import LoopTrainer as LoopTrainer
 from ._tasks import PARTITIONS as PARTITIONS
 from ._tasks import Task as Task
 from ._tasks import TaskContext as TaskContext

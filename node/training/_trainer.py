@@ -142,10 +142,16 @@ class Trainer:
     def update(self, fn: Callable[[dict[str, torch.Tensor]], T]) -> T:
         """Run `fn(live parameters)` under the model lock, without autograd; returns its result.
 
-        The algorithms' tensor rules change the model through this, never beside a training step.
+        For reading the model (and changes that must happen now); never beside a training step.
         """
         with self._lock, torch.no_grad():
             return fn(self.params())
+
+    def apply(self, fn: Callable[[dict[str, torch.Tensor]], T]) -> T:
+        """Change the model by `fn(live parameters)` between two training steps (a mix, an outer
+        step); returns its result. Here that is `update`; a training loop of the user's own
+        runs it at its next step instead (LoopTrainer)."""
+        return self.update(fn)
 
     def load_params(self, remote: dict[str, torch.Tensor], *, max_norm_ratio: float) -> None:
         """Replace the parameters with a peer's (state sync for a node that joins late)."""

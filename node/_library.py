@@ -1,0 +1,201 @@
+# geotrain as a library: a node beside the user's own training loop. Invariants: the node runs
+# its trio loop in one background thread and owns the network; the user's thread owns the model,
+# and the wrapped optimizer's step is the only point where the two meet (the node's pending
+# changes run there, after the user's optimizer); step() never waits on the network; close() (or
+# leaving the `with` block, Ctrl-C included) stops the node cleanly: last checkpoint, leave.
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import trio
+
+from ._config import ConfigError, NodeConfig, load_config
+from ._credentials import load_identity
+from ._node import Node
+from .identity import Admission, Identity
+from .state import NodeStatus
+from .training import LoopClosed, LoopTrainer, StepResult
+
+
+class Swarm:
+    """A node training the user's model with the user's loop. Made by `geotrain.join`.
+
+    Use `wrap` on the model's optimizer; call `close` (or use `with`) when done.
+    """
+
+    def __init__(self, node: Node, loop: LoopTrainer, thread: threading.Thread,
+                 token: trio.lowlevel.TrioToken) -> None:  # fmt: skip
+        self.node = node
+        self._loop = loop
+        self._thread = thread
+        self._token = token
+        self._closed = False
+
+    @property
+    def address(self) -> str | None:
+        return self.node.address
+
+    @property
+    def peer_id(self) -> str:
+        return self.node.identity.peer_id
+
+    @property
+    def step(self) -> int:
+        return self._loop.step
+
+    def wrap(self, optimizer: torch.optim.Optimizer, scheduler: Any = None) -> SwarmOptimizer:
+        """The user's optimizer, made to take part in the swarm at each `step()`.
+
+        Its state (and the scheduler's, if given) is restored from the node's checkpoint when
+        there is one, and saved in the node's checkpoints from now on.
+
+        Raises:
+            ValueError: the optimizer steps parameters that are not the joined model's.
+            LoopClosed: the swarm is closed.
+        """
+        if self._closed:
+            raise LoopClosed("wrap() after the swarm was closed")
+        self._loop.attach(optimizer, scheduler)
+        return SwarmOptimizer(self, optimizer, scheduler)
+
+    def _notify(self, result: StepResult) -> None:
+        steps = self.node.steps
+        if steps is None:
+            return
+        try:
+            trio.from_thread.run_sync(steps.send_nowait, result, trio_token=self._token)
+        except (trio.RunFinishedError, trio.ClosedResourceError, trio.BrokenResourceError):
+            pass  # the node stopped (a signal, an error): the loop's steps go on unheard
+
+    def status(self) -> NodeStatus:
+        """The node's status now (what `geotrain status` shows)."""
+        return trio.from_thread.run_sync(self.node.status, trio_token=self._token)
+
+    def close(self, timeout_s: float = 120.0) -> None:
+        """Stop the node cleanly (checkpoint, leave the swarm) and wait for it. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self._loop.close()
+        try:
+            trio.from_thread.run_sync(self._stop, trio_token=self._token)
+        except trio.RunFinishedError:
+            pass
+        self._thread.join(timeout_s)
+
+    def _stop(self) -> None:
+        if self.node.steps is not None:
+            self.node.steps.close()
+        self.node.request_stop()
+
+    def __enter__(self) -> Swarm:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class SwarmOptimizer:
+    """The user's optimizer inside a swarm: `step()` is the optimizer's step, then the mixes that
+    arrived meanwhile, then the swarm is told (exchanges start per the algorithm, in the
+    background). Everything else (zero_grad, param_groups, state_dict, ...) is the optimizer's."""
+
+    def __init__(self, swarm: Swarm, optimizer: torch.optim.Optimizer, scheduler: Any) -> None:
+        self._swarm = swarm
+        self.optimizer = optimizer
+        self.scheduler = scheduler
+
+    def step(self, closure: Callable[[], Any] | None = None, *, loss: Any = None) -> Any:
+        """The optimizer's step. `loss` (a tensor or number) is reported in the node's status.
+
+        Raises:
+            LoopClosed: after the swarm was closed.
+        """
+        value = None if loss is None else float(loss.detach() if torch.is_tensor(loss) else loss)
+        result, stepped = self._swarm._loop.stepped(lambda: self.optimizer.step(closure), value)
+        self._swarm._notify(stepped)
+        return result
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.optimizer, name)
+
+
+def join(
+    config: str | Path | NodeConfig,
+    model: torch.nn.Module,
+    *,
+    overrides: tuple[str, ...] = (),
+    evaluate: Callable[[torch.nn.Module], float] | None = None,
+    metric: str = "metric",
+    higher_is_better: bool = True,
+    identity: Identity | None = None,
+    admission: Admission | None = None,
+    ready_timeout_s: float | None = None,
+) -> Swarm:
+    """Join the swarm a node config describes, training `model` with your own loop.
+
+        swarm = geotrain.join("node.toml", model)
+        opt = swarm.wrap(torch.optim.AdamW(model.parameters(), lr=3e-4))
+        ...  # your loop: opt.step() takes part in the swarm
+        swarm.close()  # or: with geotrain.join(...) as swarm:
+
+    Returns once the node listens, knows `training.wait_for_peers` peers and (with no checkpoint
+    of its own) has fetched the current model from one of them.
+
+    Args:
+        config: a node config file (TOML) or a NodeConfig; its [training] task is not used.
+        model: the model your loop trains (same parameter names and shapes on every peer).
+        overrides: `section.key=value` items applied to a config file.
+        evaluate / metric / higher_is_better: a held-out metric for the node's status and
+            checkpoints' log (the loss is reported when none is given).
+        identity, admission: given directly instead of the config's files.
+        ready_timeout_s: give up waiting for the node after this long (None: wait).
+
+    Raises:
+        ConfigError: a bad config or identity files (before anything starts), or a model that
+            does not fit limits.memory_gb. ResumeError: the state directory holds another
+            algorithm's checkpoint. TimeoutError: not ready in `ready_timeout_s`.
+    """
+    if not isinstance(config, NodeConfig):
+        config = load_config(Path(config), overrides)
+    elif overrides:
+        raise ConfigError("overrides: give them with a config file, or build the NodeConfig")
+    if identity is None or admission is None:
+        identity, admission = load_identity(config)
+    loop = LoopTrainer(model, evaluate, metric=metric, higher_is_better=higher_is_better)
+    ready = threading.Event()
+    box: dict[str, Any] = {}
+    node = Node(config, identity, admission, loop=loop, on_ready=ready.set)
+
+    async def main() -> None:
+        box["token"] = trio.lowlevel.current_trio_token()
+        try:
+            await node.run()
+        except BaseException as exc:  # told to the user's thread; the node is gone anyway
+            box["error"] = exc
+            ready.set()
+
+    thread = threading.Thread(target=trio.run, args=(main,), name="geotrain-node", daemon=True)
+    thread.start()
+    if not ready.wait(ready_timeout_s):
+        raise TimeoutError(f"the node was not ready within {ready_timeout_s} s")
+    if "error" in box:
+        thread.join(10)
+        error = box["error"]
+        raise _leaf(error) from error
+    loop.start()
+    return Swarm(node, loop, thread, box["token"])
+
+
+def _leaf(error: BaseException) -> BaseException:
+    """The one real error inside trio's exception groups."""
+    while isinstance(error, BaseExceptionGroup) and len(error.exceptions) == 1:
+        error = error.exceptions[0]
+    return error

@@ -1,0 +1,247 @@
+# A training loop of the user's own, seen by the node as its trainer. Invariants: the user's thread
+# owns the model; the node reads it (snapshots, chunks) under the model lock, which the user's
+# thread holds only while the wrapped optimizer steps; the node's changes (a mix, an outer step)
+# wait for the next step and run in the user's thread right after the optimizer's, so a forward
+# or backward pass never sees a half-mixed model and `step()` never waits on the network; before
+# the loop starts and after it ends they run at once.
+from __future__ import annotations
+
+import contextlib
+import math
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
+
+import torch
+
+from ..state import optimizer_from_checkpoint, optimizer_to_checkpoint
+from ._trainer import StepResult
+
+T = TypeVar("T")
+
+
+class LoopClosed(RuntimeError):
+    """The swarm was closed: its loop takes no more steps, and queued changes were dropped."""
+
+
+class _Pending:
+    """A change of the model waiting for the next step, and its outcome."""
+
+    def __init__(self, fn: Callable[[dict[str, torch.Tensor]], Any]) -> None:
+        self.fn = fn
+        self.done = threading.Event()
+        self.result: Any = None
+        self.error: BaseException | None = None
+
+
+class LoopTrainer:
+    """The node's trainer for a model trained by the user's own loop (see geotrain.join).
+
+    Args:
+        model: the user's model (its parameters are mixed in place).
+        evaluate: `(model) -> float`, a held-out metric for status; None reports the loss.
+        metric: the metric's name; higher_is_better: its direction.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        evaluate: Callable[[torch.nn.Module], float] | None = None,
+        *,
+        metric: str = "loss",
+        higher_is_better: bool = False,
+    ) -> None:
+        self.model = model
+        self._evaluate = evaluate
+        self.metric = metric if evaluate is not None else "loss"
+        self.higher_is_better = higher_is_better if evaluate is not None else False
+        self._lock = threading.RLock()
+        self._pending: deque[_Pending] = deque()
+        self._started = False  # the user's loop runs: changes wait for its steps
+        self._closed = False
+        self.step = 0
+        self.last_loss = math.nan
+        self._step_ends: deque[float] = deque(maxlen=50)
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.scheduler: Any = None
+        self._optimizer_state: tuple[dict, dict] | None = None  # from a checkpoint, until wrap
+
+    # -- what the node reads ----------------------------------------------------------------
+    def params(self) -> dict[str, torch.Tensor]:
+        return {name: p.data for name, p in self.model.named_parameters()}
+
+    @property
+    def task_device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    def snapshot(self) -> dict[str, torch.Tensor]:
+        with self._lock:
+            return {name: t.detach().clone() for name, t in self.params().items()}
+
+    def update(self, fn: Callable[[dict[str, torch.Tensor]], T]) -> T:
+        """Read (or, before the loop starts, change) the model under the lock, without autograd."""
+        with self._lock, torch.no_grad():
+            return fn(self.params())
+
+    def apply(self, fn: Callable[[dict[str, torch.Tensor]], T]) -> T:
+        """Change the model by `fn` at the user's next step (at once before the loop starts or
+        after it ended); blocks until done. Called from the node's worker threads.
+
+        Raises:
+            LoopClosed: the swarm was closed before the change ran.
+        """
+        with self._lock:
+            if not self._started or self._closed:
+                with torch.no_grad():
+                    return fn(self.params())
+            pending = _Pending(fn)
+            self._pending.append(pending)
+        pending.done.wait()
+        if pending.error is not None:
+            raise pending.error
+        return pending.result
+
+    def load_params(self, remote: dict[str, torch.Tensor], *, max_norm_ratio: float) -> None:
+        """Replace the parameters with a peer's (state sync, before the loop starts)."""
+        from geotrain.gossip import check_update
+
+        def replace(live: dict[str, torch.Tensor]) -> None:
+            moved = {k: v.to(self.task_device) for k, v in remote.items()}
+            check_update(live, moved, max_norm_ratio=max_norm_ratio)
+            for name, tensor in live.items():
+                tensor.copy_(moved[name])
+
+        self.apply(replace)
+
+    def step_interval_s(self) -> float | None:
+        ends = list(self._step_ends)
+        if len(ends) < 2:
+            return None
+        return (ends[-1] - ends[0]) / (len(ends) - 1)
+
+    def evaluate(self) -> float:
+        """The user's metric (model in eval mode), or the last loss when none was given."""
+        if self._evaluate is None:
+            return self.last_loss
+        with self._lock:
+            was_training = self.model.training
+            self.model.eval()
+            try:
+                return float(self._evaluate(self.model))
+            finally:
+                self.model.train(was_training)
+
+    @contextlib.contextmanager
+    def locked(self) -> Iterator[None]:
+        with self._lock:
+            yield
+
+    # -- checkpoints ------------------------------------------------------------------------
+    def state_tensors(self, *, copy: bool = True) -> tuple[dict[str, torch.Tensor], dict]:
+        """Model, optimizer (once wrapped) and scheduler state for a checkpoint."""
+        with self._lock:
+            tensors = {f"model/{k}": v.detach() for k, v in self.model.state_dict().items()}
+            meta: dict[str, Any] = {"step": self.step}
+            if self.optimizer is not None:
+                opt_tensors, meta["optimizer"] = optimizer_to_checkpoint(self.optimizer)
+                tensors.update({k: v.detach() for k, v in opt_tensors.items()})
+            elif self._optimizer_state is not None:  # restored, not wrapped yet: keep it
+                opt_tensors, meta["optimizer"] = self._optimizer_state
+                tensors.update(opt_tensors)
+            if self.scheduler is not None:
+                meta["scheduler"] = _jsonable(self.scheduler.state_dict())
+            if copy:
+                tensors = {k: v.clone() for k, v in tensors.items()}
+            return tensors, meta
+
+    def restore(self, tensors: dict[str, torch.Tensor], meta: dict, step: int) -> None:
+        """Load a checkpoint's model now; the optimizer's state waits for `wrap`."""
+        device = self.task_device
+        model_sd = {k[6:]: v.to(device) for k, v in tensors.items() if k.startswith("model/")}
+        with self._lock:
+            self.model.load_state_dict(model_sd)
+            self.step = step
+            if "optimizer" in meta:
+                opt = {k: v.to(device) for k, v in tensors.items() if k.startswith("optim/")}
+                self._optimizer_state = (opt, meta["optimizer"])
+            self._scheduler_state = meta.get("scheduler")
+
+    # -- the user's side --------------------------------------------------------------------
+    def attach(self, optimizer: torch.optim.Optimizer, scheduler: Any = None) -> None:
+        """The user's optimizer (and scheduler): restore their checkpointed state into them.
+
+        Raises:
+            ValueError: the optimizer steps parameters that are not the model's.
+        """
+        mine = {id(p) for p in self.model.parameters()}
+        theirs = [p for group in optimizer.param_groups for p in group["params"]]
+        if not theirs or any(id(p) not in mine for p in theirs):
+            raise ValueError("the optimizer's parameters are not (all) the joined model's: wrap "
+                             "the optimizer of the model given to geotrain.join")  # fmt: skip
+        with self._lock:
+            if self._optimizer_state is not None:
+                optimizer_from_checkpoint(optimizer, *self._optimizer_state)
+                self._optimizer_state = None
+            state = getattr(self, "_scheduler_state", None)
+            if scheduler is not None and state is not None:
+                scheduler.load_state_dict(state)
+            self.optimizer, self.scheduler = optimizer, scheduler
+
+    def start(self) -> None:
+        """The user's loop begins: from now on changes wait for its steps."""
+        with self._lock:
+            self._started = True
+
+    def stepped(self, inner_step: Callable[[], Any], loss: float | None) -> tuple[Any, StepResult]:
+        """Run the optimizer's step under the lock, then the changes that arrived meanwhile.
+
+        Raises:
+            LoopClosed: after `close`.
+        """
+        started = time.perf_counter()
+        with self._lock:
+            if self._closed:
+                raise LoopClosed("step() after the swarm was closed")
+            result = inner_step()
+            self.step += 1
+            if loss is not None:
+                self.last_loss = float(loss)
+            self._run_pending()
+            step = self.step
+        self._step_ends.append(time.monotonic())
+        return result, StepResult(step, self.last_loss, time.perf_counter() - started)
+
+    def _run_pending(self) -> None:
+        while self._pending:
+            pending = self._pending.popleft()
+            try:
+                with torch.no_grad():
+                    pending.result = pending.fn(self.params())
+            except BaseException as exc:  # handed to the node's thread that asked for it
+                pending.error = exc
+            pending.done.set()
+
+    def close(self) -> None:
+        """No more steps: the changes that wait are dropped (their exchanges fail) and later
+        ones run at once; `stepped` refuses from now on."""
+        with self._lock:
+            self._closed = True
+            while self._pending:
+                pending = self._pending.popleft()
+                pending.error = LoopClosed("the swarm was closed")
+                pending.done.set()
+
+
+def _jsonable(value: Any) -> Any:
+    """A scheduler's state dict as JSON can hold it (numbers, strings, lists, dicts)."""
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, int | float | str | bool) or value is None:
+        return value
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        return value.item()
+    return repr(value)

@@ -1,0 +1,167 @@
+"""geotrain as a library: nodes beside the user's own training loop (geotrain.join), in-process."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import geotrain
+from geotrain.node import Admission, Identity, config_from_toml
+
+CONFIG = """
+[identity]
+open_swarm = true
+[training]
+eval_every = 20
+[gossip]
+probe_interval_s = 0.2
+exchange_every = 2
+[state]
+status_every_s = 0.2
+checkpoint_every = 50
+"""
+
+
+def config(tmp_path: Path, name: str, *overrides: str):
+    return config_from_toml(
+        CONFIG, base=tmp_path, overrides=[f'state.dir="{tmp_path / name}"', *overrides]
+    )
+
+
+def joined(tmp_path: Path, name: str, model: nn.Module, *overrides: str) -> geotrain.Swarm:
+    """geotrain.join with a throwaway identity in an open swarm (the key file of the config
+    would do the same)."""
+    return geotrain.join(config(tmp_path, name, *overrides), model,
+                         identity=Identity.generate(), admission=Admission.open_swarm("geotrain"))
+
+
+def make_model(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+
+
+def train(swarm, model, steps: int, seed: int) -> None:
+    """A user's own loop: AdamW with a cosine schedule and gradient clipping."""
+    gen = torch.Generator().manual_seed(seed)
+    w = torch.randn(8, 1, generator=torch.Generator().manual_seed(99))
+    adamw = torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.01)
+    scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(adamw, T_max=steps)
+    opt = swarm.wrap(adamw, scheduler)
+    for _ in range(steps):
+        x = torch.randn(32, 8, generator=gen)
+        loss = nn.functional.mse_loss(model(x), x @ w)
+        loss.backward()
+        nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step(loss=loss)
+        opt.zero_grad()
+        scheduler.step()
+
+
+def test_two_loops_of_their_own_train_together_and_close_cleanly(tmp_path):
+    a_model, b_model = make_model(), make_model()
+    with joined(tmp_path, "a", a_model) as a:
+        with joined(tmp_path, "b", b_model, f'network.bootstrap=["{a.address}"]') as b:
+            threads = [threading.Thread(target=train, args=(s, m, 300, i))
+                       for i, (s, m) in enumerate([(a, a_model), (b, b_model)])]  # fmt: skip
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(120)
+            status = b.status()
+            assert status.step == 300 and status.exchanges_ok >= 3, status
+            assert status.metric_name == "loss" and status.loss is not None
+    # both closed cleanly: a final checkpoint holds the user's optimizer and scheduler state
+    from geotrain.node.state import CheckpointStore
+
+    ckpt, _ = CheckpointStore(tmp_path / "a" / "checkpoints").load_latest()
+    assert ckpt is not None and ckpt.step == 300
+    assert any(k.startswith("optim/") for k in ckpt.tensors) and "scheduler" in ckpt.meta
+    # the two models were averaged along the way: far closer than two loops alone would be
+    gap = distance(a_model, b_model)
+    alone = [make_model(), make_model()]
+    for i, m in enumerate(alone):
+        _train_alone(m, 300, i)
+    alone_gap = distance(*alone)
+    assert gap < 0.5 * alone_gap, (gap, alone_gap)
+
+
+def distance(a: nn.Module, b: nn.Module) -> float:
+    pairs = zip(a.parameters(), b.parameters(), strict=True)
+    return sum(float((p - q).detach().norm()) for p, q in pairs)
+
+
+def _train_alone(model, steps, seed):
+    class Solo:  # the same loop without geotrain
+        def wrap(self, opt, scheduler=None):
+            class Plain:
+                def step(self, loss=None):
+                    opt.step()
+
+                def zero_grad(self):
+                    opt.zero_grad()
+
+            return Plain()
+
+    train(Solo(), model, steps, seed)
+
+
+def test_a_restarted_loop_resumes_its_model_optimizer_and_scheduler(tmp_path):
+    model = make_model()
+    with joined(tmp_path, "r", model) as swarm:
+        train(swarm, model, 60, 0)
+    saved = {k: v.clone() for k, v in model.state_dict().items()}
+    again = make_model(seed=5)  # another initialisation: the checkpoint wins
+    with joined(tmp_path, "r", again) as swarm:
+        assert swarm.step == 60
+        assert all(torch.equal(again.state_dict()[k], v) for k, v in saved.items())
+        adamw = torch.optim.AdamW(again.parameters(), lr=0.01)
+        scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(adamw, T_max=60)
+        swarm.wrap(adamw, scheduler)
+        assert adamw.state and scheduler.last_epoch == 60
+
+
+def test_bad_use_gets_a_clear_error(tmp_path):
+    model = make_model()
+    toml = tmp_path / "bad.toml"
+    toml.write_text(CONFIG + '[identity.x]\n')
+    with pytest.raises(geotrain.ConfigError, match="identity.x"):
+        geotrain.join(toml, model)
+    swarm = joined(tmp_path, "y", model)
+    try:
+        stranger = torch.optim.SGD(make_model().parameters(), lr=0.1)
+        with pytest.raises(ValueError, match="not .all. the joined model's"):
+            swarm.wrap(stranger)
+        opt = swarm.wrap(torch.optim.SGD(model.parameters(), lr=0.1))
+    finally:
+        swarm.close()
+    with pytest.raises(geotrain.LoopClosed):
+        opt.step()
+
+
+@pytest.mark.parametrize(
+    ("algorithm", "settings"),
+    [
+        ("dpsgd", ()),
+        ("choco", ('gossip.codec="topk:0.3"',)),
+        ("diloco", ("gossip.diloco.inner_steps=10",)),
+        ("selsync", ("gossip.selsync.threshold=0.001",)),
+    ],
+)
+def test_every_algorithm_works_through_the_library(tmp_path, algorithm, settings):
+    models = [make_model(), make_model()]
+    extra = (f'gossip.algorithm="{algorithm}"', *settings)
+    with joined(tmp_path, "a", models[0], *extra) as a:
+        with joined(tmp_path, "b", models[1], *extra, f'network.bootstrap=["{a.address}"]') as b:
+            threads = [threading.Thread(target=train, args=(s, m, 150, i))
+                       for i, (s, m) in enumerate([(a, models[0]), (b, models[1])])]  # fmt: skip
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(120)
+            statuses = [a.status(), b.status()]
+    assert all(s.step == 150 and s.exchanges_ok >= 1 for s in statuses), statuses
+    assert all(s.algorithm == algorithm for s in statuses)
