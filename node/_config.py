@@ -149,6 +149,12 @@ class TrainingConfig:
     threads: torch CPU threads (0 leaves torch's default).
     precision: "fp32", or "bf16": forward pass and loss under autocast in bfloat16 (on GPUs
         that have it, and on CPUs); weights, gradients and what travels stay float32 or the codec's.
+    weight_decay: L2 (sgd, adam) or decoupled (adamw) weight decay.
+    warmup_steps / schedule / total_steps: the learning rate rises linearly over warmup_steps,
+        then stays ("constant") or decays to 0 at total_steps ("cosine", "linear").
+    clip_grad_norm: scale each step's gradients down to at most this total L2 norm (unset: none).
+    accumulate: batches whose gradients are averaged into one optimizer step (a bigger batch than
+        fits in memory at once).
     """
 
     task: str = "digits-mlp"
@@ -168,14 +174,31 @@ class TrainingConfig:
     slowdown: float = 1.0
     threads: int = 0
     precision: str = "fp32"
+    weight_decay: float = 0.0
+    warmup_steps: int = 0
+    schedule: str = "constant"
+    total_steps: int = 0
+    clip_grad_norm: float | None = None
+    accumulate: int = 1
 
     def __post_init__(self) -> None:
         _check(
-            self.optimizer in (None, "sgd", "adam"),
+            self.optimizer in (None, "sgd", "adam", "adamw"),
             "training.optimizer",
             self.optimizer,
-            "sgd or adam",
+            "sgd, adam or adamw",
         )
+        _check(self.weight_decay >= 0, "training.weight_decay", self.weight_decay, ">= 0")
+        _check(self.warmup_steps >= 0, "training.warmup_steps", self.warmup_steps, ">= 0")
+        _check(self.schedule in ("constant", "cosine", "linear"), "training.schedule",
+               self.schedule, "constant, cosine or linear")  # fmt: skip
+        _check(self.total_steps >= 0, "training.total_steps", self.total_steps, ">= 0")
+        decaying = f"> training.warmup_steps ({self.warmup_steps}) for a decaying schedule"
+        _check(self.schedule == "constant" or self.total_steps > self.warmup_steps,
+               "training.total_steps", self.total_steps, decaying)  # fmt: skip
+        _check(self.clip_grad_norm is None or self.clip_grad_norm > 0, "training.clip_grad_norm",
+               self.clip_grad_norm, "> 0")  # fmt: skip
+        _check(self.accumulate >= 1, "training.accumulate", self.accumulate, ">= 1")
         _check(self.lr is None or self.lr > 0, "training.lr", self.lr, "> 0")
         _check(self.num_shards >= 1, "training.num_shards", self.num_shards, ">= 1")
         _check(

@@ -18,7 +18,7 @@ RUNTIME_GB = 0.5  # interpreter, torch, transport buffers: a small node's RSS on
 # Chunks of a stream in flight each hold a few buffers at once (read, encoded, encrypted, received,
 # decoded, the difference): about this many chunk sizes per chunk in flight.
 BUFFERS_PER_CHUNK = 8
-OPTIMIZER_COPIES = {"sgd": 1.0, "adam": 2.0}  # momentum; first and second moments
+OPTIMIZER_COPIES = {"sgd": 1.0, "adam": 2.0, "adamw": 2.0}  # momentum; first and second moments
 
 
 class MemoryBudgetError(ConfigError):

@@ -151,8 +151,12 @@ class Node:
             params=t.params,
         )
         task = resolve_task(t.task)(ctx)
-        trainer = Trainer(task, optimizer=t.optimizer or "sgd", lr=t.lr, slowdown=t.slowdown,
-                          precision=t.precision)  # fmt: skip
+        trainer = Trainer(
+            task, optimizer=t.optimizer or "sgd", lr=t.lr, slowdown=t.slowdown,
+            precision=t.precision, weight_decay=t.weight_decay, warmup_steps=t.warmup_steps,
+            schedule=t.schedule, total_steps=t.total_steps, clip_grad_norm=t.clip_grad_norm,
+            accumulate=t.accumulate,
+        )  # fmt: skip
         self.memory = estimate_memory(self.config, trainer, self.spec)
         log.info("memory_estimate", need_gb=round(self.memory.total_gb, 3),
                  detail=self.memory.explain(), limit_gb=self.config.limits.memory_gb)  # fmt: skip

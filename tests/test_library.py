@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 import threading
 from pathlib import Path
 
@@ -165,3 +166,30 @@ def test_every_algorithm_works_through_the_library(tmp_path, algorithm, settings
             statuses = [a.status(), b.status()]
     assert all(s.step == 150 and s.exchanges_ok >= 1 for s in statuses), statuses
     assert all(s.algorithm == algorithm for s in statuses)
+
+
+def test_a_gpt_style_model_with_dataclass_outputs_trains_in_its_own_loop(tmp_path):
+    sys.path.insert(0, str(Path(__file__).resolve().parent / "examples"))
+    try:
+        import lm_loop
+    finally:
+        sys.path.pop(0)
+    models = []
+    for _ in range(2):
+        torch.manual_seed(0)
+        models.append(lm_loop.TinyGPT())
+    with joined(tmp_path, "a", models[0]) as a:
+        with joined(tmp_path, "b", models[1], f'network.bootstrap=["{a.address}"]') as b:
+            results: dict = {}
+            threads = [
+                threading.Thread(target=lambda s=s, m=m, i=i: results.__setitem__(
+                    i, lm_loop.train(s, m, 80, i)))
+                for i, (s, m) in enumerate([(a, models[0]), (b, models[1])])
+            ]  # fmt: skip
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(180)
+            assert b.status().exchanges_ok >= 2
+    for losses in results.values():  # from ~5.5 (uniform over 256 bytes) down
+        assert sum(losses[-10:]) / 10 < 0.6 * sum(losses[:5]) / 5

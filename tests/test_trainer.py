@@ -105,3 +105,44 @@ def test_bf16_autocast_trains_and_keeps_float32_weights():
     assert all(p.dtype == torch.float32 for p in trainer.params().values())
     with pytest.raises(ValueError, match="precision='fp8'"):
         Trainer(task, precision="fp8")
+
+
+def test_warmup_then_cosine_or_linear_decay():
+    from geotrain.node.training._trainer import schedule_factor
+
+    assert [schedule_factor(s, 4, 0, "constant") for s in range(6)] == [0.25, 0.5, 0.75, 1, 1, 1]
+    assert schedule_factor(4, 4, 14, "cosine") == pytest.approx(1.0)
+    assert schedule_factor(9, 4, 14, "cosine") == pytest.approx(0.5)
+    assert schedule_factor(14, 4, 14, "cosine") == pytest.approx(0.0, abs=1e-12)
+    assert schedule_factor(9, 4, 14, "linear") == pytest.approx(0.5)
+    assert schedule_factor(99, 4, 14, "linear") == 0.0
+
+
+def test_adamw_schedule_clipping_and_accumulation_train_and_survive_a_checkpoint():
+    from geotrain.node import TaskContext, resolve_task
+
+    def make():
+        task = resolve_task("synthetic-linreg")(TaskContext())
+        return task, Trainer(task, optimizer="adamw", lr=0.05, weight_decay=0.01,
+                             warmup_steps=10, schedule="cosine", total_steps=200,
+                             clip_grad_norm=1.0, accumulate=2)  # fmt: skip
+
+    task, trainer = make()
+    first = task.evaluate(task.model)
+    norms = []
+    for _ in range(100):
+        trainer.train_step()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(task.model.parameters(), float("inf"))))
+    assert task.evaluate(task.model) < 0.2 * first
+    assert max(norms) <= 1.0 + 1e-4  # the gradients that stepped were clipped
+    lr = trainer.optimizer.param_groups[0]["lr"]
+    assert 0 < lr < 0.05  # past the warmup, decaying
+    tensors, meta = trainer.state_tensors()
+    _, again = make()
+    again.restore(tensors, meta, trainer.step)
+    assert again.optimizer.param_groups[0]["lr"] == pytest.approx(lr)
+    again.train_step()
+    trainer.train_step()
+    assert again.optimizer.param_groups[0]["lr"] == pytest.approx(
+        trainer.optimizer.param_groups[0]["lr"]
+    )

@@ -19,8 +19,22 @@ from geotrain.gossip import check_update, pairwise_mix
 from ..state import optimizer_from_checkpoint, optimizer_to_checkpoint
 from ._tasks import Task
 
-OPTIMIZERS = ("sgd", "adam")
+OPTIMIZERS = ("sgd", "adam", "adamw")
 PRECISIONS = ("fp32", "bf16")
+SCHEDULES = ("constant", "cosine", "linear")
+
+
+def schedule_factor(step: int, warmup: int, total: int, kind: str) -> float:
+    """The learning-rate multiplier at `step`: linear warmup over `warmup` steps, then constant,
+    cosine or linear decay to 0 at `total` steps (constant past it)."""
+    if warmup and step < warmup:
+        return (step + 1) / warmup
+    if kind == "constant" or total <= warmup:
+        return 1.0
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    if kind == "cosine":
+        return 0.5 * (1.0 + math.cos(math.pi * progress))
+    return 1.0 - progress
 T = TypeVar("T")
 
 
@@ -43,6 +57,10 @@ class Trainer:
             time (the testbed's stragglers). 1.0 = full speed.
         precision: "fp32", or "bf16" to run the forward pass and loss under torch.autocast in
             bfloat16 (weights, gradients and optimizer state stay float32).
+        weight_decay: for adamw (decoupled) and sgd; warmup_steps, schedule, total_steps: the
+            learning rate's warmup and decay (see schedule_factor).
+        clip_grad_norm: scale the gradients down to at most this total norm (None: no clipping).
+        accumulate: batches whose gradients are summed (averaged) into one optimizer step.
         sleep: the function used for that wait (tests pass a fake).
     """
 
@@ -55,6 +73,12 @@ class Trainer:
         momentum: float = 0.9,
         slowdown: float = 1.0,
         precision: str = "fp32",
+        weight_decay: float = 0.0,
+        warmup_steps: int = 0,
+        schedule: str = "constant",
+        total_steps: int = 0,
+        clip_grad_norm: float | None = None,
+        accumulate: int = 1,
         sleep: Callable[[float], None] = time.sleep,
     ) -> None:
         if optimizer not in OPTIMIZERS:
@@ -63,15 +87,26 @@ class Trainer:
             raise ValueError(f"precision={precision!r}: expected one of {PRECISIONS}")
         if slowdown < 1.0:
             raise ValueError(f"slowdown={slowdown}: expected >= 1.0")
+        if schedule not in SCHEDULES:
+            raise ValueError(f"schedule={schedule!r}: expected one of {SCHEDULES}")
+        if accumulate < 1 or warmup_steps < 0 or total_steps < 0 or weight_decay < 0:
+            raise ValueError("accumulate >= 1, warmup_steps, total_steps, weight_decay >= 0")
         self.task = task
         self.model = task.model
         rate = task.lr if lr is None else lr
         params = list(self.model.parameters())
-        self.optimizer: torch.optim.Optimizer = (
-            torch.optim.SGD(params, lr=rate, momentum=momentum)
-            if optimizer == "sgd"
-            else torch.optim.Adam(params, lr=rate)
+        if optimizer == "sgd":
+            opt = torch.optim.SGD(params, lr=rate, momentum=momentum, weight_decay=weight_decay)
+        elif optimizer == "adam":
+            opt = torch.optim.Adam(params, lr=rate, weight_decay=weight_decay)
+        else:
+            opt = torch.optim.AdamW(params, lr=rate, weight_decay=weight_decay)
+        self.optimizer: torch.optim.Optimizer = opt
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            opt, lambda s: schedule_factor(s, warmup_steps, total_steps, schedule)
         )
+        self.clip_grad_norm = clip_grad_norm
+        self.accumulate = accumulate
         self.slowdown = slowdown
         self.precision = precision
         self._sleep = sleep
@@ -88,17 +123,23 @@ class Trainer:
         """One optimizer step on the next batch. Blocking: run it in a worker thread."""
         started = time.perf_counter()
         with self._lock:
-            batch = next(self.task.batches)
             self.optimizer.zero_grad(set_to_none=True)
-            if self.precision == "bf16":
-                with torch.autocast(self.task_device.type, dtype=torch.bfloat16):
+            total = 0.0
+            for _ in range(self.accumulate):
+                batch = next(self.task.batches)
+                if self.precision == "bf16":
+                    with torch.autocast(self.task_device.type, dtype=torch.bfloat16):
+                        loss = self.task.loss(self.model, batch)
+                else:
                     loss = self.task.loss(self.model, batch)
-            else:
-                loss = self.task.loss(self.model, batch)
-            loss.backward()
+                (loss / self.accumulate).backward()
+                total += float(loss.detach())
+            if self.clip_grad_norm is not None:
+                torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.clip_grad_norm)
             self.optimizer.step()
+            self.scheduler.step()
             self.step += 1
-            self.last_loss = float(loss.detach())
+            self.last_loss = total / self.accumulate
             step = self.step
         compute = time.perf_counter() - started
         if self.slowdown > 1.0:
@@ -190,7 +231,8 @@ class Trainer:
             tensors.update({k: v.detach() for k, v in opt_tensors.items()})
             if copy:
                 tensors = {k: v.clone() for k, v in tensors.items()}
-            return tensors, {"optimizer": opt_meta, "step": self.step}
+            scheduler = {k: v for k, v in self.scheduler.state_dict().items() if k != "lr_lambdas"}
+            return tensors, {"optimizer": opt_meta, "scheduler": scheduler, "step": self.step}
 
     @contextlib.contextmanager
     def locked(self) -> Iterator[None]:
@@ -206,4 +248,6 @@ class Trainer:
         with self._lock:
             self.model.load_state_dict(model_sd)
             optimizer_from_checkpoint(self.optimizer, opt_tensors, meta["optimizer"])
+            if isinstance(meta.get("scheduler"), dict):  # (checkpoints before schedules had none)
+                self.scheduler.load_state_dict({**meta["scheduler"], "lr_lambdas": [None]})
             self.step = step
