@@ -13,6 +13,7 @@ from ._config import ConfigError as ConfigError
 from ._config import GossipConfig as GossipConfig
 from ._config import IdentityConfig as IdentityConfig
 from ._config import LimitsConfig as LimitsConfig
+from ._config import MetricsConfig as MetricsConfig
 from ._config import NetworkConfig as NetworkConfig
 from ._config import NodeConfig as NodeConfig
 from ._config import StateConfig as StateConfig

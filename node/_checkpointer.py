@@ -67,6 +67,7 @@ class Checkpointer:
         self._algorithm = algorithm
         self._links = links
         self._written_step = -1
+        self.written_at: float | None = None  # time.monotonic() of the last write
 
     def restore(self, ckpt: Checkpoint) -> None:
         """Load a checkpoint's model, optimizer, algorithm state and link estimates."""
@@ -106,4 +107,5 @@ class Checkpointer:
 
         step, seconds = await trio.to_thread.run_sync(write)
         self._written_step = step
+        self.written_at = time.monotonic()
         log.info("checkpoint_written", step=step, seconds=round(seconds, 3))

@@ -366,6 +366,24 @@ class LimitsConfig:
 
 
 @dataclass(frozen=True)
+class MetricsConfig:
+    """Prometheus metrics of this node.
+
+    listen: HOST:PORT to serve them on over HTTP (e.g. "127.0.0.1:9400"; port 0 picks one), or
+        unset: no endpoint. A port in use stops the node at start with a clear error.
+    """
+
+    listen: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.listen is None:
+            return
+        host, sep, port = self.listen.rpartition(":")
+        _check(bool(sep and host and port.isdigit() and int(port) <= 65535), "metrics.listen",
+               self.listen, "HOST:PORT, e.g. 127.0.0.1:9400")  # fmt: skip
+
+
+@dataclass(frozen=True)
 class NodeConfig:
     identity: IdentityConfig = field(default_factory=IdentityConfig)
     network: NetworkConfig = field(default_factory=NetworkConfig)
@@ -373,6 +391,7 @@ class NodeConfig:
     gossip: GossipConfig = field(default_factory=GossipConfig)
     state: StateConfig = field(default_factory=StateConfig)
     limits: LimitsConfig = field(default_factory=LimitsConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
 
 
 def _coerce(name: str, value: Any, hint: Any, base: Path) -> Any:

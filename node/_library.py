@@ -47,6 +47,11 @@ class Swarm:
     def step(self) -> int:
         return self._loop.step
 
+    @property
+    def metrics_port(self) -> int | None:
+        """The port of the Prometheus endpoint ([metrics] listen), or None without one."""
+        return None if self.node.metrics is None else self.node.metrics.port
+
     def wrap(self, optimizer: torch.optim.Optimizer, scheduler: Any = None) -> SwarmOptimizer:
         """The user's optimizer, made to take part in the swarm at each `step()`.
 

@@ -12,6 +12,7 @@ import json
 import math
 import os
 import random
+import time
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
@@ -28,6 +29,7 @@ from ._credentials import load_identity
 from ._driver import LoopDriver, TrainingDriver
 from ._membership_service import MembershipService
 from ._memory import check_budget, estimate_memory, tune_allocator
+from ._metrics import MetricsServer, NodeCollector
 from ._peer_choice import PeerChoice
 from ._protocol import node_header_codec
 from ._state_sync import StateSync
@@ -110,6 +112,10 @@ class Node:
         self._stopped = trio.Event()
         self._running = True
         self._reporter: StatusReporter | None = None
+        self.metrics: MetricsServer | None = None
+        self._checkpointer: Checkpointer | None = None
+        self._token: trio.lowlevel.TrioToken | None = None
+        self._transport: Transport | None = None
         self._prepared: tuple[Task, Trainer, Checkpoint | None, CheckpointStore] | None = None
 
     def request_stop(self) -> None:
@@ -191,8 +197,43 @@ class Node:
         """
         if self._prepared is None:
             tune_allocator()
+            self._start_metrics()
             self.state.create()
             self._prepared = await trio.to_thread.run_sync(self._build_training)
+
+    def _start_metrics(self) -> None:
+        """Serve Prometheus metrics when [metrics] listen is set (before anything else starts,
+        so a port in use stops the node at once)."""
+        listen = self.config.metrics.listen
+        if listen is None or self.metrics is not None:
+            return
+        self.metrics = MetricsServer(listen, NodeCollector(self._metrics_snapshot, self._age,
+                                                           self._metrics_refusals))
+        log.info("metrics_listening", address=f"{listen.rpartition(':')[0]}:{self.metrics.port}")
+
+    def _metrics_snapshot(self) -> NodeStatus:
+        """The status, from the HTTP server's thread: a hop to the node's loop."""
+        if self._token is None or self._reporter is None:
+            raise RuntimeError("the node is not running (yet)")
+        return trio.from_thread.run_sync(self._reporter.snapshot, trio_token=self._token)
+
+    def _metrics_refusals(self) -> dict[str, dict[str, int]]:
+        """What the node refused from the network, by reason (a hop to the node's loop)."""
+
+        def read() -> dict[str, dict[str, int]]:
+            stats = transport.statistics()
+            return {"handshakes": dict(stats.handshakes_failed),
+                    "frames": dict(stats.frames_rejected),
+                    "messages": dict(self.rejected_messages)}  # fmt: skip
+
+        transport = self._transport
+        if self._token is None or transport is None:
+            raise RuntimeError("the node is not running (yet)")
+        return trio.from_thread.run_sync(read, trio_token=self._token)
+
+    def _age(self) -> float | None:
+        at = self._checkpointer.written_at if self._checkpointer is not None else None
+        return None if at is None else time.monotonic() - at
 
     async def _run(self, task_status) -> None:
         await self.prepare()
@@ -209,47 +250,58 @@ class Node:
                 self.identity.peer_id, self.address, cfg.network.bootstrap,
                 cfg.gossip.probe_interval_s, transport, self.links, self.selector, self.rng,
             )  # fmt: skip
-            async with trio.open_nursery() as nursery:
-                algorithm = self._make_algorithm(trainer, membership, transport, nursery)
-                self.algorithm = algorithm
-                checkpointer = Checkpointer(
-                    store, cfg.gossip.algorithm, cfg.training.task, trainer, algorithm, self.links
-                )
-                if ckpt is not None:
-                    checkpointer.restore(ckpt)
-                    log.info("resumed", step=ckpt.step)
-                state_sync = StateSync(
-                    trainer, algorithm, cfg.gossip.algorithm, transport, membership, self.links,
-                    self.rng, chunk_numel=cfg.network.chunk_numel,
-                    max_chunk_numel=cfg.network.max_chunk_numel,
-                )  # fmt: skip
-                self._reporter = StatusReporter(
-                    StatusSources(
-                        self.identity.peer_id, self.address, cfg.gossip.algorithm,
-                        cfg.training.task if task is not None else "own loop",
-                        task.metric if task is not None else trainer.metric, trainer, transport,
-                        membership, self.links,
-                        algorithm, self.progress, self.memory.total_gb * 1000,
-                    ),
-                    self.state, cfg.state.status_every_s, lambda: self._running,
-                )  # fmt: skip
-                for part in (membership, state_sync, self._reporter, algorithm):
-                    self.router.add(part)
-                self._write_node_info()
-                await nursery.start(membership.run)
-                nursery.start_soon(self._reporter.run)
-                log.info(
-                    "node_started", peer=self.identity.short_id, address=self.address,
-                    task=cfg.training.task, algorithm=cfg.gossip.algorithm,
-                    device=str(trainer.task_device), step=trainer.step,
-                )  # fmt: skip
-                task_status.started(self.address)
-                await self._train(membership, state_sync, checkpointer, algorithm, ckpt)
-                self._running = False  # from here on every status written says "stopped"
-                await self._reporter.write()
-                await membership.leave(STOP_GRACE_S)
-                nursery.cancel_scope.cancel()
+            try:
+                await self._serve(task_status, task, trainer, ckpt, store, transport, membership)
+            finally:
+                if self.metrics is not None:
+                    self.metrics.close()
         log.info("node_stopped", step=trainer.step)
+
+    async def _serve(self, task_status, task, trainer, ckpt, store, transport, membership) -> None:
+        """The node's parts, in one nursery, from start to clean stop."""
+        cfg = self.config
+        async with trio.open_nursery() as nursery:
+            algorithm = self._make_algorithm(trainer, membership, transport, nursery)
+            self.algorithm = algorithm
+            checkpointer = Checkpointer(
+                store, cfg.gossip.algorithm, cfg.training.task, trainer, algorithm, self.links
+            )
+            if ckpt is not None:
+                checkpointer.restore(ckpt)
+                log.info("resumed", step=ckpt.step)
+            state_sync = StateSync(
+                trainer, algorithm, cfg.gossip.algorithm, transport, membership, self.links,
+                self.rng, chunk_numel=cfg.network.chunk_numel,
+                max_chunk_numel=cfg.network.max_chunk_numel,
+            )  # fmt: skip
+            self._reporter = StatusReporter(
+                StatusSources(
+                    self.identity.peer_id, self.address, cfg.gossip.algorithm,
+                    cfg.training.task if task is not None else "own loop",
+                    task.metric if task is not None else trainer.metric, trainer, transport,
+                    membership, self.links,
+                    algorithm, self.progress, self.memory.total_gb * 1000,
+                ),
+                self.state, cfg.state.status_every_s, lambda: self._running,
+            )  # fmt: skip
+            for part in (membership, state_sync, self._reporter, algorithm):
+                self.router.add(part)
+            self._checkpointer, self._token = checkpointer, trio.lowlevel.current_trio_token()
+            self._transport = transport
+            self._write_node_info()
+            await nursery.start(membership.run)
+            nursery.start_soon(self._reporter.run)
+            log.info(
+                "node_started", peer=self.identity.short_id, address=self.address,
+                task=cfg.training.task, algorithm=cfg.gossip.algorithm,
+                device=str(trainer.task_device), step=trainer.step,
+            )  # fmt: skip
+            task_status.started(self.address)
+            await self._train(membership, state_sync, checkpointer, algorithm, ckpt)
+            self._running = False  # from here on every status written says "stopped"
+            await self._reporter.write()
+            await membership.leave(STOP_GRACE_S)
+            nursery.cancel_scope.cancel()
 
     def _make_algorithm(self, trainer, membership, transport: Transport, nursery) -> Algorithm:
         shapes = [(n, tuple(p.shape)) for n, p in trainer.params().items()]
