@@ -72,6 +72,10 @@ class NodeCollector:
         if s.memory_estimate_mb is not None:
             yield _gauge("geotrain_memory_estimate_bytes", "Memory the node estimated at start",
                          s.memory_estimate_mb * 1e6)  # fmt: skip
+        if s.certificate_expires_at is not None:
+            yield _gauge("geotrain_certificate_expiry_timestamp_seconds",
+                         "When this node's membership certificate expires (POSIX seconds)",
+                         s.certificate_expires_at)  # fmt: skip
         age = self._checkpoint_age_s()
         if age is not None:
             yield _gauge("geotrain_checkpoint_age_seconds", "Seconds since the last checkpoint",

@@ -23,8 +23,9 @@ import trio
 
 from geotrain.gossip import LinkTable, PartnerSelector
 
+from ._certificate_watch import CertificateWatch, renew_hint, utc
 from ._checkpointer import Checkpointer, load_checkpoint
-from ._config import NodeConfig
+from ._config import ConfigError, NodeConfig
 from ._credentials import load_identity
 from ._driver import LoopDriver, TrainingDriver
 from ._membership_service import MembershipService
@@ -194,12 +195,24 @@ class Node:
         Raises:
             MemoryBudgetError: the config does not fit limits.memory_gb. ResumeError: the state
                 directory holds another algorithm's checkpoint. ValueError: a bad task.
+                ConfigError: the node's membership certificate has expired, or the metrics port
+                is taken.
         """
         if self._prepared is None:
+            self._check_certificate()
             tune_allocator()
             self._start_metrics()
             self.state.create()
             self._prepared = await trio.to_thread.run_sync(self._build_training)
+
+    def _check_certificate(self) -> None:
+        cert = self.admission.certificate
+        if cert is not None and cert.expires_at <= time.time():
+            path = self.config.identity.certificate
+            raise ConfigError(
+                f"identity.certificate = {str(path)!r}: expired at {utc(cert.expires_at)}; "
+                + renew_hint(self.identity.peer_id, path, running=False)
+            )
 
     def _start_metrics(self) -> None:
         """Serve Prometheus metrics when [metrics] listen is set (before anything else starts,
@@ -291,6 +304,9 @@ class Node:
             self._write_node_info()
             await nursery.start(membership.run)
             nursery.start_soon(self._reporter.run)
+            watch = CertificateWatch(transport, self.identity, self.admission,
+                                     cfg.identity.certificate)  # fmt: skip
+            nursery.start_soon(watch.run)
             log.info(
                 "node_started", peer=self.identity.short_id, address=self.address,
                 task=cfg.training.task, algorithm=cfg.gossip.algorithm,

@@ -117,6 +117,7 @@ class StatusReporter:
             peers=tuple(peers),
             peak_rss_mb=peak_rss_mb(),
             memory_estimate_mb=s.memory_estimate_mb,
+            certificate_expires_at=s.transport.certificate_expires_at,
         )
 
     async def write(self) -> None:

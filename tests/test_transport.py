@@ -5,6 +5,7 @@ rule is about the project's packages).
 """
 
 import functools
+import random
 import socket
 import time
 
@@ -17,6 +18,10 @@ from cryptography.hazmat.primitives.ciphers.aead import ChaCha20Poly1305
 
 from geotrain.node.identity._admission import Admission, SwarmAuthority
 from geotrain.node.identity._identity import Identity
+from geotrain.node.transport._backoff import BASE_S as BACKOFF_BASE_S
+from geotrain.node.transport._backoff import CAP_S as BACKOFF_CAP_S
+from geotrain.node.transport._backoff import MAX_ADDRESSES as MAX_BACKOFF_ADDRESSES
+from geotrain.node.transport._backoff import DialBackoff
 from geotrain.node.transport._messages import ErrorReply, Header, HeaderCodec, Ping, Pong
 from geotrain.node.transport._noise import (
     FRAME_KIND_PULL,
@@ -275,12 +280,65 @@ async def test_expired_certificate_refused_by_a_real_transport(authority):
     a = Node(authority, expires_in_s=60, now=time.time() - 3600)
     b = Node(authority)
     async with _open(a) as ta, _open(b) as tb:
-        with pytest.raises(HandshakeError, match="refused by peer: admission refused"):
+        # a knows its own certificate expired: it says so and does not dial at all
+        with pytest.raises(LocalTransportError, match="our membership certificate expired at "
+                           ".* get a renewed one"):  # fmt: skip
             await ta.request(tb.address, Ping(1), deadline_s=5)
-        # and the expired node refuses nothing itself: b can still reach a? no - b checks a only
-        # when a dials; b dialing a fails on b's side since a's certificate is expired
+        assert tb.statistics().handshakes_failed == {} and ta.statistics().requests_sent == 0
+        # b dialling a fails on b's side: a's proof carries an expired certificate
         with pytest.raises(HandshakeError, match="certificate expired"):
             await tb.request(ta.address, Ping(1), deadline_s=5)
+
+
+async def test_a_renewed_certificate_is_used_without_a_restart(authority):
+    a = Node(authority, expires_in_s=60, now=time.time() - 3600)
+    b = Node(authority)
+    async with _open(a) as ta, _open(b) as tb:
+        assert ta.certificate_expires_at == a.cert.expires_at < time.time()
+        with pytest.raises(LocalTransportError, match="expired"):
+            await ta.request(tb.address, Ping(1), deadline_s=5)
+        renewed = authority.admit(a.identity.public_key, expires_in_s=3600, now=time.time())
+        ta.renew(Admission.with_certificate(authority.info, renewed))
+        header, _, _ = await ta.request(tb.address, Ping(7), deadline_s=5)
+        assert header == Pong(7) and ta.certificate_expires_at == renewed.expires_at
+        # a certificate for somebody else, or another swarm, is refused
+        stranger = authority.admit(Identity.generate().public_key, expires_in_s=60, now=time.time())
+        with pytest.raises(LocalTransportError, match="another identity"):
+            ta.renew(Admission.with_certificate(authority.info, stranger))
+        other = SwarmAuthority.generate()
+        with pytest.raises(LocalTransportError, match="another swarm"):
+            ta.renew(Admission.with_certificate(
+                other.info, other.admit(a.identity.public_key, expires_in_s=60, now=time.time())))
+
+
+async def test_repeated_handshake_failures_back_off(authority):
+    outsider = Node(SwarmAuthority(authority.swarm_id, SwarmAuthority.generate().private_key))
+    b = Node(authority)
+    async with _open(outsider) as to, _open(b) as tb:
+        for _ in range(2):  # the first retry is immediate
+            with pytest.raises(HandshakeError, match="handshake with .* failed: admission"):
+                await to.request(tb.address, Ping(1), deadline_s=5)
+        # then it waits, without touching the network
+        for _ in range(20):
+            with pytest.raises(HandshakeError, match="not dialling .* 2 handshakes in a row"):
+                await to.request(tb.address, Ping(1), deadline_s=5)
+        assert to.statistics().handshakes_failed == {"admission": 2}
+
+
+def test_backoff_doubles_with_jitter_up_to_a_cap_and_clears_on_success():
+    backoff = DialBackoff(random.Random(1))
+    waits = [backoff.failed("tcp://x", now=0.0) for _ in range(14)]
+    assert waits[0] == 0
+    for n, wait in enumerate(waits[1:], start=2):
+        full = min(BACKOFF_CAP_S, BACKOFF_BASE_S * 2 ** (n - 2))
+        assert full / 2 <= wait <= full
+    assert max(waits) <= BACKOFF_CAP_S and waits[-1] >= BACKOFF_CAP_S / 2
+    assert backoff.wait_s("tcp://x", now=1.0) > 0 and backoff.wait_s("tcp://y", now=1.0) == 0
+    backoff.succeeded("tcp://x")
+    assert backoff.wait_s("tcp://x", now=1.0) == 0 and backoff.failures("tcp://x") == 0
+    for i in range(MAX_BACKOFF_ADDRESSES + 10):  # addresses from the network: bounded
+        backoff.failed(f"tcp://h{i}", now=0.0)
+    assert backoff.failures("tcp://h0") == 0 and backoff.failures(f"tcp://h{i}") == 1
 
 
 async def test_replayed_frame_is_rejected(authority):
@@ -586,7 +644,8 @@ async def test_sessions_end_when_the_admission_expires(authority):
             with pytest.raises(PeerUnreachable):
                 await ta.request(tb.address, Ping(3), deadline_s=5)
             assert tb.statistics().frames_rejected == {"expired": 1}
-            with pytest.raises(HandshakeError, match="expired"):
+            # and a knows its own certificate ran out: it does not dial again
+            with pytest.raises(LocalTransportError, match="our membership certificate expired"):
                 await ta.request(tb.address, Ping(4), deadline_s=5)
             # outbound: b's session with c is still good until c's certificate ends...
             assert (await tb.request(tc.address, Ping(5), deadline_s=5))[0] == Pong(5)

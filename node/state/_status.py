@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -52,6 +53,7 @@ class NodeStatus:
     peak_rss_mb: float | None = None  # the node process's peak resident memory
     memory_estimate_mb: float | None = None  # what the node estimated it needs at start
     algorithm_stats: dict[str, float | int] = field(default_factory=dict)  # per-algorithm counters
+    certificate_expires_at: float | None = None  # POSIX seconds; None: no certificate (or unknown)
 
     def to_json(self) -> dict[str, Any]:
         data = asdict(self)
@@ -108,6 +110,18 @@ def _fmt(value: Any, spec: str = "") -> str:
     return format(value, spec)
 
 
+def _certificate_line(expires_at: Any) -> list[str]:
+    if not isinstance(expires_at, int | float):
+        return []
+    left = expires_at - time.time()
+    when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(expires_at))
+    if left <= 0:
+        return [f"certificate EXPIRED at {when}: peers refuse this node; renew it "
+                "(geotrain swarm admit) and replace the certificate file"]  # fmt: skip
+    soon = "  RENEW SOON" if left < 86400 else ""
+    return [f"certificate expires {when} (in {left / 3600:.1f} h){soon}"]
+
+
 def render_status(data: dict[str, Any]) -> str:
     """A human-readable status: the node's numbers, then one row per known peer."""
     lines = [
@@ -120,6 +134,7 @@ def render_status(data: dict[str, Any]) -> str:
         f"traffic   in {data['bytes_in'] / 1e6:.2f} MB  out {data['bytes_out'] / 1e6:.2f} MB"
         f"  exchanges ok {data['exchanges_ok']} failed {data['exchanges_failed']}"
         f"  rejected updates {data['rejected_updates']}  up {data['elapsed_s']:.0f}s",
+        *_certificate_line(data.get("certificate_expires_at")),
         "",
         f"{'peer':<14}{'state':<9}{'address':<28}{'rtt ms':>8}{'Mbit/s':>9}  {'codec':<16}"
         f"{'ok':>5}{'failed':>7}",

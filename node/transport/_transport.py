@@ -23,6 +23,7 @@ import structlog
 import trio
 
 from ..identity import Admission, Identity
+from ._backoff import DialBackoff
 from ._inbound import _Inbound
 from ._messages import Header, HeaderCodec, HeaderDecodeError
 from ._noise import HandshakeFailed
@@ -62,6 +63,7 @@ class Transport:
         self.address: str = address  # the bound listen address, port 0 resolved
         self._outbound: dict[str, _Outbound] = {}
         self._dial_locks: dict[str, trio.Lock] = {}
+        self._backoff = DialBackoff()
         self._closed = False
 
     @property
@@ -138,6 +140,7 @@ class Transport:
                 if conn is not None and self._creds.clock() >= conn.peer.admitted_until:
                     conn.lost.set()  # admission ended: a new handshake must pass it again
                 if conn is None or conn.lost.is_set():
+                    self._may_dial(address)
                     conn = await self._dial(address, expect_peer)
                     self._outbound[address] = conn
                     self._nursery.start_soon(self._watch, conn)
@@ -151,6 +154,41 @@ class Transport:
                 f"peer ID mismatch at {address}: expected {expect_peer}, proved {conn.peer.peer_id}"
             )
         return conn
+
+    def _may_dial(self, address: str) -> None:
+        """Raise instead of dialling when our certificate expired or `address` is backed off."""
+        expires_at = self._creds.own_expiry()
+        if expires_at is not None and self._creds.clock() >= expires_at:
+            raise LocalTransportError(
+                f"our membership certificate expired at {_utc(expires_at)}: no peer admits us; "
+                "get a renewed one from the swarm operator (geotrain swarm admit) and replace the "
+                "certificate file"
+            )
+        wait = self._backoff.wait_s(address, trio.current_time())
+        if wait > 0:
+            raise HandshakeError(
+                f"not dialling {address} for {wait:.1f} s more: "
+                f"{self._backoff.failures(address)} handshakes in a row failed"
+            )
+
+    def renew(self, admission: Admission) -> None:
+        """Prove membership with a renewed credential from the next handshake on (connections
+        already open keep theirs).
+
+        Raises:
+            LocalTransportError: the credential is for another swarm or another identity.
+        """
+        cert = admission.certificate
+        if admission.prologue != self._creds.admission.prologue:
+            raise LocalTransportError("renewed admission is for another swarm")
+        if cert is not None and cert.peer_public_key != self._creds.identity.public_key:
+            raise LocalTransportError("renewed certificate names another identity than ours")
+        self._creds.renew(admission)
+
+    @property
+    def certificate_expires_at(self) -> float | None:
+        """When our own membership certificate expires (POSIX seconds), or None without one."""
+        return self._creds.own_expiry()
 
     async def _watch(self, conn: _Outbound) -> None:
         try:
@@ -224,16 +262,17 @@ class Transport:
                     raise _refusal(reply)
         except trio.TooSlowError:
             self._counters.handshakes_failed["deadline"] += 1
-            log.warning(
-                "handshake_failed", direction="outbound", address=address, reason="deadline"
-            )
+            retry = self._backoff.failed(address, trio.current_time())
+            log.warning("handshake_failed", direction="outbound", address=address,
+                        reason="deadline", retry_in_s=round(retry, 1))  # fmt: skip
             raise HandshakeError(f"handshake with {address} missed its deadline") from None
         except HandshakeFailed as exc:
             self._counters.handshakes_failed[exc.kind] += 1
-            log.warning(
-                "handshake_failed", direction="outbound", address=address, reason=exc.reason
-            )
+            retry = self._backoff.failed(address, trio.current_time())
+            log.warning("handshake_failed", direction="outbound", address=address,
+                        reason=exc.reason, retry_in_s=round(retry, 1))  # fmt: skip
             raise HandshakeError(f"handshake with {address} failed: {exc.reason}") from None
+        self._backoff.succeeded(address)
         self._counters.handshakes_ok += 1
         log.info("handshake_ok", peer=peer.short_id, direction="outbound", address=address)
         return _Channel(hs.split(), self.config), peer
@@ -243,6 +282,10 @@ class Transport:
         for conn in list(self._outbound.values()):
             conn.sock.close()
         self._outbound.clear()
+
+
+def _utc(posix_s: float) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(posix_s))
 
 
 def _refusal(reply: bytes) -> HandshakeFailed:

@@ -131,10 +131,20 @@ class _Credentials:
         self.admission = admission
         self.clock = clock
         self.static_key = X25519PrivateKey.generate()
-        static_pub = self.static_key.public_key().public_bytes(
+        self._static_pub = self.static_key.public_key().public_bytes(
             serialization.Encoding.Raw, serialization.PublicFormat.Raw
         )
-        self.proof = make_identity_proof(identity, static_pub, admission.credential())
+        self.proof = make_identity_proof(identity, self._static_pub, admission.credential())
+
+    def renew(self, admission: Admission) -> None:
+        """Prove membership with `admission`'s credential from the next handshake on."""
+        self.admission = admission
+        self.proof = make_identity_proof(self.identity, self._static_pub, admission.credential())
+
+    def own_expiry(self) -> float | None:
+        """When our own certificate expires (POSIX seconds), or None without one."""
+        cert = self.admission.certificate
+        return None if cert is None else float(cert.expires_at)
 
     def handshake(self, initiator: bool) -> NoiseHandshake:
         return NoiseHandshake(initiator, self.static_key, self.admission.prologue)
