@@ -1,20 +1,26 @@
 # `geotrain testbed run|report|down`, registered through the "geotrain.commands" entry point (node
 # never imports testbed). Invariants: argv is read only here; a bad scenario or option is reported
-# in one line naming the field and exits 2 before anything starts; SIGTERM is turned into the same
-# KeyboardInterrupt as Ctrl-C, so every `with` block of the run unwinds and cleans up.
+# in one line naming the field and exits 2 before anything starts; a directory `report` cannot read
+# is refused the same way, one line per problem, before anything is written; SIGTERM is turned into
+# the same KeyboardInterrupt as Ctrl-C, so every `with` block of the run unwinds and cleans up.
 from __future__ import annotations
 
 import argparse
 import contextlib
 import json
+import os
 import signal
 import sys
 import time
 from dataclasses import replace
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from ._netem import BACKENDS, BackendUnavailable
 from ._scenario import DEFAULT_SCENARIO, ScenarioError, TestbedScenario, load_scenario
+
+if TYPE_CHECKING:
+    from ._rundir import RunDir
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -43,10 +49,18 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                           "(repeatable)")  # fmt: skip
     run.add_argument("--no-link-check", action="store_true",
                      help="skip measuring RTT/throughput of each region pair")  # fmt: skip
-    run.set_defaults(handler=cmd_run)
+    run.set_defaults(handler=lambda args: cmd_run(args, command=_command_line(run, args)))
 
-    report = sub.add_parser("report", help="re-render plots and print the table of a run")
-    report.add_argument("dir", type=Path)
+    report = sub.add_parser(
+        "report", help="re-render plots and print the table of a run (--html: one HTML file)",
+        description="Rebuild summary.json, the plots and the comparison table of a finished "
+                    "run from its directory alone.",
+    )  # fmt: skip
+    report.add_argument("dir", type=Path, help="the run's output directory (`testbed run --out`)")
+    report.add_argument("--html", action="store_true",
+                        help="also write a self-contained HTML file, DIR/report.html")  # fmt: skip
+    report.add_argument("--html-out", type=Path, metavar="PATH",
+                        help="where to write the HTML report (implies --html)")  # fmt: skip
     report.set_defaults(handler=cmd_report)
 
     down = sub.add_parser("down", help="remove namespaces/processes left by a crashed run")
@@ -98,6 +112,24 @@ def _task_target(sc: TestbedScenario, target: float | None) -> tuple[float, str,
     return float(value), task.metric, task.higher_is_better
 
 
+def _command_line(parser: argparse.ArgumentParser, args: argparse.Namespace) -> tuple[str, ...]:
+    """`geotrain testbed run` with every option set away from its default, rebuilt from the
+    parsed options (main() may be handed its argv by a caller: sys.argv is not the command)."""
+    words = ["geotrain", "testbed", "run"]
+    for action in parser._actions:  # argparse keeps no public list of a parser's options
+        value = getattr(args, action.dest, None)
+        if not action.option_strings or value is None or value == action.default:
+            continue
+        flag = max(action.option_strings, key=len)
+        if action.nargs == 0:  # a flag such as --no-link-check
+            words.append(flag)
+        elif isinstance(value, list):  # a repeatable option such as --node-set
+            words += [w for item in value for w in (flag, str(item))]
+        else:
+            words += [flag, str(value)]
+    return tuple(words)
+
+
 def _sigterm_as_interrupt() -> None:
     def handler(signum, frame):  # noqa: ARG001
         signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second one must not cut the cleanup
@@ -106,7 +138,7 @@ def _sigterm_as_interrupt() -> None:
     signal.signal(signal.SIGTERM, handler)
 
 
-def cmd_run(args: argparse.Namespace) -> int:
+def cmd_run(args: argparse.Namespace, command: tuple[str, ...] = ()) -> int:
     from ._run import RunOptions, TestbedError, run_testbed
 
     out = (args.out or Path("testbed-runs") / time.strftime("%Y%m%d-%H%M%S")).resolve()
@@ -117,6 +149,7 @@ def cmd_run(args: argparse.Namespace) -> int:
             scenario=sc, out=out, target=target, metric=metric, higher_is_better=higher,
             emulation=args.emulation, baseline=args.baseline,
             link_check=not args.no_link_check, node_overrides=tuple(args.node_set),
+            command=command, cwd=os.getcwd(),
         )  # fmt: skip
     except (ScenarioError, ValueError) as exc:
         print(f"geotrain testbed run: {exc}", file=sys.stderr)
@@ -142,16 +175,39 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 def cmd_report(args: argparse.Namespace) -> int:
     from ._plots import render_plots
+    from ._rundir import RunDirError, open_run_dir
     from ._summary import build_summary, render_table
 
-    if not (args.dir / "run.json").exists():
-        print(f"geotrain testbed report: {args.dir}/run.json not found", file=sys.stderr)
+    try:
+        rundir = open_run_dir(args.dir)
+        summary = build_summary(args.dir)
+    except RunDirError as exc:
+        for problem in exc.problems:
+            print(f"geotrain testbed report: {problem}", file=sys.stderr)
         return 2
-    summary = build_summary(args.dir)
     (args.dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     for path in render_plots(args.dir):
         print(f"plot: {path}")
     print(render_table(summary))
+    for part in rundir.missing:
+        print(f"missing: {part}")
+    # a Namespace built by hand (tests, scripts) may predate the HTML options
+    html_out = getattr(args, "html_out", None)
+    if html_out is None and getattr(args, "html", False):
+        html_out = args.dir / "report.html"
+    return 0 if html_out is None else _write_html(rundir, summary, html_out)
+
+
+def _write_html(rundir: RunDir, summary: dict[str, Any], dest: Path) -> int:
+    from ._html import write_html_report
+
+    try:
+        write_html_report(rundir, summary, dest)
+    except OSError as exc:
+        print(f"geotrain testbed report: --html-out {str(dest)!r}: {exc.strerror or exc}",
+              file=sys.stderr)  # fmt: skip
+        return 1
+    print(f"html: {dest}")
     return 0
 
 

@@ -2,7 +2,8 @@
 # order, when the system's clock (seconds since its first step) passes its `at_s`; kill/restart act
 # on geotrain nodes only (a DDP job cannot lose a rank and go on: that is the baseline's nature, and
 # the run says so); link faults change the emulator's matrix, and every run of a system starts and
-# ends on the scenario's own matrix; every fault, applied or skipped, is recorded with the reason.
+# ends on the scenario's own matrix; every fault, applied or skipped, is recorded with the reason
+# (and with the wall-clock time it was handled at, when the caller gives it).
 from __future__ import annotations
 
 import signal
@@ -47,14 +48,22 @@ class FaultRunner:
         """Whether a restart of `peer` is still to come."""
         return any(f.action == "restart" and f.peer == peer for f in self._pending)
 
-    def apply_due(self, elapsed_s: float, peers: Peers) -> None:
-        """Apply every pending fault whose time has come."""
+    def apply_due(self, elapsed_s: float, peers: Peers, wall_t: float | None = None) -> None:
+        """Apply every pending fault whose time has come.
+
+        Args:
+            elapsed_s: seconds since the system's first step, as the caller saw it.
+            peers: the system's processes.
+            wall_t: time.time() now; recorded as the fault's "t", so a report can place it on
+                the same clock as the peers' metrics lines.
+        """
         while self._pending and self._pending[0].at_s <= elapsed_s:
             fault = self._pending.pop(0)
             note = self._apply(fault, peers)
             self.applied_all.append({
                 "system": self.system, "at_s": fault.at_s, "applied_at_s": round(elapsed_s, 2),
                 "fault": fault.describe(), "applied": note is None, "note": note,
+                **({} if wall_t is None else {"t": wall_t}),
             })  # fmt: skip
             self._echo(
                 f"{self.system}: fault {fault.describe()}"

@@ -67,6 +67,9 @@ class RunOptions:
             takes seconds, and evaluating every 20 would blur its time to target by minutes.
         progress_every_s: seconds between progress lines.
         node_overrides: `--set section.key=value` items for every node (e.g. gossip.policy).
+        command: the command line that asked for this run, as the CLI rebuilt it from its
+            options (recorded in run.json for the report; empty when run from Python).
+        cwd: the working directory that command's relative paths are relative to.
     """
 
     __test__ = False
@@ -83,6 +86,8 @@ class RunOptions:
     ddp_eval_every: int = 1
     progress_every_s: float = 5.0
     node_overrides: tuple[str, ...] = ()
+    command: tuple[str, ...] = ()
+    cwd: str | None = None
 
     def __post_init__(self) -> None:
         # Every path handed to a peer is absolute: a peer's config resolves relative paths
@@ -130,6 +135,7 @@ def run_testbed(options: RunOptions, echo: Echo = print) -> dict[str, Any]:
         "higher_is_better": options.higher_is_better, "rate_scale": sc.rate_scale,
         "duration_s": sc.duration_s, "systems": {}, "faults": [], "links": [],
         "node_overrides": list(options.node_overrides),
+        "command": list(options.command), "cwd": options.cwd,
     }  # fmt: skip
     with contextlib.ExitStack() as stack:
         namespaces = links = None
@@ -331,7 +337,7 @@ def _supervise(system, options, peers: Peers, meter, faults, echo, reached, prog
             if start is None and now - launch > STARTUP_TIMEOUT_S:
                 raise TestbedError(f"{system}: no peer took a step in {STARTUP_TIMEOUT_S:g} s")
             if start is not None:
-                faults.apply_due(now - start, peers)
+                faults.apply_due(now - start, peers, wall_t=now)
             total = meter.total()
             if total is not None and base is not None:
                 samples.write(json.dumps({"t": now, "bytes": total - base}) + "\n")

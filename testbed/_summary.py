@@ -15,27 +15,33 @@ from geotrain.node.state import StateDir
 
 
 def load_jsonl(path: Path) -> list[dict[str, Any]]:
-    """The complete JSON lines of a file (a torn last line, from a killed writer, is skipped)."""
+    """The complete JSON objects of a file, one a line (a torn last line, from a killed writer,
+    is skipped, and so is any line that is not an object)."""
     out = []
     try:
         text = path.read_text()
-    except OSError:
+    except (OSError, UnicodeDecodeError):
         return out
     for line in text.splitlines():
         try:
-            out.append(json.loads(line))
+            record = json.loads(line)
         except json.JSONDecodeError:
             continue
+        if isinstance(record, dict):
+            out.append(record)
     return out
+
+
+def metrics_paths(out: Path, system: str, n: int) -> list[Path]:
+    """Where each peer of a system wrote its metrics lines."""
+    if system == "geotrain":
+        return [StateDir(out / "geotrain" / f"peer-{i:02d}").metrics for i in range(n)]
+    return [out / system / f"peer-{i:02d}.jsonl" for i in range(n)]
 
 
 def peer_metrics(out: Path, system: str, n: int) -> list[list[dict[str, Any]]]:
     """Per peer, its metrics lines in order."""
-    if system == "geotrain":
-        paths = [StateDir(out / "geotrain" / f"peer-{i:02d}").metrics for i in range(n)]
-    else:
-        paths = [out / system / f"peer-{i:02d}.jsonl" for i in range(n)]
-    return [load_jsonl(p) for p in paths]
+    return [load_jsonl(p) for p in metrics_paths(out, system, n)]
 
 
 def train_start(peers: list[list[dict[str, Any]]]) -> float | None:
@@ -73,14 +79,20 @@ def steps_per_s(records: list[dict[str, Any]]) -> float | None:
     return (stepped[-1]["step"] - stepped[0]["step"]) / (stepped[-1]["t"] - stepped[0]["t"])
 
 
-def node_bytes_out(records: list[dict[str, Any]]) -> int:
-    """Bytes a node sent, over restarts (its counter starts at 0 again in a new process)."""
-    total, previous = 0, 0
+def bytes_out_series(records: list[dict[str, Any]]) -> list[int]:
+    """Bytes a node had sent by each of its lines, over restarts (a new process counts from 0)."""
+    totals, total, previous = [], 0, 0
     for r in records:
         value = int(r.get("bytes_out") or 0)
         total += value if value < previous else value - previous
         previous = value
-    return total
+        totals.append(total)
+    return totals
+
+
+def node_bytes_out(records: list[dict[str, Any]]) -> int:
+    """Bytes a node sent, over restarts (its counter starts at 0 again in a new process)."""
+    return (bytes_out_series(records) or [0])[-1]
 
 
 def bytes_samples(out: Path, system: str) -> list[dict[str, Any]]:
@@ -149,13 +161,21 @@ def _fmt_bytes(n: int | None) -> str:
     return f"{n} B"
 
 
-def render_table(summary: dict[str, Any]) -> str:
-    """The comparison table, with the ratios geotrain vs the baseline when both are known."""
+def comparison_title(summary: dict[str, Any]) -> str:
+    """The comparison table's one-line heading: scenario, peers, task, emulation, target."""
     target = summary["target"]
-    head = (f"scenario {summary['scenario']}, {summary['peers']} peers, {summary['task']}, "
+    return (f"scenario {summary['scenario']}, {summary['peers']} peers, {summary['task']}, "
             f"emulation {summary['emulation']}, target {target['metric']} "
             f"{target['value']:g}")  # fmt: skip
-    rows = [("system", "algorithm", "time to target", f"final {target['metric']}",
+
+
+def comparison_rows(summary: dict[str, Any]) -> list[tuple[str, ...]]:
+    """The comparison table as text cells: the column names, then one row per system.
+
+    The text table and the HTML report both show these cells, so they cannot disagree.
+    """
+    metric = summary["target"]["metric"]
+    rows = [("system", "algorithm", "time to target", f"final {metric}",
              "bytes sent", "median steps/s")]  # fmt: skip
     for s in summary["systems"]:
         ttt = s["time_to_target_s"]
@@ -166,11 +186,21 @@ def render_table(summary: dict[str, Any]) -> str:
             _fmt_bytes(s["bytes_sent_total"]),
             "-" if s["steps_per_s_median"] is None else f"{s['steps_per_s_median']:.2f}",
         ))  # fmt: skip
+    return rows
+
+
+def comparison_notes(summary: dict[str, Any]) -> list[str]:
+    """The lines under the table: ratios geotrain vs the baseline when both are known, bytes."""
+    return [*_ratios(summary["systems"]), f"bytes: {summary['systems'][0]['bytes_source']}"]
+
+
+def render_table(summary: dict[str, Any]) -> str:
+    """The comparison table, with the ratios geotrain vs the baseline when both are known."""
+    rows = comparison_rows(summary)
     widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
-    lines = [head] + ["  ".join(v.ljust(w) for v, w in zip(r, widths, strict=True)) for r in rows]
-    lines += _ratios(summary["systems"])
-    lines.append(f"bytes: {summary['systems'][0]['bytes_source']}")
-    return "\n".join(lines)
+    lines = [comparison_title(summary)]
+    lines += ["  ".join(v.ljust(w) for v, w in zip(r, widths, strict=True)) for r in rows]
+    return "\n".join(lines + comparison_notes(summary))
 
 
 def _ratios(systems: list[dict[str, Any]]) -> list[str]:
