@@ -17,6 +17,7 @@ from ._membership_config import MembershipConfig as MembershipConfig
 from ._membership_table import Member as Member
 from ._membership_table import MembershipEvent as MembershipEvent
 from ._membership_table import MemberState as MemberState
+from ._messages import CLIENT_SCHEME as CLIENT_SCHEME
 from ._messages import MESSAGE_TYPES as MESSAGE_TYPES
 from ._messages import Ack as Ack
 from ._messages import Join as Join
@@ -26,6 +27,8 @@ from ._messages import MemberUpdate as MemberUpdate
 from ._messages import PeerList as PeerList
 from ._messages import Ping as Ping
 from ._messages import PingReq as PingReq
+from ._messages import client_address as client_address
+from ._messages import is_client_address as is_client_address
 from ._messages import validate_message as validate_message
 from ._netsim import MemoryNetwork as MemoryNetwork
 from ._partners import POLICIES as POLICIES
@@ -55,6 +58,17 @@ _ALGORITHMS = (
     "relative_change",
 )
 _CHOCO = ("ChocoLink", "ChocoLinks")
+_ROBUST = (
+    "ROBUST_RULES",
+    "TRIM_MIN_NEIGHBOURS",
+    "ClipRadius",
+    "RobustStatistics",
+    "clip_scale",
+    "robust_average",
+    "clipped_neighbourhood_mix",
+    "trim_count",
+    "trimmed_mean_mix",
+)
 
 
 def __getattr__(name: str):
@@ -73,4 +87,8 @@ def __getattr__(name: str):
         from . import _choco
 
         return getattr(_choco, name)
+    if name in _ROBUST:
+        from . import _robust
+
+        return getattr(_robust, name)
     raise AttributeError(f"module 'gossip' has no attribute {name!r}")

@@ -11,6 +11,7 @@ from collections.abc import Iterable, Mapping, MutableMapping
 import torch
 
 from ._averaging import distance_squared, params_norm
+from ._robust import ClipRadius, clip_scale
 
 Params = Mapping[str, torch.Tensor]
 
@@ -81,19 +82,26 @@ def choco_consensus(
     *,
     gamma: float,
     weight: float = 0.5,
+    radius: ClipRadius | None = None,
 ) -> float:
     """CHOCO-SGD's consensus step for one neighbour, in place: x += gamma * w * (x_hat_j - x_hat_i).
 
+    Args:
+        radius: robust mixing (gossip.robust): the estimates' difference is clipped to its tau
+            (the estimates themselves are not: both ends of the link must keep equal copies).
+
     Returns:
-        ||x_hat_j - x_hat_i||, the distance between the two public estimates.
+        ||x_hat_j - x_hat_i||, the distance between the two public estimates (before clipping).
     """
     if not 0.0 < gamma <= 1.0:
         raise ValueError(f"gamma={gamma}: expected 0 < gamma <= 1")
     diffs = {n: peer_estimate[n] - own_estimate[n] for n in live}
+    distance = params_norm(diffs)
+    scale = 1.0 if radius is None else clip_scale(distance, radius.radius(distance))
     with torch.no_grad():
         for name, tensor in live.items():
-            tensor.add_(diffs[name], alpha=gamma * weight)
-    return params_norm(diffs)
+            tensor.add_(diffs[name], alpha=gamma * weight * scale)
+    return distance
 
 
 def pseudo_gradient(start: Params, live: Params) -> dict[str, torch.Tensor]:

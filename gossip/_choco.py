@@ -15,6 +15,7 @@ from typing import Literal
 import torch
 
 from ._algorithms import choco_consensus, choco_update_estimate
+from ._robust import ClipRadius
 
 Params = Mapping[str, torch.Tensor]
 Verdict = Literal["ok", "busy", "resync"]
@@ -45,13 +46,14 @@ class ChocoLink:
         return "ok" if seq == self.seq else "resync"
 
     def apply(self, live: dict[str, torch.Tensor], q_mine: Params, q_theirs: Params,
-              gamma: float) -> float:  # fmt: skip
+              gamma: float, radius: ClipRadius | None = None) -> float:  # fmt: skip
         """Add both decoded q's to the estimates, count the exchange and take the consensus
-        step x += gamma/2 (x_hat_j - x_hat) on `live` in place. Returns the step's distance."""
+        step x += gamma/2 (x_hat_j - x_hat) on `live` in place (its difference clipped by
+        `radius` when given). Returns the step's distance."""
         choco_update_estimate(self.mine, q_mine)
         choco_update_estimate(self.theirs, q_theirs)
         self.seq += 1
-        return choco_consensus(live, self.mine, self.theirs, gamma=gamma)
+        return choco_consensus(live, self.mine, self.theirs, gamma=gamma, radius=radius)
 
 
 class ChocoLinks:

@@ -4,7 +4,10 @@
 # the destination address (and the peer id when known); no reply is ever awaited: a missing answer
 # is noticed by this machine's own timers, driven by tick() at next_deadline(); an Ack counts only
 # from the peer that was pinged (or, forwarded, from a helper we asked); this node pings for others
-# only members it has verified, at the address it recorded itself.
+# only members it has verified, at the address it recorded itself; a member with a client address
+# (is_client_address) is never sent anything to: not probed, verified, asked to help, told of a
+# leave or chosen for peer exchange; it is suspected when it has been silent towards this node for
+# config.client_silence_s, and node/ answers it only on the connections it opens.
 from __future__ import annotations
 
 import random
@@ -25,6 +28,7 @@ from ._messages import (
     PeerList,
     Ping,
     PingReq,
+    is_client_address,
     is_peer_id,
     validate_message,
 )
@@ -111,6 +115,12 @@ class Membership:
         self._next_probe_at = self._next_exchange_at = self._next_reconnect_at = inf
         self._join_retry_at = self._next_verify_at = inf
         self._verify_pinged: dict[str, float] = {}  # unverified member -> when we last pinged it
+        self._dialable: tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]] = ((), (), ())
+        # A client hears the swarm's news only in answers to what it sends (piggybacked updates
+        # run out on the members that are pinged): it swaps member lists every two periods.
+        self._exchange_interval_s = config.peer_exchange_interval_s
+        if is_client_address(self_address):
+            self._exchange_interval_s = min(self._exchange_interval_s, 2 * config.probe_interval_s)
 
     # -- public queries ------------------------------------------------------------------------
     @property
@@ -138,6 +148,28 @@ class Membership:
         membership changes.
         """
         return self._table.verified_live_ids()
+
+    def dialable_peers(self) -> tuple[str, ...]:
+        """live_peers() less the client-mode members (those nobody can dial), sorted; one tuple
+        until membership changes. Partners, helpers and state servers come from these."""
+        verified, clients = self._table.verified_live_ids(), self._table.live_client_ids()
+        if self._dialable[0] is not verified or self._dialable[1] is not clients:
+            gone = set(clients)
+            dialable = tuple(p for p in verified if p not in gone) if gone else verified
+            self._dialable = (verified, clients, dialable)
+        return self._dialable[2]
+
+    def live_count(self) -> int:
+        """Members believed alive: live_peers(), plus client-mode members known second-hand (a
+        client is verified only by the members it dials itself)."""
+        verified = self._table.verified_live_ids()
+        clients = self._table.live_client_ids()
+        return len(verified) + sum(not self._table.get(p).verified for p in clients)
+
+    def is_client(self, peer_id: str) -> bool:
+        """True when `peer_id` is a client-mode member (never dialled)."""
+        record = self._table.get(peer_id)
+        return record is not None and is_client_address(record.address)
 
     def address_of(self, peer_id: str) -> str | None:
         record = self._table.get(peer_id)
@@ -189,7 +221,7 @@ class Membership:
         if self._table.left:
             return []
         self._table.leave(now)
-        live = list(self._table.verified_live_ids())
+        live = list(self.dialable_peers())
         told = self._rng.sample(live, min(len(live), self._config.leave_fanout))
         msg = Leave(self._table.self_address, self._table.incarnation)
         return [self._send_to(peer, msg) for peer in told]
@@ -202,12 +234,13 @@ class Membership:
         out: list[Send] = []
         self._table.expire(now)
         self._probe_step(now, out)
+        self._suspect_silent_clients(now)
         self._verify_step(now, out)
         if not self._joined and now >= self._join_retry_at:
             self._send_joins(now, out)
         if now >= self._next_exchange_at:
-            self._next_exchange_at = now + self._config.peer_exchange_interval_s
-            live = self._table.verified_live_ids()
+            self._next_exchange_at = now + self._exchange_interval_s
+            live = self.dialable_peers()
             if live:
                 self._send_peer_list(self._rng.choice(live), out)
         if now >= self._next_reconnect_at:
@@ -271,7 +304,7 @@ class Membership:
         target = msg.target_id
         if len(self._forwards) >= MAX_FORWARDS or target == sender_id:
             return
-        if not self._table.is_verified_live(target):
+        if not self._table.is_verified_live(target) or self.is_client(target):
             return
         if sum(f.requester == sender_id for f in self._forwards.values()) >= MAX_FORWARDS_PER_PEER:
             return
@@ -317,6 +350,19 @@ class Membership:
                 ping = Ping(self._probe.seq, self._table.self_address, self._piggyback(target))
                 out.append(self._send_to(target, ping))
 
+    def _suspect_silent_clients(self, now: float) -> None:
+        """Suspect each verified client that has not contacted this node for client_silence_s
+        (nobody probes a client: what it sends is the only sign of its life)."""
+        clients = self._table.live_client_ids()
+        if not clients:
+            return
+        quiet_since = now - self._config.client_silence_s(self._table.size())
+        for peer in clients:
+            record = self._table.get(peer)
+            if record.verified and record.state is MemberState.ALIVE:
+                if max(record.heard_at, record.changed_at) < quiet_since:
+                    self._table.suspect(peer, now)
+
     def _verify_step(self, now: float, out: list[Send]) -> None:
         """Ping up to verify_batch members known only second-hand: their Ack verifies them."""
         cfg = self._config
@@ -326,7 +372,7 @@ class Membership:
             self._verify_pinged.clear()
             return
         self._next_verify_at = now + cfg.probe_interval_s
-        unverified = self._table.unverified_live_ids()
+        unverified = [p for p in self._table.unverified_live_ids() if not self.is_client(p)]
         keep = set(unverified)
         for peer in [p for p in self._verify_pinged if p not in keep]:
             del self._verify_pinged[peer]
@@ -339,7 +385,7 @@ class Membership:
             out.append(self._send_to(peer, Ping(self._next_seq(), self._table.self_address)))
 
     def _send_ping_reqs(self, probe: _Probe, out: list[Send]) -> None:
-        helpers = [p for p in self._table.verified_live_ids() if p != probe.target]
+        helpers = [p for p in self.dialable_peers() if p != probe.target]
         helpers = self._rng.sample(helpers, min(len(helpers), self._config.indirect_probes))
         probe.helpers = tuple(helpers)
         address = self.address_of(probe.target) or ""
@@ -358,14 +404,17 @@ class Membership:
                 record = self._table.get(candidate)
                 if record is not None and record.state in (MemberState.ALIVE, MemberState.SUSPECT):
                     return candidate
-            self._order = list(self._table.live_ids())
+            clients = self._table.live_client_ids()
+            live = self._table.live_ids()
+            self._order = [p for p in live if p not in clients] if clients else list(live)
             self._rng.shuffle(self._order)
             self._order_pos = 0
         return None
 
     def _reconnect(self, now: float, out: list[Send]) -> None:
         """Contact one dead member (or a bootstrap address when alone) to heal partitions."""
-        dead = self._table.ids_in(MemberState.DEAD, verified_only=True)
+        dead = [p for p in self._table.ids_in(MemberState.DEAD, verified_only=True)
+                if not self.is_client(p)]  # fmt: skip
         if dead:
             self._send_peer_list(self._rng.choice(dead), out)
         elif not self._table.verified_live_ids() and self._bootstrap:
@@ -392,7 +441,10 @@ class Membership:
             own = self._table.self_update()
             updates = (own, *(u for u in updates if u.peer_id != own.peer_id))
         record = self._table.get(to_peer)
-        if record is not None and record.state is MemberState.DEAD:
+        if record is not None and (
+            record.state is MemberState.DEAD
+            or (record.state is MemberState.SUSPECT and is_client_address(record.address))
+        ):
             # It talks to us, so it lives: tell it it was declared dead, so that it refutes.
             updates = (self._table.update_of(to_peer), *updates[: limit - 1])
         return updates

@@ -117,6 +117,15 @@ class MembershipConfig:
         """How many times one update is piggybacked in a swarm of `n_members`."""
         return max(1, math.ceil(self.retransmit_mult * math.ceil(math.log10(n_members + 1))))
 
+    def client_silence_s(self, n_members: int) -> float:
+        """How long a client-mode member may stay silent towards this node before it suspects it.
+
+        A client is never probed: it probes the dialable members one per period in shuffled round
+        robin, so each hears from it at least once per two cycles (2 * (n - 1) periods); two
+        periods more absorb a lost message.
+        """
+        return (2 * max(1, n_members - 1) + 2) * self.probe_interval_s
+
     def detection_bound_s(self, n_members: int) -> float:
         """Worst case, without message loss, from a crash to every live member declaring it dead.
 

@@ -7,7 +7,9 @@
 # member learned second-hand is unverified (never a partner or helper, nor announced) until it
 # contacts this node itself; at most config.max_members records; a suspicion holds at most
 # indirect_probes + 1 origins, each confirmation from a verified live member and at most one per
-# sender; every state change queues one update for piggybacking and one event.
+# sender; every state change queues one update for piggybacking and one event; a member whose
+# address is a client address (gossip/_messages.CLIENT_SCHEME) is listed apart from the dialable
+# ones, and its last direct contact is kept (its liveness is what this node hears from it).
 from __future__ import annotations
 
 import random
@@ -15,7 +17,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 
 from ._membership_config import MembershipConfig
-from ._messages import MAX_INCARNATION, MemberUpdate
+from ._messages import MAX_INCARNATION, MemberUpdate, is_client_address
 
 
 class MemberState(StrEnum):
@@ -59,6 +61,7 @@ class _Record:
     incarnation: int
     changed_at: float
     verified: bool = False
+    heard_at: float = float("-inf")  # its last message to this node itself
     suspecters: list[str] = field(default_factory=list)  # distinct origins, first one first
     vouchers: list[str] = field(default_factory=list)  # the sender that brought each origin
 
@@ -86,6 +89,7 @@ class MembershipTable:
         self._events: list[MembershipEvent] = []
         self._live_cache: tuple[str, ...] | None = None
         self._verified_cache: tuple[str, ...] | None = None
+        self._clients_cache: tuple[str, ...] | None = None  # live client ids, verified or not
 
     # -- queries -------------------------------------------------------------------------------
     def get(self, peer_id: str) -> _Record | None:
@@ -104,6 +108,16 @@ class MembershipTable:
         if self._verified_cache is None:
             self._verified_cache = tuple(p for p in self.live_ids() if self._records[p].verified)
         return self._verified_cache
+
+    def live_client_ids(self) -> tuple[str, ...]:
+        """Ids of alive and suspect members with a client address (never dialled), sorted;
+        cached."""
+        if self._clients_cache is None:
+            live = self.live_ids()
+            self._clients_cache = tuple(
+                p for p in live if is_client_address(self._records[p].address)
+            )
+        return self._clients_cache
 
     def unverified_live_count(self) -> int:
         """How many alive or suspect members are known only second-hand (cheap: cached ids)."""
@@ -180,7 +194,7 @@ class MembershipTable:
         sender: str = "",
     ) -> None:
         if (r.state in _LIVE) != (state in _LIVE):
-            self._live_cache = self._verified_cache = None
+            self._live_cache = self._verified_cache = self._clients_cache = None
         r.state, r.incarnation, r.changed_at = state, inc, now
         suspect = state is MemberState.SUSPECT
         r.suspecters = [origin or self.self_id] if suspect else []
@@ -194,15 +208,20 @@ class MembershipTable:
     def _add(self, peer_id: str, address: str, inc: int, now: float, verified: bool) -> None:
         """A new alive member; only a verified one is announced (hearsay is not amplified)."""
         self._records[peer_id] = _Record(peer_id, address, MemberState.ALIVE, inc, now, verified)
-        self._live_cache = self._verified_cache = None
+        self._live_cache = self._verified_cache = self._clients_cache = None
         if verified:
             self._queue(self.update_of(peer_id))
             self._events.append(MembershipEvent("joined", peer_id, inc, now))
 
+    def _set_address(self, r: _Record, address: str) -> None:
+        if is_client_address(address) != is_client_address(r.address):
+            self._clients_cache = None
+        r.address = address
+
     def _forget(self, peer_id: str) -> None:
         r = self._records.pop(peer_id)
         if r.state in _LIVE:
-            self._live_cache = self._verified_cache = None
+            self._live_cache = self._verified_cache = self._clients_cache = None
         self._broadcasts.pop(peer_id, None)
 
     def _make_room(self) -> bool:
@@ -242,11 +261,13 @@ class MembershipTable:
             if not self._make_room():
                 return False
             self._add(peer_id, address, 0, now, verified=True)  # its incarnation comes later
+            r = self._records[peer_id]
         elif not r.verified:
             r.verified, r.address = True, address  # its own address beats hearsay
-            self._verified_cache = None
+            self._verified_cache = self._clients_cache = None
             self._queue(self.update_of(peer_id))
             self._events.append(MembershipEvent("joined", peer_id, r.incarnation, now))
+        r.heard_at = now
         return True
 
     def apply_own_word(self, peer_id: str, address: str, inc: int, now: float) -> None:
@@ -263,7 +284,7 @@ class MembershipTable:
                 r.incarnation = inc
                 self._queue(self.update_of(peer_id))
             return
-        r.address = address
+        self._set_address(r, address)
         kind = {MemberState.ALIVE: "", MemberState.SUSPECT: "refuted"}.get(r.state, "joined")
         if kind:
             self._set(r, MemberState.ALIVE, inc, now, kind)
@@ -295,7 +316,7 @@ class MembershipTable:
     def _apply_alive(self, r: _Record, u: MemberUpdate, now: float) -> None:
         if u.incarnation <= r.incarnation:
             return
-        r.address = u.address
+        self._set_address(r, u.address)
         kind = {MemberState.ALIVE: "", MemberState.SUSPECT: "refuted"}.get(r.state, "joined")
         if kind:
             self._set(r, MemberState.ALIVE, u.incarnation, now, kind)

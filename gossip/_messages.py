@@ -101,6 +101,21 @@ class Leave:
     incarnation: int
 
 
+CLIENT_SCHEME = "client://"
+"""Address scheme of a member that nobody can dial (behind NAT, `network.reachable = false`): it
+talks only through the connections it opens itself, and is never probed, helped or dialled."""
+
+
+def client_address(peer_id: str) -> str:
+    """The address a client-mode member announces: not dialable, unique per member."""
+    return CLIENT_SCHEME + peer_id
+
+
+def is_client_address(address: str) -> bool:
+    """True for the address of a member that cannot be dialled (see CLIENT_SCHEME)."""
+    return address.startswith(CLIENT_SCHEME)
+
+
 MembershipMessage = Join | Ping | PingReq | Ack | PeerList | Leave
 MESSAGE_TYPES: tuple[type, ...] = (Join, Ping, PingReq, Ack, PeerList, Leave)
 

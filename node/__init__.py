@@ -16,6 +16,7 @@ from ._config import LimitsConfig as LimitsConfig
 from ._config import MetricsConfig as MetricsConfig
 from ._config import NetworkConfig as NetworkConfig
 from ._config import NodeConfig as NodeConfig
+from ._config import PrivacyConfig as PrivacyConfig
 from ._config import StateConfig as StateConfig
 from ._config import TrainingConfig as TrainingConfig
 from ._config import config_from_toml as config_from_toml

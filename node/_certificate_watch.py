@@ -29,7 +29,8 @@ def renew_hint(peer_id: str, path: Path | None, running: bool = True) -> str:
     then = ("; the node picks it up without a restart" if running and path is not None
             else ", then start the node again")  # fmt: skip
     return (f"ask the swarm operator for a renewed certificate (geotrain swarm admit --swarm "
-            f"AUTHORITY_DIR {peer_id} --expires 30d) and {where}{then}")  # fmt: skip
+            f"AUTHORITY_DIR {peer_id} --expires 30d --renew --out CERT_FILE) and "
+            f"{where}{then}")  # fmt: skip
 
 
 def utc(posix_s: float) -> str:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import tomllib
 import types
 import typing
@@ -14,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 POLICIES = ("uniform", "ring", "exponential", "bandwidth")
+ROBUST_RULES = ("none", "clip", "trim")  # gossip.robust (gossip/_robust.py has the same tuple)
 PARTITIONS = ("iid", "dirichlet")
 
 
@@ -84,6 +86,12 @@ class NetworkConfig:
         trip carries plenty, small enough to pipeline encode, send, decode and mix); below
         max_message_mb.
     handshake_timeout_s: a peer that has not finished the handshake by then is dropped.
+    reachable: false for a machine that nobody can dial (behind NAT or a firewall that drops
+        inbound connections): the node runs in client mode. It dials the bootstrap peers and keeps
+        those connections, starts every exchange and state sync itself, announces an address that
+        nobody dials, and is never chosen as a partner by others. `listen` must then stay on
+        loopback (only the local `geotrain status` talks to it), `advertise` unset and
+        `bootstrap` non-empty (a swarm needs reachable peers to start from).
     """
 
     listen: str = "tcp://127.0.0.1:0"
@@ -92,6 +100,7 @@ class NetworkConfig:
     max_message_mb: int = 256
     chunk_mb: float = 8.0
     handshake_timeout_s: float = 10.0
+    reachable: bool = True
 
     @property
     def chunk_numel(self) -> int:
@@ -128,16 +137,32 @@ class NetworkConfig:
             self.handshake_timeout_s,
             "> 0 seconds",
         )
+        _check(isinstance(self.reachable, bool), "network.reachable", self.reachable,
+               "true or false")  # fmt: skip
+        if not self.reachable:
+            self._check_client()
+
+    def _check_client(self) -> None:
+        """A client (reachable = false) listens on loopback only and advertises nothing."""
+        why = "with network.reachable = false"
+        host = self.listen[len("tcp://") :].rsplit(":", 1)[0].strip("[]")
+        _check(host in ("127.0.0.1", "localhost", "::1"), "network.listen", self.listen,
+               f"a loopback address like tcp://127.0.0.1:0 {why} (nobody can dial this node)")
+        _check(self.advertise is None, "network.advertise", self.advertise,
+               f"unset {why}: a client announces no address")
+        _check(bool(self.bootstrap), "network.bootstrap", list(self.bootstrap),
+               f"at least one reachable peer {why}: a client can only dial out")  # fmt: skip
 
 
 @dataclass(frozen=True)
 class TrainingConfig:
     """What and how this node trains.
 
-    task: a built-in task ("digits-mlp", "charlm", "synthetic-linreg") or "module:function".
+    task: a built-in task ("digits-mlp", "charlm", "gpt", "synthetic-linreg", "wide-linear") or
+        "module:function".
     params: task-specific settings (the [training.params] table).
     device: "auto" (CUDA when present, else CPU), "cpu", "cuda" or "cuda:N".
-    optimizer / lr: "sgd" or "adam" and its rate; unset takes the task's defaults.
+    optimizer / lr: "sgd", "adam" or "adamw" and its rate; unset takes the task's (its recipe).
     seed: the swarm-wide seed (same model initialisation and evaluation set everywhere).
     shard_index / num_shards: which part of the training data this node holds.
     partition / alpha: "iid" shards, or "dirichlet" label skew with concentration alpha.
@@ -146,13 +171,21 @@ class TrainingConfig:
         are known alive (at most wait_for_peers_s seconds), so a swarm starts training together.
     eval_every: evaluate the held-out metric every this many steps.
     slowdown: emulate a slower machine (the testbed's stragglers); 1.0 is full speed.
+    step_time_ms: compute emulation: every step is padded to this many milliseconds (times
+        slowdown), so a run measures the network and the algorithm, not how shared cores were
+        scheduled; steps whose compute alone took longer are counted (status
+        steps_over_step_time). 0: off.
     threads: torch CPU threads (0 leaves torch's default).
     precision: "fp32", or "bf16": forward pass and loss under autocast in bfloat16 (on GPUs
         that have it, and on CPUs); weights, gradients and what travels stay float32 or the codec's.
     weight_decay: L2 (sgd, adam) or decoupled (adamw) weight decay.
-    warmup_steps / schedule / total_steps: the learning rate rises linearly over warmup_steps,
-        then stays ("constant") or decays to 0 at total_steps ("cosine", "linear").
-    clip_grad_norm: scale each step's gradients down to at most this total L2 norm (unset: none).
+    warmup_steps / schedule / total_steps / min_lr_ratio: the learning rate rises linearly over
+        warmup_steps, then stays ("constant") or decays to lr x min_lr_ratio at total_steps
+        ("cosine", "linear").
+    clip_grad_norm: scale each step's gradients down to at most this total L2 norm (0: none).
+        Each of optimizer, weight_decay, the schedule's four and clip_grad_norm, left unset, takes
+        the task's recipe (most tasks: SGD with momentum, 0, constant, no clipping; `gpt`: AdamW,
+        warmup and cosine, clipping at 1); a value set here always wins.
     accumulate: batches whose gradients are averaged into one optimizer step (a bigger batch than
         fits in memory at once).
     """
@@ -172,12 +205,14 @@ class TrainingConfig:
     wait_for_peers_s: float = 300.0
     eval_every: int = 50
     slowdown: float = 1.0
+    step_time_ms: float = 0.0
     threads: int = 0
     precision: str = "fp32"
-    weight_decay: float = 0.0
-    warmup_steps: int = 0
-    schedule: str = "constant"
-    total_steps: int = 0
+    weight_decay: float | None = None  # None: the task's recipe (for every setting below too)
+    warmup_steps: int | None = None
+    schedule: str | None = None
+    total_steps: int | None = None
+    min_lr_ratio: float | None = None
     clip_grad_norm: float | None = None
     accumulate: int = 1
 
@@ -188,16 +223,19 @@ class TrainingConfig:
             self.optimizer,
             "sgd, adam or adamw",
         )
-        _check(self.weight_decay >= 0, "training.weight_decay", self.weight_decay, ">= 0")
-        _check(self.warmup_steps >= 0, "training.warmup_steps", self.warmup_steps, ">= 0")
-        _check(self.schedule in ("constant", "cosine", "linear"), "training.schedule",
+        # unset (None) takes the task's recipe, checked when the trainer merges them
+        wd, warmup, total = self.weight_decay, self.warmup_steps, self.total_steps
+        _check(wd is None or wd >= 0, "training.weight_decay", wd, ">= 0")
+        _check(warmup is None or warmup >= 0, "training.warmup_steps", warmup, ">= 0")
+        _check(self.schedule in (None, "constant", "cosine", "linear"), "training.schedule",
                self.schedule, "constant, cosine or linear")  # fmt: skip
-        _check(self.total_steps >= 0, "training.total_steps", self.total_steps, ">= 0")
-        decaying = f"> training.warmup_steps ({self.warmup_steps}) for a decaying schedule"
-        _check(self.schedule == "constant" or self.total_steps > self.warmup_steps,
-               "training.total_steps", self.total_steps, decaying)  # fmt: skip
-        _check(self.clip_grad_norm is None or self.clip_grad_norm > 0, "training.clip_grad_norm",
-               self.clip_grad_norm, "> 0")  # fmt: skip
+        _check(total is None or total >= 0, "training.total_steps", total, ">= 0")
+        decaying = f"> training.warmup_steps ({warmup or 0}) for a decaying schedule"
+        _check(self.schedule in (None, "constant") or total is None or total > (warmup or 0),
+               "training.total_steps", total, decaying)  # fmt: skip
+        ratio, clip = self.min_lr_ratio, self.clip_grad_norm
+        _check(ratio is None or 0 <= ratio <= 1, "training.min_lr_ratio", ratio, "0..1")
+        _check(clip is None or clip >= 0, "training.clip_grad_norm", clip, ">= 0 (0: no clipping)")
         _check(self.accumulate >= 1, "training.accumulate", self.accumulate, ">= 1")
         _check(self.lr is None or self.lr > 0, "training.lr", self.lr, "> 0")
         _check(self.num_shards >= 1, "training.num_shards", self.num_shards, ">= 1")
@@ -220,6 +258,8 @@ class TrainingConfig:
                "> 0 seconds")
         _check(self.eval_every >= 1, "training.eval_every", self.eval_every, ">= 1")
         _check(self.slowdown >= 1.0, "training.slowdown", self.slowdown, ">= 1.0")
+        _check(math.isfinite(self.step_time_ms) and self.step_time_ms >= 0,
+               "training.step_time_ms", self.step_time_ms, "milliseconds >= 0")  # fmt: skip
         _check(self.threads >= 0, "training.threads", self.threads, ">= 0")
         _check(self.precision in ("fp32", "bf16"), "training.precision", self.precision,
                "fp32 or bf16")  # fmt: skip
@@ -255,6 +295,14 @@ class GossipConfig:
     codec: "auto" picks per link from its measured bandwidth; or a fixed compress/ spec.
     max_norm_ratio: refuse a peer's model whose norm exceeds this multiple of ours (+1).
     clip: bound the L2 distance a single exchange may move us (clipped gossip); unset = no bound.
+        With `robust`, it caps the adaptive radius.
+    robust: how a neighbour's model is mixed when the swarm is not fully trusted (see
+        gossip/_robust.py for the rules and what they assume): "none" (default: plain averaging,
+        as before), "clip" (self-centred clipping, ClippedGossip: every neighbour's difference
+        x_j - x_i is clipped to an adaptive radius tau, half the lower quartile of recent distances;
+        adpsgd, selsync, choco's exchanges, dpsgd and diloco's outer exchange) or "trim"
+        (dpsgd: coordinate-wise trimmed mean of a round with at least 3 neighbours, clipping in
+        smaller rounds and in the other algorithms).
     state_sync: a node with no checkpoint first fetches the current model from a peer.
     algorithm_settings: each algorithm's own table by name ([gossip.dpsgd], [gossip.choco], ...);
         `settings` is the chosen algorithm's (its defaults when the table is absent).
@@ -267,6 +315,7 @@ class GossipConfig:
     codec: str = "auto"
     max_norm_ratio: float = 10.0
     clip: float | None = None
+    robust: str = "none"
     state_sync: bool = True
     algorithm_settings: dict[str, Any] = field(default_factory=dict)
 
@@ -281,6 +330,8 @@ class GossipConfig:
         _check(self.policy in POLICIES, "gossip.policy", self.policy, " or ".join(POLICIES))
         _check(self.max_norm_ratio > 1, "gossip.max_norm_ratio", self.max_norm_ratio, "> 1")
         _check(self.clip is None or self.clip > 0, "gossip.clip", self.clip, "> 0")
+        _check(self.robust in ROBUST_RULES, "gossip.robust", self.robust,
+               " or ".join(repr(r) for r in ROBUST_RULES))  # fmt: skip
         self._check_codec()
         for name, settings in self.algorithm_settings.items():
             spec = specs.get(name)
@@ -384,6 +435,44 @@ class MetricsConfig:
 
 
 @dataclass(frozen=True)
+class PrivacyConfig:
+    """Differential privacy of this node's training data: Opacus' per-sample gradient clipping
+    and Gaussian noise, and its accountant (`pip install 'geotrain[privacy]'`).
+
+    epsilon: the budget; unset (the default): no privacy. Once spent, the node stops training on
+        its data and keeps mixing (its steps become mixing-only), and says so.
+    delta: the budget's delta (well below 1 / the number of training examples).
+    max_grad_norm: each sample's gradient is clipped to this L2 norm.
+    noise_multiplier: the noise's std over max_grad_norm; unset: the one that spends exactly
+        epsilon in training.max_steps steps (which must then be set).
+    accountant: "rdp" (Renyi DP) or "prv" (privacy random variables, tighter, slower).
+    sample_rate: batch size / training examples of the shard; unset: the task's own figures.
+    """
+
+    epsilon: float | None = None
+    delta: float = 1e-5
+    max_grad_norm: float = 1.0
+    noise_multiplier: float | None = None
+    accountant: str = "rdp"
+    sample_rate: float | None = None
+
+    @property
+    def enabled(self) -> bool:
+        return self.epsilon is not None
+
+    def __post_init__(self) -> None:
+        _check(self.epsilon is None or self.epsilon > 0, "privacy.epsilon", self.epsilon, "> 0")
+        _check(0 < self.delta < 1, "privacy.delta", self.delta, "0 < delta < 1")
+        _check(self.max_grad_norm > 0, "privacy.max_grad_norm", self.max_grad_norm, "> 0")
+        _check(self.noise_multiplier is None or self.noise_multiplier > 0,
+               "privacy.noise_multiplier", self.noise_multiplier, "> 0")  # fmt: skip
+        _check(self.accountant in ("rdp", "prv"), "privacy.accountant", self.accountant,
+               "rdp or prv")  # fmt: skip
+        _check(self.sample_rate is None or 0 < self.sample_rate <= 1, "privacy.sample_rate",
+               self.sample_rate, "0 < rate <= 1")  # fmt: skip
+
+
+@dataclass(frozen=True)
 class NodeConfig:
     identity: IdentityConfig = field(default_factory=IdentityConfig)
     network: NetworkConfig = field(default_factory=NetworkConfig)
@@ -392,6 +481,17 @@ class NodeConfig:
     state: StateConfig = field(default_factory=StateConfig)
     limits: LimitsConfig = field(default_factory=LimitsConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    privacy: PrivacyConfig = field(default_factory=PrivacyConfig)
+
+    def __post_init__(self) -> None:
+        p, t = self.privacy, self.training
+        if not p.enabled:
+            return
+        _check(p.noise_multiplier is not None or t.max_steps > 0, "privacy.noise_multiplier",
+               None, "a value, or training.max_steps > 0 to spend the epsilon over")  # fmt: skip
+        _check(t.accumulate == 1, "training.accumulate", t.accumulate, "1 with [privacy]")
+        _check(not t.clip_grad_norm, "training.clip_grad_norm", t.clip_grad_norm,
+               "unset with [privacy] (privacy.max_grad_norm clips every sample)")  # fmt: skip
 
 
 def _coerce(name: str, value: Any, hint: Any, base: Path) -> Any:

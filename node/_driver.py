@@ -6,12 +6,15 @@
 # checkpoint.
 from __future__ import annotations
 
+import structlog
 import trio
 
 from ._checkpointer import Checkpointer
 from ._status_report import Progress
 from .algorithms import Algorithm
-from .training import Trainer
+from .training import LoopClosed, Trainer
+
+log = structlog.get_logger()
 
 
 class TrainingDriver:
@@ -53,8 +56,14 @@ class TrainingDriver:
 
     async def run(self) -> None:
         """Train until stopped or at max_steps."""
+        progress = self._progress
         while not self._done():
+            if progress.training_since is None:
+                progress.training_since, progress.train_s = trio.current_time(), 0.0
             result = await trio.to_thread.run_sync(self._trainer.train_step)
+            progress.train_s = (progress.train_s or 0.0) + result.seconds
+            if result.samples:
+                progress.samples = (progress.samples or 0) + result.samples
             await self._algorithm.after_step(result)
             if result.step % self._eval_every == 0:
                 await self.evaluate()
@@ -65,6 +74,12 @@ class TrainingDriver:
         """Evaluate the held-out metric now (a worker thread)."""
         self._progress.metric = await trio.to_thread.run_sync(self._trainer.evaluate)
         self._progress.metric_step = self._trainer.step
+        private = getattr(self._trainer, "private", None)  # [privacy]: the spent epsilon, logged
+        if private is not None:  # at every evaluation (status and metrics have it all the time)
+            stats = private.statistics()
+            log.info("privacy_epsilon", step=self._trainer.step,
+                     epsilon=round(stats.epsilon_spent, 4), budget=stats.epsilon_budget,
+                     exhausted=stats.exhausted)  # fmt: skip
 
     async def finish(self, grace_s: float) -> None:
         """Let an exchange in flight end (at most `grace_s`), then evaluate and checkpoint."""
@@ -89,7 +104,10 @@ class LoopDriver(TrainingDriver):
             async for result in self._steps:
                 if self._stop.is_set():
                     return
-                await self._algorithm.after_step(result)
+                try:
+                    await self._algorithm.after_step(result)
+                except LoopClosed:  # a change for the loop's next step, and none came: it closed
+                    return
                 if self._eval_every and result.step % self._eval_every == 0:
                     await self.evaluate()
                 if result.step % self._checkpoint_every == 0:

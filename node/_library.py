@@ -5,6 +5,7 @@
 # leaving the `with` block, Ctrl-C included) stops the node cleanly: last checkpoint, leave.
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -28,12 +29,26 @@ class Swarm:
     """
 
     def __init__(self, node: Node, loop: LoopTrainer, thread: threading.Thread,
-                 token: trio.lowlevel.TrioToken) -> None:  # fmt: skip
+                 token: trio.lowlevel.TrioToken, box: dict[str, Any]) -> None:  # fmt: skip
         self.node = node
         self._loop = loop
         self._thread = thread
         self._token = token
+        self._box = box  # "error": what ended the node's thread, if anything did
         self._closed = False
+
+    def check_alive(self) -> None:
+        """Raise if the node stopped by itself (an error in it): the user's loop would otherwise
+        train alone without knowing.
+
+        Raises:
+            LoopClosed: the node is gone; the error that ended it is the cause.
+        """
+        if self._closed or self._thread.is_alive():
+            return
+        error = self._box.get("error")
+        raise LoopClosed(f"the geotrain node stopped: {_leaf(error)!r}" if error is not None
+                         else "the geotrain node stopped") from error  # fmt: skip
 
     @property
     def address(self) -> str | None:
@@ -68,12 +83,19 @@ class Swarm:
         return SwarmOptimizer(self, optimizer, scheduler)
 
     def _notify(self, result: StepResult) -> None:
+        """Hand a step to the node's loop without waiting for it (the step channel is unbounded:
+        the loop's thread never blocks on the node's)."""
         steps = self.node.steps
         if steps is None:
             return
+
+        def send() -> None:  # on the node's loop: an exception here would end it
+            with contextlib.suppress(trio.ClosedResourceError, trio.BrokenResourceError):
+                steps.send_nowait(result)
+
         try:
-            trio.from_thread.run_sync(steps.send_nowait, result, trio_token=self._token)
-        except (trio.RunFinishedError, trio.ClosedResourceError, trio.BrokenResourceError):
+            self._token.run_sync_soon(send)
+        except trio.RunFinishedError:
             pass  # the node stopped (a signal, an error): the loop's steps go on unheard
 
     def status(self) -> NodeStatus:
@@ -81,7 +103,12 @@ class Swarm:
         return trio.from_thread.run_sync(self.node.status, trio_token=self._token)
 
     def close(self, timeout_s: float = 120.0) -> None:
-        """Stop the node cleanly (checkpoint, leave the swarm) and wait for it. Idempotent."""
+        """Stop the node cleanly (checkpoint, leave the swarm) and wait for it. Idempotent.
+
+        Raises:
+            LoopClosed: the node had failed (its error is the cause): its last checkpoint and
+                status may be older than the loop's last step.
+        """
         if self._closed:
             return
         self._closed = True
@@ -91,6 +118,9 @@ class Swarm:
         except trio.RunFinishedError:
             pass
         self._thread.join(timeout_s)
+        error = self._box.pop("error", None)
+        if error is not None:
+            raise LoopClosed(f"the geotrain node had failed: {_leaf(error)!r}") from error
 
     def _stop(self) -> None:
         if self.node.steps is not None:
@@ -118,8 +148,10 @@ class SwarmOptimizer:
         """The optimizer's step. `loss` (a tensor or number) is reported in the node's status.
 
         Raises:
-            LoopClosed: after the swarm was closed.
+            LoopClosed: after the swarm was closed, or when its node stopped by itself (the
+                node's error is the cause).
         """
+        self._swarm.check_alive()
         value = None if loss is None else float(loss.detach() if torch.is_tensor(loss) else loss)
         result, stepped = self._swarm._loop.stepped(lambda: self.optimizer.step(closure), value)
         self._swarm._notify(stepped)
@@ -190,13 +222,16 @@ def join(
     thread = threading.Thread(target=trio.run, args=(main,), name="geotrain-node", daemon=True)
     thread.start()
     if not ready.wait(ready_timeout_s):
-        raise TimeoutError(f"the node was not ready within {ready_timeout_s} s")
+        with contextlib.suppress(KeyError, trio.RunFinishedError):  # stop what was started
+            trio.from_thread.run_sync(node.request_stop, trio_token=box["token"])
+        thread.join(60)
+        raise TimeoutError(f"the node was not ready within {ready_timeout_s} s (stopped)")
     if "error" in box:
         thread.join(10)
         error = box["error"]
         raise _leaf(error) from error
     loop.start()
-    return Swarm(node, loop, thread, box["token"])
+    return Swarm(node, loop, thread, box["token"], box)
 
 
 def _leaf(error: BaseException) -> BaseException:

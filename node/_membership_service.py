@@ -2,12 +2,16 @@
 # ticks, messages in and out) and measures the links the partner policy asks about. Invariants:
 # every message it sends has a deadline (one probe period); a bad membership message from a peer
 # is answered with an error, counted and changes nothing; RTT samples from probes feed the link
-# table; its loops live in the node's nursery and stop when it is cancelled.
+# table; its loops live in the node's nursery and stop when it is cancelled. Nothing is ever
+# dialled at a client address (a client-mode peer, behind NAT): messages for a client wait in its
+# mailbox (at most MAX_CARRIED, the newest kept) and travel back in the Delivered that answers
+# its next message, the answer to that message first; a client takes what comes back this way
+# as sent by the peer it dialled (the proven one).
 from __future__ import annotations
 
 import random
 import time
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Sequence
 
 import structlog
@@ -21,9 +25,12 @@ from geotrain.gossip import (
     PartnerSelector,
     RemoteProtocolError,
     Send,
+    is_client_address,
 )
 
 from ._protocol import (
+    MAX_CARRIED,
+    MAX_GOSSIP_BODY,
     MAX_PROBE_BYTES,
     Delivered,
     Gossip,
@@ -73,6 +80,7 @@ class MembershipService:
         self._wake = trio.Event()
         self._nursery: trio.Nursery | None = None
         self.rejected: Counter[str] = Counter()  # membership messages refused, by kind
+        self._mailbox: dict[str, deque[Gossip]] = {}  # client peer -> messages waiting for it
 
     # -- the view the rest of the node reads ----------------------------------------------------
     def live_peers(self) -> tuple[str, ...]:
@@ -80,6 +88,14 @@ class MembershipService:
 
     def address_of(self, peer_id: str) -> str | None:
         return self.membership.address_of(peer_id)
+
+    def dialable_peers(self) -> tuple[str, ...]:
+        """live_peers() less the client-mode peers: those a request can be sent to."""
+        return self.membership.dialable_peers()
+
+    def live_count(self) -> int:
+        """Peers believed alive, client-mode peers known second-hand included."""
+        return self.membership.live_count()
 
     def members(self) -> list[Member]:
         return self.membership.members()
@@ -107,11 +123,18 @@ class MembershipService:
         for sample in self.membership.drain_rtt_samples():
             self._links.record_rtt(sample.peer_id, sample.rtt_s, sample.at)
         for event in self.membership.drain_events():
+            if event.kind in ("dead", "left"):
+                self._mailbox.pop(event.peer_id, None)
             log.info(f"peer_{event.kind}", peer=event.peer_id[:12], incarnation=event.incarnation)
 
     async def _deliver(self, send: Send) -> None:
+        if is_client_address(send.address):  # nobody dials a client: it collects its mail
+            if send.peer_id is not None:
+                box = self._mailbox.setdefault(send.peer_id, deque(maxlen=MAX_CARRIED))
+                box.append(wrap_gossip(send.message))
+            return
         try:
-            await self._transport.request(
+            reply, _, peer = await self._transport.request(
                 send.address,
                 wrap_gossip(send.message),
                 deadline_s=self.config.probe_interval_s,
@@ -119,6 +142,24 @@ class MembershipService:
             )
         except TransportError as exc:
             log.debug("gossip_undelivered", address=send.address, reason=str(exc))
+            return
+        if isinstance(reply, Delivered) and reply.messages:
+            self._receive_carried(peer, reply.messages)
+
+    def _receive_carried(self, peer: PeerInfo, messages: Sequence[Gossip]) -> None:
+        """Membership messages that came back with a Delivered (we are a client): from `peer`."""
+        for header in messages:
+            try:
+                sends = self.membership.receive(
+                    unwrap_gossip(header), peer.peer_id, trio.current_time()
+                )
+            except RemoteProtocolError as exc:
+                self._refuse(peer, "gossip", str(exc))
+                continue
+            if self._nursery is not None:
+                for send in sends:
+                    self._nursery.start_soon(self._deliver, send)
+        self._wake.set()
 
     async def _probe_loop(self) -> None:
         """Measure the links the partner policy looked at but knows too little about."""
@@ -126,7 +167,7 @@ class MembershipService:
             await trio.sleep(self.config.probe_interval_s)
             for peer in self._selector.probe_targets(self._links, trio.current_time(), limit=1):
                 address = self.address_of(peer)
-                if address is not None:
+                if address is not None and not is_client_address(address):
                     await self._probe(peer, address)
 
     async def _probe(self, peer: str, address: str) -> None:
@@ -148,11 +189,11 @@ class MembershipService:
         if not want:
             return
         with trio.move_on_after(limit_s):
-            while len(self.live_peers()) < want and not stop.is_set():
+            while self.live_count() < want and not stop.is_set():
                 await trio.sleep(0.05)
-            log.info("peers_ready", live_peers=len(self.live_peers()))
+            log.info("peers_ready", live_peers=self.live_count())
             return
-        log.warning("peers_not_ready", live_peers=len(self.live_peers()), wanted=want)
+        log.warning("peers_not_ready", live_peers=self.live_count(), wanted=want)
 
     async def leave(self, grace_s: float) -> None:
         """Tell the swarm we leave (best effort, at most `grace_s`)."""
@@ -181,11 +222,31 @@ class MembershipService:
             sends = self.membership.receive(message, peer.peer_id, trio.current_time())
         except RemoteProtocolError as exc:
             return self._refuse(peer, "gossip", str(exc))
-        if self._nursery is not None:
-            for send in sends:
+        carried: list[Gossip] = []
+        for send in sends:
+            if send.peer_id == peer.peer_id and is_client_address(send.address):
+                carried.append(wrap_gossip(send.message))  # the answer goes back on this request
+            elif self._nursery is not None:
                 self._nursery.start_soon(self._deliver, send)
         self._wake.set()
-        return Delivered(), b""
+        return Delivered(messages=self._carry(peer.peer_id, carried)), b""
+
+    def _carry(self, peer_id: str, answers: list[Gossip]) -> tuple[Gossip, ...]:
+        """What travels back to a client: `answers`, then its mail, within one header's room
+        (what does not fit stays in the mailbox for its next message)."""
+        box = self._mailbox.pop(peer_id, None)
+        if not answers and not box:
+            return ()
+        queue = deque(answers)
+        queue.extend(box or ())
+        out: list[Gossip] = []
+        room = MAX_GOSSIP_BODY
+        while queue and len(out) < MAX_CARRIED and (not out or len(queue[0].body) <= room):
+            out.append(queue.popleft())
+            room -= len(out[-1].body)
+        if queue:
+            self._mailbox[peer_id] = deque(queue, maxlen=MAX_CARRIED)
+        return tuple(out)
 
     def _refuse(self, peer: PeerInfo, kind: str, reason: str) -> tuple[Header, bytes]:
         self.rejected[kind] += 1

@@ -2,10 +2,13 @@
 # numbers are the status snapshot's (taken on the node's trio loop at scrape time, so a scrape
 # never reads the node's state from another thread), named by Prometheus conventions (one
 # geotrain_ prefix, base units, _total counters, 0-1 ratios); per-peer series are bounded: at
-# most MAX_PEER_SERIES peers are named, the rest are summed under peer="other".
+# most MAX_PEER_SERIES peers are named (PeerLabels: a named peer keeps its label while the node
+# knows it, so its series do not come and go between scrapes), and exchanges with the others are
+# counted under peer="other", which never decreases (a counter).
 from __future__ import annotations
 
 import re
+import threading
 from collections.abc import Callable, Iterator, Mapping
 
 from prometheus_client import start_http_server
@@ -13,7 +16,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import CollectorRegistry
 
 from ._config import ConfigError
-from .state import NodeStatus
+from .state import NodeStatus, PeerStatus
 
 MAX_PEER_SERIES = 16
 
@@ -36,6 +39,7 @@ class NodeCollector:
         self._snapshot = snapshot
         self._checkpoint_age_s = checkpoint_age_s
         self._refusals = refusals
+        self._labels = PeerLabels()
 
     def collect(self) -> Iterator:
         s = self._snapshot()
@@ -44,6 +48,9 @@ class NodeCollector:
         info.add_metric([s.peer_id, s.algorithm, s.task, s.metric_name], 1.0)
         yield info
         yield CounterMetricFamily("geotrain_steps", "Local training steps", value=s.step)
+        if s.samples is not None:
+            yield CounterMetricFamily("geotrain_samples", "Training samples taken by this process",
+                                      value=s.samples)  # fmt: skip
         yield _gauge("geotrain_steps_per_second", "Recent local step rate", s.steps_per_s)
         if s.steps_per_s:
             yield _gauge("geotrain_step_seconds", "Recent seconds per step", 1 / s.steps_per_s)
@@ -52,6 +59,14 @@ class NodeCollector:
         if s.metric is not None:
             yield _gauge("geotrain_metric", f"Held-out {s.metric_name} at its last evaluation",
                          s.metric)  # fmt: skip
+        if s.train_s is not None:
+            yield CounterMetricFamily("geotrain_train_seconds",
+                                      "Seconds spent in the node's own training steps",
+                                      value=s.train_s)  # fmt: skip
+        if s.utilization is not None:
+            yield _gauge("geotrain_compute_utilization",
+                         "Share of wall time since the first step spent in training steps",
+                         s.utilization)  # fmt: skip
         traffic = CounterMetricFamily("geotrain_transport_bytes", "Bytes moved by the transport",
                                       labels=["direction"])  # fmt: skip
         traffic.add_metric(["in"], s.bytes_in)
@@ -63,7 +78,13 @@ class NodeCollector:
                                ("rejected", s.rejected_updates)):  # fmt: skip
             exchanges.add_metric([outcome], value)
         yield exchanges
-        yield from _peers(s)
+        rejected = CounterMetricFamily("geotrain_updates_rejected",
+                                       "Peers' updates refused by a check, by reason",
+                                       labels=["reason"])  # fmt: skip
+        for reason, n in sorted(s.rejected_by_reason.items()):
+            rejected.add_metric([reason], n)
+        yield rejected
+        yield from _peers(s, self._labels)
         yield from _refusals(self._refusals())
         yield _gauge("geotrain_elapsed_seconds", "Seconds since the node started", s.elapsed_s)
         if s.peak_rss_mb is not None:
@@ -72,6 +93,12 @@ class NodeCollector:
         if s.memory_estimate_mb is not None:
             yield _gauge("geotrain_memory_estimate_bytes", "Memory the node estimated at start",
                          s.memory_estimate_mb * 1e6)  # fmt: skip
+        if s.privacy_epsilon is not None:
+            yield _gauge("geotrain_privacy_epsilon_spent",
+                         "Differential privacy: epsilon spent on this node's data",
+                         s.privacy_epsilon)  # fmt: skip
+            yield _gauge("geotrain_privacy_epsilon_budget", "Differential privacy: the budget",
+                         s.privacy_budget or 0.0)  # fmt: skip
         if s.certificate_expires_at is not None:
             yield _gauge("geotrain_certificate_expiry_timestamp_seconds",
                          "When this node's membership certificate expires (POSIX seconds)",
@@ -105,7 +132,52 @@ def _refusals(counts: Mapping[str, Mapping[str, int]]) -> Iterator:
         yield family
 
 
-def _peers(s: NodeStatus) -> Iterator:
+class PeerLabels:
+    """Which peers get series of their own, and the exchanges of the others (peer="other").
+
+    A peer keeps its label while the node knows it; a free label goes to the busiest peer
+    without one. "other" adds up what the unnamed peers exchanged while they were unnamed, from
+    their counters' increases, so it only grows, whoever comes, goes or gets a label. Scrapes
+    may come from several HTTP threads: one lock.
+    """
+
+    def __init__(self, limit: int = MAX_PEER_SERIES) -> None:
+        self.limit = limit
+        self._named: list[str] = []
+        self._seen: dict[str, tuple[int, int]] = {}  # unnamed peer -> (ok, failed) last scrape
+        self._other = [0, 0]
+        self._lock = threading.Lock()
+
+    def update(self, peers: tuple[PeerStatus, ...]) -> tuple[list[PeerStatus], tuple[int, int]]:
+        """The named peers (in label order) and the "other" totals (ok, failed), now."""
+        with self._lock:
+            present = {p.peer: p for p in peers}
+            self._named = [n for n in self._named if n in present]
+            free = self.limit - len(self._named)
+            if free > 0:
+                waiting = [p for p in peers if p.peer not in self._named]
+                waiting.sort(key=lambda p: -(p.exchanges_ok + p.exchanges_failed))
+                self._named += [p.peer for p in waiting[:free]]
+            named = set(self._named)
+            seen = {}
+            for p in peers:
+                if p.peer in named:
+                    continue
+                ok, failed = self._seen.get(p.peer, (0, 0))
+                # a counter below its last value started again (the peer was forgotten)
+                self._other[0] += p.exchanges_ok - ok if p.exchanges_ok >= ok else p.exchanges_ok
+                self._other[1] += (p.exchanges_failed - failed if p.exchanges_failed >= failed
+                                   else p.exchanges_failed)  # fmt: skip
+                seen[p.peer] = (p.exchanges_ok, p.exchanges_failed)
+            self._seen = seen
+            return [present[n] for n in self._named], (self._other[0], self._other[1])
+
+    @property
+    def has_other(self) -> bool:
+        return bool(self._seen) or any(self._other)
+
+
+def _peers(s: NodeStatus, labels: PeerLabels) -> Iterator:
     members = GaugeMetricFamily("geotrain_members", "Known members by state", labels=["state"])
     counts: dict[str, int] = {}
     for p in s.peers:
@@ -118,25 +190,26 @@ def _peers(s: NodeStatus) -> Iterator:
                                 "Measured goodput to a peer", labels=["peer"])  # fmt: skip
     exchanged = CounterMetricFamily("geotrain_peer_exchanges", "Exchanges with a peer",
                                     labels=["peer", "outcome"])  # fmt: skip
-    named = sorted(s.peers, key=lambda p: -(p.exchanges_ok + p.exchanges_failed))
-    other = [0, 0]
-    for i, p in enumerate(named):
-        if i >= MAX_PEER_SERIES:
-            other[0] += p.exchanges_ok
-            other[1] += p.exchanges_failed
-            continue
+    codec = GaugeMetricFamily("geotrain_peer_codec_info",
+                              "The codec of the latest exchange with a peer (value 1)",
+                              labels=["peer", "codec"])  # fmt: skip
+    named, other = labels.update(s.peers)
+    for p in named:
         if p.rtt_ms is not None:
             rtt.add_metric([p.peer], p.rtt_ms / 1000)
         if p.goodput_mbit is not None:
             goodput.add_metric([p.peer], p.goodput_mbit * 1e6 / 8)
+        if p.codec is not None:
+            codec.add_metric([p.peer, p.codec], 1)
         exchanged.add_metric([p.peer, "ok"], p.exchanges_ok)
         exchanged.add_metric([p.peer, "failed"], p.exchanges_failed)
-    if len(named) > MAX_PEER_SERIES:
+    if labels.has_other:
         exchanged.add_metric(["other", "ok"], other[0])
         exchanged.add_metric(["other", "failed"], other[1])
     yield rtt
     yield goodput
     yield exchanged
+    yield codec
 
 
 class MetricsServer:

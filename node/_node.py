@@ -21,7 +21,7 @@ import structlog
 import torch
 import trio
 
-from geotrain.gossip import LinkTable, PartnerSelector
+from geotrain.gossip import LinkTable, PartnerSelector, client_address
 
 from ._certificate_watch import CertificateWatch, renew_hint, utc
 from ._checkpointer import Checkpointer, load_checkpoint
@@ -109,6 +109,7 @@ class Node:
         self.progress = Progress()
         self.router = _Router()
         self.address: str | None = None
+        self.algorithm: Algorithm | None = None
         self._stop = trio.Event()
         self._stopped = trio.Event()
         self._running = True
@@ -120,8 +121,11 @@ class Node:
         self._prepared: tuple[Task, Trainer, Checkpoint | None, CheckpointStore] | None = None
 
     def request_stop(self) -> None:
-        """Ask the node to stop (idempotent); `run()` returns after a clean shutdown."""
+        """Ask the node to stop (idempotent); `run()` returns after a clean shutdown. A loop of
+        the user's own is heard no more (its step channel closes)."""
         self._stop.set()
+        if self.steps is not None:
+            self.steps.close()
 
     async def wait_stopped(self) -> None:
         """Wait until `run()` has finished its shutdown (max_steps reached, or stop requested)."""
@@ -143,6 +147,9 @@ class Node:
         t = self.config.training
         store = CheckpointStore(self.state.checkpoints, keep=self.config.state.keep)
         if self.loop is not None:
+            if self.config.privacy.enabled:  # the user's own optimizer is not ours to wrap
+                raise ConfigError("privacy.epsilon: [privacy] covers the daemon's own training "
+                                  "only, not a loop of your own (geotrain.join)")  # fmt: skip
             self.memory = estimate_memory(self.config, self.loop, self.spec, optimizer="adam")
             check_budget(self.config, self.memory)
             return None, self.loop, load_checkpoint(store, self.config.gossip.algorithm), store
@@ -158,18 +165,46 @@ class Node:
             params=t.params,
         )
         task = resolve_task(t.task)(ctx)
+        # unset settings (None) take the task's recipe; with [privacy] its per-sample clipping
+        # replaces the recipe's clipping of the whole gradient
+        clip = 0.0 if self.config.privacy.enabled else t.clip_grad_norm
         trainer = Trainer(
-            task, optimizer=t.optimizer or "sgd", lr=t.lr, slowdown=t.slowdown,
+            task, optimizer=t.optimizer, lr=t.lr, slowdown=t.slowdown,
             precision=t.precision, weight_decay=t.weight_decay, warmup_steps=t.warmup_steps,
-            schedule=t.schedule, total_steps=t.total_steps, clip_grad_norm=t.clip_grad_norm,
-            accumulate=t.accumulate,
+            schedule=t.schedule, total_steps=t.total_steps, min_lr_ratio=t.min_lr_ratio,
+            clip_grad_norm=clip, accumulate=t.accumulate, step_time_s=t.step_time_ms / 1000,
         )  # fmt: skip
-        self.memory = estimate_memory(self.config, trainer, self.spec)
+        self._make_private(trainer)
+        self.memory = estimate_memory(self.config, trainer, self.spec,
+                                      optimizer=trainer.recipe.optimizer)  # fmt: skip
         log.info("memory_estimate", need_gb=round(self.memory.total_gb, 3),
                  detail=self.memory.explain(), limit_gb=self.config.limits.memory_gb)  # fmt: skip
         check_budget(self.config, self.memory)
         ckpt = load_checkpoint(store, self.config.gossip.algorithm)
         return task, trainer, ckpt, store
+
+    def _make_private(self, trainer: Trainer) -> None:
+        """[privacy]: Opacus on the trainer, or a ConfigError saying why it cannot be."""
+        p = self.config.privacy
+        if not p.enabled:
+            return
+        from .training import PrivacyError, make_private
+
+        try:
+            private = make_private(
+                trainer, epsilon=p.epsilon, delta=p.delta, max_grad_norm=p.max_grad_norm,
+                noise_multiplier=p.noise_multiplier, planned_steps=self.config.training.max_steps,
+                accountant=p.accountant, sample_rate=p.sample_rate,
+            )  # fmt: skip
+        except ImportError as exc:
+            raise ConfigError(
+                f"[privacy] needs opacus: pip install 'geotrain[privacy]' ({exc})"
+            ) from exc
+        except PrivacyError as exc:
+            raise ConfigError(f"privacy: {exc}") from exc
+        log.info("privacy_on", epsilon=p.epsilon, delta=p.delta, max_grad_norm=p.max_grad_norm,
+                 noise_multiplier=round(private.noise_multiplier, 4),
+                 sample_rate=round(private.sample_rate, 5), accountant=p.accountant)  # fmt: skip
 
     def _transport_config(self) -> TransportConfig:
         net = self.config.network
@@ -256,11 +291,15 @@ class Node:
         cfg = self.config
         async with open_transport(
             self._transport_config(), self.identity, self.admission, self.router.handle,
-            codec=node_header_codec(),
+            codec=node_header_codec(), on_disconnect=self._peer_disconnected,
         ) as transport:  # fmt: skip
             self.address = cfg.network.advertise or transport.address
+            # a client (network.reachable = false) announces an address nobody dials; its own
+            # address stays the loopback one, for the local `geotrain status`
+            announced = self.address if cfg.network.reachable else client_address(
+                self.identity.peer_id)  # fmt: skip
             self.membership = membership = MembershipService(
-                self.identity.peer_id, self.address, cfg.network.bootstrap,
+                self.identity.peer_id, announced, cfg.network.bootstrap,
                 cfg.gossip.probe_interval_s, transport, self.links, self.selector, self.rng,
             )  # fmt: skip
             try:
@@ -309,6 +348,7 @@ class Node:
             nursery.start_soon(watch.run)
             log.info(
                 "node_started", peer=self.identity.short_id, address=self.address,
+                reachable=cfg.network.reachable,
                 task=cfg.training.task, algorithm=cfg.gossip.algorithm,
                 device=str(trainer.task_device), step=trainer.step,
             )  # fmt: skip
@@ -319,11 +359,15 @@ class Node:
             await membership.leave(STOP_GRACE_S)
             nursery.cancel_scope.cancel()
 
+    def _peer_disconnected(self, peer_id: str) -> None:
+        if self.algorithm is not None:
+            self.algorithm.peer_disconnected(peer_id)
+
     def _make_algorithm(self, trainer, membership, transport: Transport, nursery) -> Algorithm:
         shapes = [(n, tuple(p.shape)) for n, p in trainer.params().items()]
         peers = PeerChoice(
             self.config.gossip, membership, self.links, self.selector, shapes,
-            trainer.step_interval_s,
+            trainer.step_interval_s, client=not self.config.network.reachable,
         )  # fmt: skip
         ctx = AlgorithmContext(
             trainer=trainer,
@@ -348,6 +392,8 @@ class Node:
                    "stop": self._stop}  # fmt: skip
         if self.loop is not None:
             self.steps, receive = trio.open_memory_channel(math.inf)
+            if self._stop.is_set():  # asked to stop while it waited for peers (join timed out)
+                self.steps.close()
             driver: TrainingDriver = LoopDriver(receive, self.trainer, algorithm, checkpointer,
                                                 self.progress, max_steps=0, **cadence)
         else:

@@ -2,14 +2,15 @@
 # membership (who is live, where) and the link table, and is the only writer of link outcomes and
 # partner feedback on behalf of the algorithms; every deadline it gives comes from the link's
 # measured estimate; codec choice is per link, from its bandwidth and our step time, unless the
-# config fixes one codec; nothing here does I/O.
+# config fixes one codec; nothing here does I/O; a client-mode peer (its address a client address:
+# behind NAT, nobody dials it) is never a partner: it is live, and exchanges only as the initiator.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
 from geotrain import compress
-from geotrain.gossip import LinkTable, PartnerSelector, choose_codec
+from geotrain.gossip import LinkTable, PartnerSelector, choose_codec, is_client_address
 
 from ._config import GossipConfig
 
@@ -41,6 +42,8 @@ class PeerChoice:
         selector: the partner policy.
         shapes: (name, shape) of every model parameter, in a fixed order (sizes of payloads).
         step_interval_s: seconds between two local steps lately (the trainer's measure).
+        client: we are a client-mode node (network.reachable = false): nobody asks us, so an
+            algorithm whose requests only pull (dpsgd) sends our model along with them.
     """
 
     def __init__(
@@ -51,8 +54,11 @@ class PeerChoice:
         selector: PartnerSelector,
         shapes: Shapes,
         step_interval_s: Callable[[], float | None],
+        *,
+        client: bool = False,
     ) -> None:
         self.config = config
+        self.client = client
         self.links = links
         self.selector = selector
         self._membership = membership
@@ -60,6 +66,7 @@ class PeerChoice:
         self._step_interval_s = step_interval_s
         self._sizes: dict[str, int] = {}
         self.numel = sum(_numel(shape) for _, shape in self._shapes)
+        self._dialable: tuple[Sequence[str], tuple[str, ...]] = ((), ())
 
     # -- who --------------------------------------------------------------------------------
     def live_peers(self) -> Sequence[str]:
@@ -68,10 +75,25 @@ class PeerChoice:
     def address_of(self, peer: str) -> str | None:
         return self._membership.address_of(peer)
 
+    def dialable_peers(self) -> Sequence[str]:
+        """Live peers that a request can be sent to: live_peers() less the client-mode ones.
+        Whom to ask (partners, round neighbours, state servers) comes from these only."""
+        live = self.live_peers()
+        if live is not self._dialable[0]:  # membership keeps one tuple until it changes
+            dialable = tuple(p for p in live if not is_client_address(self.address_of(p) or ""))
+            self._dialable = (live, dialable)
+        return self._dialable[1]
+
+    def is_client(self, peer: str) -> bool:
+        """Whether `peer` is a client-mode peer (live, never asked: it asks us)."""
+        return is_client_address(self.address_of(peer) or "")
+
     def choose_partner(self, now: float) -> str | None:
-        """The next partner under the configured policy, or None when nobody is live."""
+        """The next partner under the configured policy (never a client-mode peer), or None
+        when nobody dialable is live."""
         return self.selector.choose(
-            self.live_peers(), self.links, self.payload_nbytes(self.fixed_codec or "int8"), now
+            self.dialable_peers(), self.links, self.payload_nbytes(self.fixed_codec or "int8"),
+            now,
         )
 
     # -- how --------------------------------------------------------------------------------

@@ -27,8 +27,15 @@ class Gossip(Header, frozen=True, tag="gossip"):
     body: Annotated[bytes, msgspec.Meta(max_length=MAX_GOSSIP_BODY)]
 
 
-class Delivered(Header, frozen=True, tag="delivered"):
-    """The answer to a one-way message: it arrived and was accepted."""
+MAX_CARRIED = 16  # membership messages carried back to a client in one Delivered
+
+
+class Delivered(Header, frozen=True, tag="delivered", omit_defaults=True):
+    """The answer to a one-way message: it arrived and was accepted. To a client-mode peer
+    (nobody can dial it) it also carries the membership messages waiting for it, the answer to
+    this one first: the connection the client opened is the only way back to it."""
+
+    messages: Annotated[tuple[Gossip, ...], msgspec.Meta(max_length=MAX_CARRIED)] = ()
 
 
 class StateRequest(Header, frozen=True, tag="state_request"):

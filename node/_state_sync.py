@@ -15,12 +15,14 @@ import torch
 import trio
 
 from geotrain import compress
-from geotrain.gossip import LinkTable, RejectedUpdate
+from geotrain.gossip import LinkTable, RejectedUpdate, is_client_address
 
+from ._config import ConfigError
 from ._peer_choice import MembershipView
 from ._protocol import StateReply, StateRequest
 from .algorithms import (
     CHUNKS_IN_FLIGHT,
+    MODELS_DIFFER,
     Algorithm,
     ChunkPlan,
     Network,
@@ -43,6 +45,14 @@ log = structlog.get_logger()
 
 class _Failed(Exception):
     pass
+
+
+class ModelMismatch(ConfigError):
+    """The swarm's peers train another model (other parameter names or shapes): this node can
+    never exchange with them. Raised at start, by state sync, instead of training alone."""
+
+
+MISMATCH_PEERS = 2  # this many peers refusing our model's plan settle it (or every peer there is)
 
 
 FETCH_ERRORS = (_Failed, TransportError, RejectedUpdate, compress.DecodeError)
@@ -84,6 +94,7 @@ class StateSync:
         self._membership = membership
         self._links = links
         self._rng = rng
+        self._differ: set[str] = set()  # peers that refused our plan as another model's
         self._chunk_numel = chunk_numel
         self._max_chunk_numel = max_chunk_numel
         self._plans: dict[int, ChunkPlan] = {}
@@ -122,12 +133,13 @@ class StateSync:
             Whether a model was fetched.
         """
         idle, tries = 0.0, 0
+        self._differ = set()
         while not stop.is_set() and idle < STATE_SYNC_WAIT_S and tries < MAX_TRIES:
             peers = list(self._membership.live_peers())
             self._rng.shuffle(peers)
             for peer in peers:
                 address = self._membership.address_of(peer)
-                if address is None or tries >= MAX_TRIES:
+                if address is None or is_client_address(address) or tries >= MAX_TRIES:
                     continue
                 tries += 1
                 step = await self._fetch_from(peer, address)
@@ -135,11 +147,25 @@ class StateSync:
                     log.info("state_synced", peer=peer[:12], peer_step=step)
                     await self._to_thread(self._algorithm.model_replaced)
                     return True
+                self._check_mismatch(peers)
             await trio.sleep(0.2)
             idle += 0.2
         reason = "no peer answered" if tries == 0 else f"{tries} fetches failed"
         log.warning("state_sync_skipped", reason=f"{reason}; training from scratch")
         return False
+
+    def _check_mismatch(self, peers: list[str]) -> None:
+        """Raise ModelMismatch once MISMATCH_PEERS peers (or all the dialable ones) refused our
+        model's plan as another model's."""
+        dialable = [p for p in peers if not is_client_address(self._membership.address_of(p) or "")]
+        if self._differ and len(self._differ) >= min(MISMATCH_PEERS, len(dialable)):
+            plan = self._plan(self._chunk_numel)
+            names = ", ".join(sorted(p[:12] for p in self._differ))
+            raise ModelMismatch(
+                f"the model differs from the swarm's: {len(self._differ)} peer(s) ({names}) "
+                f"train other parameter names or shapes (ours: {len(plan.shapes)} tensors, "
+                f"{plan.numel:,} parameters); every peer must build the same model"
+            )
 
     async def _fetch_from(self, peer: str, address: str) -> int | None:
         """Replace our model with `peer`'s. Returns the peer's step, or None when it failed."""
@@ -159,6 +185,8 @@ class StateSync:
             )
         except FETCH_ERRORS as exc:
             log.info("state_sync_failed", peer=peer[:12], reason=str(exc), chunks=progress.done)
+            if isinstance(exc, _Failed) and str(exc).startswith(MODELS_DIFFER):
+                self._differ.add(peer)
             return None
         return step
 

@@ -5,7 +5,6 @@
 # this module measures nothing itself.
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import time
@@ -27,10 +26,22 @@ from .transport import Header, PeerInfo, Transport
 
 @dataclass
 class Progress:
-    """The held-out metric as last evaluated, and at which step."""
+    """The held-out metric as last evaluated, and at which step; the seconds spent in the node's
+    own training steps since its first (compute emulation's padding counted as compute), for
+    compute utilization. A loop of the user's own reports no step seconds (train_s stays None):
+    its forward and backward passes happen outside what the node sees."""
 
     metric: float | None = None
     metric_step: int | None = None
+    train_s: float | None = None
+    samples: int | None = None  # training samples taken since start (None: not known)
+    training_since: float | None = None  # trio clock at the first step's start
+
+    def utilization(self, now: float) -> float | None:
+        """The fraction of wall time since the first step spent in training steps."""
+        if self.train_s is None or self.training_since is None or now <= self.training_since:
+            return None
+        return min(1.0, self.train_s / (now - self.training_since))
 
 
 @dataclass
@@ -93,7 +104,6 @@ class StatusReporter:
             )
         stats = s.transport.statistics()
         interval = s.trainer.step_interval_s()
-        algo_stats = s.algorithm.statistics()
         return NodeStatus(
             peer_id=s.peer_id,
             address=s.address,
@@ -111,7 +121,13 @@ class StatusReporter:
             exchanges_ok=exchanges.ok,
             exchanges_failed=exchanges.failed,
             rejected_updates=exchanges.rejected,
-            algorithm_stats=dataclasses.asdict(algo_stats) if algo_stats is not None else {},
+            rejected_by_reason=dict(exchanges.rejected_by_reason),
+            steps_over_step_time=s.trainer.overran_steps,
+            train_s=s.progress.train_s,
+            samples=s.progress.samples,
+            utilization=s.progress.utilization(now),
+            algorithm_stats=s.algorithm.status_counters(),
+            **_privacy(s.trainer),
             pid=os.getpid(),
             running=self._running(),
             peers=tuple(peers),
@@ -126,7 +142,7 @@ class StatusReporter:
         record = status.to_json()
         record.pop("peers")
         record["t"] = time.time()
-        record["live_peers"] = len(self.sources.membership.live_peers())
+        record["live_peers"] = self.sources.membership.live_count()  # client-mode peers too
 
         def write() -> None:
             write_status(self._state.status, status)
@@ -146,3 +162,13 @@ class StatusReporter:
     ) -> tuple[Header, bytes]:
         """Any admitted peer may ask (`geotrain status --node tcp://...`)."""
         return StatusReply(), json.dumps(self.snapshot().to_json()).encode()
+
+
+def _privacy(trainer: object) -> dict:
+    """The privacy fields of a status: the spent epsilon, the budget, whether it is spent."""
+    private = getattr(trainer, "private", None)  # a Trainer with [privacy]; never a LoopTrainer
+    if private is None:
+        return {}
+    stats = private.statistics()
+    return {"privacy_epsilon": stats.epsilon_spent, "privacy_budget": stats.epsilon_budget,
+            "privacy_exhausted": stats.exhausted}  # fmt: skip

@@ -16,8 +16,16 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ._baselines import missing_requirement
 from ._netem import BACKENDS, BackendUnavailable
-from ._scenario import DEFAULT_SCENARIO, ScenarioError, TestbedScenario, load_scenario
+from ._scenario import (
+    DEFAULT_SCENARIO,
+    PARTITIONS,
+    ScenarioError,
+    TestbedScenario,
+    builtin_scenarios,
+    load_scenario,
+)
 
 if TYPE_CHECKING:
     from ._rundir import RunDir
@@ -34,14 +42,35 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
     run = sub.add_parser("run", help="run a scenario with geotrain and the DDP baseline")
     run.add_argument("--scenario", default=DEFAULT_SCENARIO,
-                     help=f"built-in name (demo, geo3, us2, lan) or a .toml file "
+                     help=f"built-in name ({', '.join(builtin_scenarios())}) or a .toml file "
                           f"(default: {DEFAULT_SCENARIO})")  # fmt: skip
     run.add_argument("--peers", type=int, help="number of peers (spread over the regions)")
     run.add_argument("--task", help="training task (default: the scenario's)")
     run.add_argument("--algorithm", help="gossip algorithm (default: the scenario's)")
-    run.add_argument("--baseline", choices=("ddp", "none"), default="ddp")
+    run.add_argument("--baseline", default="ddp", metavar="LIST",
+                     help="systems to compare with, one after the other on the same links: "
+                          "ddp, localsgd (DDP ranks averaging parameters every 16 steps), "
+                          "hivemind (hivemind.Optimizer, synchronous), hivemind-local (its "
+                          "local-updates mode), comma-separated, or none (default: ddp); hivemind "
+                          "needs pip install 'geotrain[baselines]'")  # fmt: skip
+    run.add_argument("--baseline-set", action="append", default=[], metavar="NAME.KEY=VALUE",
+                     help="change a hivemind baseline's setting, e.g. "
+                          "hivemind-local.target_batch_size=4096 (repeatable)")  # fmt: skip
+    run.add_argument("--nat", type=_peer_indices, metavar="I,J,...",
+                     help="peers behind NAT (client mode; their namespace drops inbound "
+                          "connections); replaces the scenario's nat")  # fmt: skip
     run.add_argument("--emulation", choices=BACKENDS, default="auto")
     run.add_argument("--duration", type=float, help="seconds of training per system at most")
+    run.add_argument("--step-ms", type=float, metavar="MS",
+                     help="compute emulation: pin every peer's step to MS milliseconds (a "
+                          "straggler's times its slowdown) in every system (default: the "
+                          "scenario's step_ms, 0: off)")  # fmt: skip
+    run.add_argument("--partition", choices=PARTITIONS,
+                     help="how every system splits the data over the peers: iid, or dirichlet "
+                          "label skew (non-IID, federated-style) (default: the scenario's, iid)")
+    run.add_argument("--alpha", type=float, metavar="A",
+                     help="Dirichlet concentration for --partition dirichlet; smaller is more "
+                          "skewed (default: the scenario's, 0.5)")  # fmt: skip
     run.add_argument("--target", type=float, help="metric value to reach (default: task's)")
     run.add_argument("--out", type=Path, help="output directory (default: testbed-runs/<time>)")
     run.add_argument("--node-set", action="append", default=[], metavar="SECTION.KEY=VALUE",
@@ -87,12 +116,31 @@ def _is_hex(text: str) -> bool:
     return all(c in "0123456789abcdef" for c in text)
 
 
+def _peer_indices(text: str) -> tuple[int, ...]:
+    """`--nat 3,4,5` -> (3, 4, 5) (checked against the scenario when it is applied)."""
+    try:
+        return tuple(int(item) for item in text.split(",") if item.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected peer indices like 3,4,5") from None
+
+
 def _scenario_from_args(args: argparse.Namespace) -> TestbedScenario:
     sc = load_scenario(args.scenario)
     if args.peers is not None:
         sc = sc.with_peers(args.peers)
-    changes = {"task": args.task, "algorithm": args.algorithm, "duration_s": args.duration}
+    if getattr(args, "nat", None) is not None:
+        sc = replace(sc, nat=args.nat)
+    changes = {"task": args.task, "algorithm": args.algorithm, "duration_s": args.duration,
+               "step_ms": getattr(args, "step_ms", None),
+               "partition": getattr(args, "partition", None),
+               "alpha": getattr(args, "alpha", None)}  # fmt: skip
     changes = {k: v for k, v in changes.items() if v is not None}
+    for item in getattr(args, "node_set", ()):
+        key = item.partition("=")[0].strip()
+        if key in ("training.partition", "training.alpha"):
+            option = "--" + key.split(".")[1]
+            raise ScenarioError(f"--node-set {item!r}: would split the data for geotrain's nodes "
+                                f"only; use {option}, which every system of the run gets")
     if changes:
         params = {} if args.task and args.task != sc.task else sc.params
         sc = replace(sc, params=params, **changes)
@@ -148,11 +196,15 @@ def cmd_run(args: argparse.Namespace, command: tuple[str, ...] = ()) -> int:
         options = RunOptions(
             scenario=sc, out=out, target=target, metric=metric, higher_is_better=higher,
             emulation=args.emulation, baseline=args.baseline,
+            baseline_set=tuple(args.baseline_set),
             link_check=not args.no_link_check, node_overrides=tuple(args.node_set),
             command=command, cwd=os.getcwd(),
         )  # fmt: skip
     except (ScenarioError, ValueError) as exc:
         print(f"geotrain testbed run: {exc}", file=sys.stderr)
+        return 2
+    for why in filter(None, map(missing_requirement, options.baselines)):
+        print(f"geotrain testbed run: {why}", file=sys.stderr)
         return 2
     print(f"scenario {sc.name}: {sc.description}")
     print(f"{sc.n_peers} peers in {', '.join(f'{r.name} ({r.peers})' for r in sc.regions)}; "
@@ -160,6 +212,12 @@ def cmd_run(args: argparse.Namespace, command: tuple[str, ...] = ()) -> int:
           f"output {out}")  # fmt: skip
     for fault in sc.faults:
         print(f"fault: {fault.describe()}")
+    for w in sc.availability:
+        print(f"availability: peer {w.peer} online {w.online_s:g} s, away {w.offline_s:g} s, "
+              f"first window delayed {w.offset_s:g} s (geotrain only)")  # fmt: skip
+    if sc.partition != "iid":
+        print(f"data: {sc.partition} label skew, alpha {sc.alpha:g}, the same split in every "
+              "system")  # fmt: skip
     _sigterm_as_interrupt()
     started = time.monotonic()
     try:

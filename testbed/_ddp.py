@@ -1,8 +1,11 @@
-# The baseline users would otherwise pick: synchronous data-parallel training with PyTorch DDP
-# (gloo all-reduce), one process per peer, same task, same shards, same per-peer slowdown as the
-# geotrain nodes. Invariants: every rank holds identical parameters after each step, so every rank
-# evaluates the same model; all ranks stop at the same step (target reached, step limit, or rank 0's
-# clock, agreed by an all-reduce every STOP_CHECK_EVERY steps); metrics lines use the node's format.
+# The baselines users would otherwise pick on a cluster: synchronous data-parallel training with
+# PyTorch DDP (gloo all-reduce), or DDP's ranks doing local SGD (torch's PeriodicModelAverager:
+# the parameters all-reduced every H steps), one process per peer, same task, same shards, same
+# optimizer, schedule and clipping (the task's recipe, see task_optimizer), same per-peer slowdown
+# as the geotrain nodes. Invariants: with DDP every rank holds identical
+# parameters after each step; with local SGD after every H-th step (each rank evaluates its own
+# model); all ranks stop at the same step (target reached, step limit, or rank 0's clock, agreed
+# by an all-reduce every STOP_CHECK_EVERY steps); metrics lines use the node's format.
 from __future__ import annotations
 
 import argparse
@@ -11,12 +14,13 @@ import json
 import os
 import sys
 import time
+from collections.abc import Iterable
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from geotrain.node import TaskContext, resolve_task
+from geotrain.node import Task, TaskContext, resolve_task
 
 STOP_CHECK_EVERY = 10
 
@@ -39,6 +43,12 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--eval-every", type=int, default=20)
     p.add_argument("--metrics", type=Path, required=True)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--system", default="ddp", help="the name in the metrics lines")
+    p.add_argument("--step-ms", type=float, default=0.0,
+                   help="compute emulation: pad each local step to this (x slowdown)")
+    p.add_argument("--local-sgd-period", type=int, default=0,
+                   help="0: DDP (gradients all-reduced every step); H > 0: local SGD, the "
+                        "parameters averaged every H steps (torch's PeriodicModelAverager)")
     return p.parse_args(argv)
 
 
@@ -62,8 +72,15 @@ def main(argv: list[str] | None = None) -> int:
         params=json.loads(args.params),
     )
     task = resolve_task(args.task)(ctx)
-    model = torch.nn.parallel.DistributedDataParallel(task.model)
-    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr or task.lr, momentum=0.9)
+    averager = None
+    if args.local_sgd_period > 0:
+        from torch.distributed.algorithms.model_averaging.averagers import PeriodicModelAverager
+
+        model = task.model  # local steps: no gradient all-reduce
+        averager = PeriodicModelAverager(period=args.local_sgd_period, warmup_steps=0)
+    else:
+        model = torch.nn.parallel.DistributedDataParallel(task.model)
+    optimizer, scheduler = task_optimizer(task, model.parameters(), args.lr)
     joined = time.monotonic()
     step, metric, metric_step = 0, None, None
     with open(args.metrics, "a") as out:
@@ -71,18 +88,23 @@ def main(argv: list[str] | None = None) -> int:
             t0 = time.perf_counter()
             optimizer.zero_grad(set_to_none=True)
             loss = task.loss(model, next(task.batches))
-            loss.backward()  # the gradient all-reduce happens here
+            loss.backward()  # DDP: the gradient all-reduce happens here
+            task.recipe.clip(model.parameters())  # the task's clipping, if any (after the sum)
             optimizer.step()
+            scheduler.step()
+            if averager is not None:
+                averager.average_parameters(model.parameters())  # every period-th step
             step += 1
-            if args.slowdown > 1.0:
-                time.sleep((args.slowdown - 1.0) * (time.perf_counter() - t0))
+            # padded from the step's start: the all-reduce overlaps the pinned compute time, as
+            # DDP overlaps it with the backward pass on GPUs
+            pad_step(t0, args.step_ms, args.slowdown)
             if step % args.eval_every == 0:
                 model.eval()
                 metric, metric_step = float(task.evaluate(task.model)), step
                 model.train()
             elapsed = time.monotonic() - joined
             record = {
-                "system": "ddp",
+                "system": args.system,
                 "t": time.time(),
                 "elapsed_s": round(time.monotonic() - started, 4),
                 "step": step,
@@ -99,20 +121,41 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def task_optimizer(
+    task: Task, params: Iterable[torch.nn.Parameter], lr: float | None = None
+) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
+    """The optimizer and learning-rate schedule a geotrain node builds for `task` when its config
+    leaves them to the task: the task's recipe (SGD with momentum 0.9 unless the task states
+    another; gpt: AdamW, warmup + cosine) at `lr` (None: the task's), so every system trains the
+    same way. The schedule is stepped once per local step, and `task.recipe.clip` clips."""
+    optimizer = task.recipe.build_optimizer(params, lr or task.lr)
+    return optimizer, task.recipe.build_scheduler(optimizer)
+
+
+def pad_step(started: float, step_ms: float, slowdown: float) -> None:
+    """Compute emulation, as a node's trainer does it: wait until the step that began at
+    `started` (perf_counter) has taken step_ms x slowdown; 0: the plain slowdown instead."""
+    compute = time.perf_counter() - started
+    if step_ms > 0:
+        time.sleep(max(0.0, step_ms / 1000 * slowdown - compute))
+    elif slowdown > 1.0:
+        time.sleep((slowdown - 1.0) * compute)
+
+
 def _should_stop(args, step, metric, reached, joined) -> bool:
-    """All ranks agree: rank 0's view of time and step limits, every rank's view of the target."""
+    """All ranks agree: rank 0's view of time and step limits; the target once every rank has
+    reached it (DDP's ranks hold one model; local SGD's differ between averaging steps)."""
     if step % STOP_CHECK_EVERY:
         return False
-    local = 0.0
+    limit = 0.0
     if args.max_steps and step >= args.max_steps:
-        local = 1.0
+        limit = 1.0
     if args.duration and time.monotonic() - joined >= args.duration and args.rank == 0:
-        local = 1.0
-    if args.target is not None and metric is not None and reached(metric, args.target):
-        local = 1.0
-    flag = torch.tensor([local])
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-    return bool(flag.item() > 0)
+        limit = 1.0
+    target = float(args.target is not None and metric is not None and reached(metric, args.target))
+    flags = torch.tensor([limit, target])
+    dist.all_reduce(flags, op=dist.ReduceOp.SUM)
+    return bool(flags[0].item() > 0 or flags[1].item() >= args.world)
 
 
 if __name__ == "__main__":

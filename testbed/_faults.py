@@ -28,7 +28,8 @@ class FaultRunner:
         scenario: holds the timeline and the base link matrix.
         links: the emulator (None without emulation: link faults are then skipped and recorded).
         echo: where to say what happened.
-        system: "geotrain" or "ddp".
+        system: "geotrain" or a baseline (ddp and localsgd cannot lose a rank; hivemind's workers
+            rejoin when restarted).
         applied: records of an earlier system's run, kept in `applied_all`.
     """
 
@@ -73,7 +74,7 @@ class FaultRunner:
     def _apply(self, fault: Fault, peers: Peers) -> str | None:
         """Do it; return None, or why it was skipped."""
         if fault.action in ("kill", "restart"):
-            if self.system != "geotrain":
+            if self.system in ("ddp", "localsgd"):
                 return "a DDP job cannot lose or regain a rank"
             proc = peers.procs[fault.peer]  # type: ignore[index]
             if fault.action == "kill":

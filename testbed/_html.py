@@ -154,8 +154,24 @@ def _scenario(scenario: dict[str, Any] | None) -> str:
         _table("stragglers", ("peer", "compute slowdown"), slow) if slow else "<p>none</p>",
         "<h3>Fault plan</h3>",
         _table("fault-plan", ("at s", "action", "on"), plan) if plan else "<p>none</p>",
+        *_availability_and_data(scenario),
         "</section>",
     ])  # fmt: skip
+
+
+def _availability_and_data(scenario: dict[str, Any]) -> list[str]:
+    """The availability windows (geotrain only) and how the data was split over the peers."""
+    windows = [(w.get("peer"), w.get("online_s"), w.get("offline_s"), w.get("offset_s"))
+               for w in scenario.get("availability", [])]  # fmt: skip
+    kind = scenario.get("partition", "iid")
+    split = (f"{kind} label skew, alpha {scenario.get('alpha')}, the same split in every system"
+             if kind == "dirichlet" else "IID shards")  # fmt: skip
+    return [
+        "<h3>Availability windows (geotrain only)</h3>",
+        _table("availability", ("peer", "online s", "away s", "first window delayed s"), windows)
+        if windows else "<p>none: every peer online throughout</p>",
+        f"<h3>Data</h3><p>{_e(split)}</p>",
+    ]
 
 
 def _spec(spec: dict[str, Any]) -> tuple[object, ...]:

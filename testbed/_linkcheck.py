@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from ._linkspec import AccessLink
     from ._namespaces import NamespaceSet
 
 PORT = 47_000
@@ -223,21 +224,28 @@ def measure_link(
 
 
 def _bench(peers: int, delay_ms: float, rate_mbit: float | None, jitter_ms: float,
-           loss: float) -> dict:  # fmt: skip
+           loss: float, access: AccessLink | None = None) -> dict:  # fmt: skip
     """`peers` namespaces behind the userspace emulator, peers/2 flows at once (2i -> 2i+1):
-    spec vs measured per flow, the loss the emulator applied, then unshaped headroom (1 flow)."""
+    spec vs measured per flow, the loss the emulator applied, then unshaped headroom (1 flow).
+    With `access` (an AccessLink) every peer also sits behind that access link, and the spec is
+    the end-to-end path (its delays added up, the lowest rate on the way)."""
     from concurrent.futures import ThreadPoolExecutor
+    from dataclasses import replace
 
     from ._linkspec import LinkMatrix, LinkSpec
     from ._namespaces import NamespaceSet
     from ._userspace import UserspaceLinks
 
-    spec = LinkSpec(delay_ms=delay_ms, jitter_ms=jitter_ms, loss=loss, rate_mbit=rate_mbit)
-    out: dict = {"peers": peers, "spec": spec.to_json(), "spec_rtt_ms": 2 * delay_ms}
-    size = bulk_bytes_for(rate_mbit, rtt_ms=2 * delay_ms)
+    matrix = LinkMatrix.uniform(peers, LinkSpec(delay_ms=delay_ms, jitter_ms=jitter_ms, loss=loss,
+                                                rate_mbit=rate_mbit))  # fmt: skip
+    if access is not None:
+        matrix = replace(matrix, access=(access,) * peers)
+    spec = matrix.path_spec(0, 1)
+    out: dict = {"peers": peers, "spec": spec.to_json(), "spec_rtt_ms": 2 * spec.delay_ms}
+    size = bulk_bytes_for(spec.rate_mbit, rtt_ms=2 * spec.delay_ms)
     t0 = time.perf_counter()
     with NamespaceSet(peers) as nss:
-        with UserspaceLinks(nss, LinkMatrix.uniform(peers, spec)) as links:
+        with UserspaceLinks(nss, matrix) as links:
             out["setup_s"] = time.perf_counter() - t0
             with ThreadPoolExecutor(peers // 2) as pool:
                 flows = list(
@@ -250,7 +258,7 @@ def _bench(peers: int, delay_ms: float, rate_mbit: float | None, jitter_ms: floa
         out["flows"] = [m.__dict__ for m in flows]
         sent = sum(s.packets + s.lost + s.overflowed for s in stats.links)
         out["applied_loss"] = sum(s.lost for s in stats.links) / max(1, sent)
-        out["queue_drops"] = sum(s.overflowed for s in stats.links)
+        out["queue_drops"] = sum(s.overflowed for s in stats.links) + stats.access_overflowed
         with UserspaceLinks(nss, LinkMatrix.uniform(peers, LinkSpec())):
             out["unshaped"] = measure_link(nss, 0, 1, bulk_bytes=bulk_bytes_for(None)).__dict__
         t1 = time.perf_counter()
@@ -296,6 +304,9 @@ def _main(argv: list[str]) -> int:
     p.add_argument("--rate-mbit", type=float, default=100.0, help="0 = unshaped")
     p.add_argument("--loss", type=float, default=0.0)
     p.add_argument("--peers", type=int, default=2, help="even; peers/2 flows run at once")
+    p.add_argument("--up-mbit", type=float, help="every peer behind an access link: uplink")
+    p.add_argument("--down-mbit", type=float, help="... its downlink")
+    p.add_argument("--access-delay-ms", type=float, help="... and its one-way delay")
     p.add_argument("--json", action="store_true", help="print the full result as JSON")
     args = parser.parse_args(argv)
     if args.command == "serve":
@@ -303,8 +314,13 @@ def _main(argv: list[str]) -> int:
     elif args.command == "probe":
         print(json.dumps(probe(args.host, args.port, args.pings, args.bulk)))
     else:
+        from ._linkspec import AccessLink
+
         rate = args.rate_mbit or None
-        result = _bench(args.peers, args.delay_ms, rate, args.jitter_ms, args.loss)
+        wanted = (args.up_mbit, args.down_mbit, args.access_delay_ms)
+        access = None if wanted == (None, None, None) else AccessLink(
+            args.up_mbit, args.down_mbit, args.access_delay_ms or 0.0)  # fmt: skip
+        result = _bench(args.peers, args.delay_ms, rate, args.jitter_ms, args.loss, access)
         print(json.dumps(result, indent=2) if args.json else _bench_line(result))
     return 0
 

@@ -72,20 +72,66 @@ PARTITIONED = LinkSpec(loss=1.0)
 
 
 @dataclass(frozen=True)
+class AccessLink:
+    """A peer's own access link (a home's cable or DSL line, a datacenter's port), shaped on top
+    of the region links: everything the peer sends leaves through its uplink, everything it
+    receives arrives through its downlink, whoever the other end is.
+
+    Attributes:
+        up_mbit / down_mbit: rates in Mbit/s (None: not limited by the access link).
+        delay_ms: one-way delay of the access link, added each way (a home's last mile).
+    """
+
+    up_mbit: float | None = None
+    down_mbit: float | None = None
+    delay_ms: float = 0.0
+
+    def __post_init__(self) -> None:
+        for name in ("up_mbit", "down_mbit"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int | float) or isinstance(value, bool)
+                                      or not math.isfinite(value) or value <= 0):  # fmt: skip
+                raise ValueError(f"AccessLink.{name}={value!r}: expected Mbit/s > 0, or None "
+                                 "for no limit")  # fmt: skip
+        d = self.delay_ms
+        if not isinstance(d, int | float) or isinstance(d, bool) or not math.isfinite(d) or d < 0:
+            raise ValueError(f"AccessLink.delay_ms={d!r}: expected a finite number >= 0")
+
+    def to_json(self) -> dict[str, float | None]:
+        return {"up_mbit": self.up_mbit, "down_mbit": self.down_mbit, "delay_ms": self.delay_ms}
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, object]) -> AccessLink:
+        """Inverse of `to_json`; raises ValueError on unknown keys or bad values."""
+        unknown = set(data) - {"up_mbit", "down_mbit", "delay_ms"}
+        if unknown:
+            raise ValueError(f"AccessLink: unknown fields {sorted(unknown)}")
+        return cls(**data)  # type: ignore[arg-type]
+
+
+def _min_rate(*rates: float | None) -> float | None:
+    known = [r for r in rates if r is not None]
+    return min(known) if known else None
+
+
+@dataclass(frozen=True)
 class LinkMatrix:
     """Per ordered pair of regions a LinkSpec, and the region of every peer.
 
-    A peer's egress toward another peer uses `links[(its region, other's region)]`.
+    A peer's egress toward another peer uses `links[(its region, other's region)]`, after its
+    own uplink and before the other's downlink when they have access links.
 
     Attributes:
         regions: region names, in order.
         peer_regions: for peer index i, the name of its region.
         links: spec for every ordered (src region, dst region) pair, including (r, r).
+        access: per peer index, its access link or None; empty: no peer has one.
     """
 
     regions: tuple[str, ...]
     peer_regions: tuple[str, ...]
     links: Mapping[tuple[str, str], LinkSpec] = field(default_factory=dict)
+    access: tuple[AccessLink | None, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.regions or len(set(self.regions)) != len(self.regions):
@@ -111,6 +157,14 @@ class LinkMatrix:
             if not isinstance(spec, LinkSpec):
                 raise ValueError(f"LinkMatrix.links[{pair}]={spec!r}: expected a LinkSpec")
         object.__setattr__(self, "links", MappingProxyType(dict(self.links)))
+        access = tuple(self.access)
+        if access and len(access) != len(self.peer_regions):
+            raise ValueError(f"LinkMatrix.access: {len(access)} entries for "
+                             f"{len(self.peer_regions)} peers (expected one per peer, or none)")
+        for i, a in enumerate(access):
+            if a is not None and not isinstance(a, AccessLink):
+                raise ValueError(f"LinkMatrix.access[{i}]={a!r}: expected an AccessLink or None")
+        object.__setattr__(self, "access", access if any(a is not None for a in access) else ())
 
     @classmethod
     def uniform(cls, n_peers: int, spec: LinkSpec, region: str = "all") -> LinkMatrix:
@@ -147,8 +201,22 @@ class LinkMatrix:
         return self.links[(src_region, dst_region)]
 
     def peer_spec(self, src_peer: int, dst_peer: int) -> LinkSpec:
-        """The spec of `src_peer`'s egress toward `dst_peer`."""
+        """The spec of `src_peer`'s egress toward `dst_peer` (the region link alone)."""
         return self.links[(self.peer_regions[src_peer], self.peer_regions[dst_peer])]
+
+    def access_of(self, peer: int) -> AccessLink | None:
+        return self.access[peer] if self.access else None
+
+    def path_spec(self, src_peer: int, dst_peer: int) -> LinkSpec:
+        """What one flow from `src_peer` to `dst_peer` sees end to end: the delays added up,
+        the lowest of the sender's uplink, the region link and the receiver's downlink rates
+        (a flow alone on its access links; flows that share one share its rate)."""
+        link = self.peer_spec(src_peer, dst_peer)
+        up, down = self.access_of(src_peer), self.access_of(dst_peer)
+        delay = link.delay_ms + (up.delay_ms if up else 0.0) + (down.delay_ms if down else 0.0)
+        rate = _min_rate(link.rate_mbit, up.up_mbit if up else None,
+                         down.down_mbit if down else None)  # fmt: skip
+        return replace(link, delay_ms=delay, rate_mbit=rate)
 
     def with_link(self, src_region: str, dst_region: str, spec: LinkSpec) -> LinkMatrix:
         """A copy with one direction changed (e.g. a degraded link)."""
@@ -174,10 +242,13 @@ class LinkMatrix:
             "regions": list(self.regions),
             "peer_regions": list(self.peer_regions),
             "links": [[a, b, spec.to_json()] for (a, b), spec in self.links.items()],
+            "access": [None if a is None else a.to_json() for a in self.access],
         }
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> LinkMatrix:
         """Inverse of `to_json`; raises ValueError (or KeyError/TypeError) on malformed data."""
         links = {(a, b): LinkSpec.from_json(spec) for a, b, spec in data["links"]}
-        return cls(tuple(data["regions"]), tuple(data["peer_regions"]), links)
+        access = tuple(None if a is None else AccessLink.from_json(a)
+                       for a in data.get("access", ()))  # fmt: skip
+        return cls(tuple(data["regions"]), tuple(data["peer_regions"]), links, access)

@@ -135,6 +135,9 @@ class NetemLinks:
     """
 
     def __init__(self, namespaces: NamespaceSet, matrix: LinkMatrix) -> None:
+        if matrix.access:
+            raise ValueError("netem cannot emulate access links (a peer's own uplink and "
+                             "downlink): use the userspace emulator")  # fmt: skip
         self._namespaces = namespaces
         self.matrix = matrix
         self._hub: str | None = None
@@ -276,12 +279,16 @@ class SystemProbe:
         return _probe([*USERNS, "sh", "-c", script], "named network namespaces work (user ns)")
 
 
-def choose_backend(requested: str = "auto", probe: HostProbe | None = None) -> BackendChoice:
+def choose_backend(requested: str = "auto", probe: HostProbe | None = None, *,
+                   access_links: bool = False) -> BackendChoice:  # fmt: skip
     """Pick the link emulation backend.
 
     auto: netem if the kernel has it, else userspace if /dev/net/tun and namespaces work, else
     none (loopback, said loudly). Without root, an unprivileged user+network namespace
-    (`unshare -rn`) is tried first; the choice then says `user_namespace=True`.
+    (`unshare -rn`) is tried first; the choice then says `user_namespace=True`. A scenario with
+    per-peer access links (`access_links`) needs the userspace emulator: netem shapes each
+    peer's egress per destination region only (a downlink shared by all senders would need
+    ingress shaping), so auto skips it and netem asked for is refused.
 
     Raises:
         ValueError: `requested` is not one of BACKENDS.
@@ -302,6 +309,11 @@ def choose_backend(requested: str = "auto", probe: HostProbe | None = None) -> B
     if not ns_ok:
         return _fallback(requested, f"no network namespaces ({ns_why})")
     netem_ok, netem_why = probe.netem()
+    if access_links and requested == "netem":
+        raise BackendUnavailable("netem cannot emulate the scenario's access links (a peer's "
+                                 "own uplink and downlink): use --emulation userspace or auto")
+    if access_links and netem_ok:
+        netem_ok, netem_why = False, "skipped: the scenario has access links (userspace only)"
     if requested in ("auto", "netem") and netem_ok:
         return BackendChoice("netem", f"netem: {netem_why}", user_ns)
     if requested == "netem":

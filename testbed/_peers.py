@@ -1,6 +1,6 @@
 # The processes of a testbed run: where each peer runs (its own namespace, or plain loopback when
 # there is no emulation), the swarm files that admit it (a throwaway authority, one key and one
-# certificate per peer) and the `geotrain node run` / DDP worker processes themselves.
+# certificate per peer) and the `geotrain node run`, DDP and hivemind worker processes themselves.
 # Invariants: every process started here is tracked by its Peers object and is gone once
 # `Peers.close()` returns (SIGTERM, then SIGKILL); files are written only under the run's output
 # directory; nothing here imports torch.
@@ -22,6 +22,7 @@ from ._namespaces import NamespaceSet
 
 NODE_PORT = 7000
 DDP_PORT = 29500
+HIVEMIND_PORT = 31337
 CERT_LIFETIME_S = 7 * 24 * 3600.0
 STOP_GRACE_S = 30.0  # SIGTERM -> checkpoint + leave; SIGKILL after this
 
@@ -128,13 +129,33 @@ def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
 
 def ddp_argv(
     *, rank: int, world: int, master: str, task: str, params: dict, seed: int, slowdown: float,
-    duration: float, target: float, eval_every: int, metrics: Path,
+    duration: float, target: float, eval_every: int, metrics: Path, system: str = "ddp",
+    local_sgd_period: int = 0, step_ms: float = 0.0, partition: str = "iid", alpha: float = 0.5,
 ) -> list[str]:  # fmt: skip
     return [
         sys.executable, "-m", "geotrain.testbed._ddp", "--rank", str(rank), "--world", str(world),
         "--master", master, "--task", task, "--params", json.dumps(params), "--seed", str(seed),
         "--slowdown", str(slowdown), "--duration", str(duration), "--target", str(target),
-        "--eval-every", str(eval_every), "--metrics", str(metrics),
+        "--eval-every", str(eval_every), "--metrics", str(metrics), "--system", system,
+        "--local-sgd-period", str(local_sgd_period), "--step-ms", str(step_ms),
+        "--partition", partition, "--alpha", str(alpha),
+    ]  # fmt: skip
+
+
+def hivemind_argv(
+    *, rank: int, world: int, host: str, port: int, maddrs_dir: Path, run_id: str,
+    settings: dict, system: str, task: str, params: dict, seed: int, slowdown: float,
+    duration: float, eval_every: int, metrics: Path, step_ms: float = 0.0, partition: str = "iid",
+    alpha: float = 0.5,
+) -> list[str]:  # fmt: skip
+    return [
+        sys.executable, "-m", "geotrain.testbed._hivemind", "--rank", str(rank),
+        "--world", str(world), "--host", host, "--port", str(port),
+        "--maddrs-dir", str(maddrs_dir), "--run-id", run_id, "--settings", json.dumps(settings),
+        "--system", system, "--task", task, "--params", json.dumps(params), "--seed", str(seed),
+        "--slowdown", str(slowdown), "--duration", str(duration),
+        "--eval-every", str(eval_every), "--metrics", str(metrics), "--step-ms", str(step_ms),
+        "--partition", partition, "--alpha", str(alpha),
     ]  # fmt: skip
 
 

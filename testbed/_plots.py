@@ -3,7 +3,8 @@
 # Invariants: a plot shows only what the files hold; where the files hold no time series (the
 # consensus distance: the nodes' final checkpoints give its end point only) the plot says so;
 # every time axis counts seconds from its system's first step (the summary's t0) and marks the
-# faults of the systems it shows (solid line: applied, dotted: skipped, each labelled); text from
+# faults of the systems it shows (solid line: applied, dotted: skipped, each labelled; the leaves
+# and joins of availability windows dashed, one label per moment); text from
 # the run is drawn literally (a `$` never starts mathtext).
 from __future__ import annotations
 
@@ -16,7 +17,8 @@ from typing import Any
 
 from ._summary import bytes_out_series, bytes_samples, peer_metrics, train_start
 
-COLORS = {"geotrain": "tab:blue", "ddp": "tab:red"}
+COLORS = {"geotrain": "tab:blue", "ddp": "tab:red", "hivemind": "tab:green",
+          "hivemind-local": "tab:olive"}
 X_LABEL = "seconds since the system's first step"
 LABEL_BOX = {"facecolor": "white", "alpha": 0.7, "edgecolor": "none", "pad": 1}  # fault labels
 
@@ -26,7 +28,7 @@ class SystemRun:
     """One system's series from the run's files, with its own time origin.
 
     Attributes:
-        name: "geotrain" or "ddp".
+        name: "geotrain" or a baseline (ddp, hivemind, hivemind-local).
         peers: each peer's metrics lines, in order.
         t0: wall time of the system's first step (the summary's; launch time if none stepped).
         samples: the emulator's bytes samples ({"t", "bytes"}), empty without emulation.
@@ -149,10 +151,42 @@ def fault_label(number: int, fault: dict[str, Any], limit: int = 28) -> str:
     return f"#{number} {what}" + ("" if fault.get("applied", True) else " (skipped)")
 
 
+def availability_groups(faults: list[tuple[int, dict[str, Any]]], t0: float
+                        ) -> list[tuple[float, str]]:  # fmt: skip
+    """Availability events (kind "availability") handled at the same moment (within half a
+    second), as one marker each: (x, `#4-#7 leave 1,3 join 2,4`). Windows move several peers at
+    once; one label per peer would be drawn over each other."""
+    groups: list[list[tuple[int, dict[str, Any]]]] = []
+    for number, fault in faults:
+        if fault.get("kind") != "availability" or not fault.get("applied", True):
+            continue
+        if groups and abs(fault_x(fault, t0) - fault_x(groups[-1][0][1], t0)) <= 0.5:
+            groups[-1].append((number, fault))
+        else:
+            groups.append([(number, fault)])
+    out = []
+    for group in groups:
+        numbers = [n for n, _ in group]
+        span = f"#{numbers[0]}" + (f"-#{numbers[-1]}" if len(numbers) > 1 else "")
+        parts = [action + " " + ",".join(str(f.get("peer")) for _, f in group
+                                         if f.get("action") == action)
+                 for action in ("leave", "join") if any(f.get("action") == action
+                                                        for _, f in group)]  # fmt: skip
+        out.append((fault_x(group[0][1], t0), f"{span} {' '.join(parts)}"))
+    return out
+
+
 def _mark_faults(ax, systems: list[SystemRun], name_system: bool) -> None:
     for s in systems:
         color = COLORS.get(s.name, "black")
+        for x, label in availability_groups(s.faults, s.t0):
+            ax.axvline(x, color=color, linestyle="--", linewidth=0.8)
+            ax.text(x, 0.02, _literal(f"{s.name} {label}" if name_system else label),
+                    transform=ax.get_xaxis_transform(), rotation=90, va="bottom", ha="right",
+                    fontsize=7, color=color, bbox=LABEL_BOX)  # fmt: skip
         for number, fault in s.faults:
+            if fault.get("kind") == "availability" and fault.get("applied", True):
+                continue  # drawn above, grouped
             x = fault_x(fault, s.t0)
             style = "-" if fault.get("applied", True) else ":"
             ax.axvline(x, color=color, linestyle=style, linewidth=1.2)

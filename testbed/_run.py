@@ -1,16 +1,17 @@
-# The testbed orchestrator: namespaces and emulated links, then the geotrain swarm, then the DDP
-# baseline over the same links (one after the other: they would compete for the same cores), then
-# run.json, summary.json, plots and the table. Invariants: every namespace, device and process it
-# makes is gone when `run_testbed` returns or raises (KeyboardInterrupt included: the CLI turns
-# SIGTERM into one); times are wall-clock (time.time()) so they compare with the peers' metrics
-# lines; t = 0 of a system is when its first peer took its first step; bytes are measured
-# (emulator or interface counters, else the nodes' own counters), never computed.
+# The testbed orchestrator: namespaces and emulated links, then the geotrain swarm, then each
+# baseline (DDP, local SGD, hivemind) over the same links (one after the other: they would compete
+# for the same cores), then run.json, summary.json, plots and the table. Invariants: every
+# namespace, device and process it makes is gone when `run_testbed` returns or raises
+# (KeyboardInterrupt included: the CLI turns SIGTERM into one); times are wall-clock (time.time())
+# so they compare with the peers' metrics lines; t = 0 of a system is when its first peer took its
+# first step; bytes are measured (emulator or interface counters, else the nodes' own counters),
+# never computed.
 from __future__ import annotations
 
 import contextlib
 import json
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Set
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -18,19 +19,24 @@ from typing import Any
 from geotrain.node import ManagedProcess, config_to_toml
 from geotrain.node.state import StateDir
 
+from ._availability import AvailabilityRunner, availability_json
+from ._baselines import BASELINES, baseline_settings, describe, parse_baselines
 from ._faults import FaultRunner
 from ._linkcheck import bulk_bytes_for, measure_link
 from ._meter import BytesMeter
 from ._namespaces import NamespaceSet
+from ._nat import NatFirewall, NatUnavailable
 from ._netem import BackendChoice, NetemLinks, choose_backend
 from ._peers import (
     DDP_PORT,
+    HIVEMIND_PORT,
     NODE_PORT,
     Peers,
     TestbedError,
     child_env,
     ddp_argv,
     free_port,
+    hivemind_argv,
     hosts_for,
     last_json_line,
     read_json,
@@ -59,7 +65,9 @@ class RunOptions:
         target: the metric value to reach, stated before the run.
         metric, higher_is_better: the task's metric and its direction.
         emulation: auto, netem, userspace or none.
-        baseline: "ddp" or "none".
+        baseline: the systems to compare with, comma-separated (ddp, hivemind, hivemind-local)
+            or "none"; each runs after geotrain, alone, on the same links.
+        baseline_set: `NAME.KEY=VALUE` changes to a hivemind baseline's preset.
         link_check: measure RTT and throughput of each region pair before training.
         eval_every: steps between a geotrain node's evaluations (a node takes hundreds of steps
             a second on small tasks: every 20 steps is a few times a second).
@@ -79,6 +87,7 @@ class RunOptions:
     target: float
     emulation: str = "auto"
     baseline: str = "ddp"
+    baseline_set: tuple[str, ...] = ()
     metric: str = "accuracy"
     higher_is_better: bool = True
     link_check: bool = True
@@ -93,8 +102,10 @@ class RunOptions:
         # Every path handed to a peer is absolute: a peer's config resolves relative paths
         # against the config file's own folder, which would apply a relative `out` twice.
         object.__setattr__(self, "out", Path(self.out).expanduser().resolve())
-        if self.baseline not in ("ddp", "none"):
-            raise ValueError(f"RunOptions.baseline={self.baseline!r}: expected 'ddp' or 'none'")
+        baselines = parse_baselines(self.baseline)
+        object.__setattr__(self, "baselines", baselines)
+        object.__setattr__(self, "baseline_settings",
+                           baseline_settings(baselines, self.baseline_set))  # fmt: skip
         for item in self.node_overrides:
             key = item.partition("=")[0]
             if "=" not in item or "." not in key:
@@ -118,7 +129,7 @@ def run_testbed(options: RunOptions, echo: Echo = print) -> dict[str, Any]:
     if out.exists() and any(out.iterdir()):
         raise TestbedError(f"--out {str(out)!r}: exists and is not empty")
     out.mkdir(parents=True, exist_ok=True)
-    choice = choose_backend(options.emulation)
+    choice = choose_backend(options.emulation, access_links=bool(sc.matrix().access))
     if choice.user_namespace:
         why = "not root, and running peers in an unprivileged user namespace is not built yet"
         if options.emulation != "auto":
@@ -136,6 +147,10 @@ def run_testbed(options: RunOptions, echo: Echo = print) -> dict[str, Any]:
         "duration_s": sc.duration_s, "systems": {}, "faults": [], "links": [],
         "node_overrides": list(options.node_overrides),
         "command": list(options.command), "cwd": options.cwd,
+        "partition": sc.partition, "alpha": sc.alpha, "availability": availability_json(sc),
+        "step_ms": sc.step_ms, "slowdowns": [sc.slowdown(i) for i in range(sc.n_peers)],
+        # geotrain's attacker peers: left out of every quality figure (the summary)
+        "attackers": {str(p): k for p, k in sorted(sc.attackers.items())},
     }  # fmt: skip
     with contextlib.ExitStack() as stack:
         namespaces = links = None
@@ -144,6 +159,7 @@ def run_testbed(options: RunOptions, echo: Echo = print) -> dict[str, Any]:
             echo(f"namespaces: {namespaces.run_prefix}p00..p{sc.n_peers - 1:02d}")
             emulator = UserspaceLinks if choice.backend == "userspace" else NetemLinks
             links = stack.enter_context(emulator(namespaces, sc.matrix()))
+        nat = _enter_nat(stack, namespaces, sc, echo)
         hosts = hosts_for(namespaces, sc.n_peers, choice.backend)
         if options.link_check and namespaces is not None:
             run["links"] = _check_links(namespaces, sc, echo)
@@ -154,12 +170,21 @@ def run_testbed(options: RunOptions, echo: Echo = print) -> dict[str, Any]:
         faults = FaultRunner(sc, links, echo)
         run["systems"]["geotrain"] = _run_geotrain(options, hosts, meter, faults, echo)
         faults.reset()
-        if options.baseline == "ddp":
-            faults = FaultRunner(sc, links, echo, system="ddp", applied=faults.applied_all)
-            run["systems"]["ddp"] = _run_ddp(options, hosts, meter, faults, echo)
+        run["nat"] = _leave_nat(nat, sc, echo)
+        if sc.availability and options.baselines:
+            echo(f"NOTE: {run['availability']['note']}")
+        for baseline in options.baselines:
+            faults = FaultRunner(sc, links, echo, system=baseline, applied=faults.applied_all)
+            if baseline in ("ddp", "localsgd"):
+                run["systems"][baseline] = _run_ddp(options, hosts, meter, faults, echo, baseline)
+            else:
+                run["systems"][baseline] = _run_hivemind(
+                    baseline, options, hosts, meter, faults, echo
+                )
             faults.reset()
         run["faults"] = faults.applied_all
-    run["consensus_distance_final"] = _final_consensus(out / "geotrain", sc.n_peers)
+    run["consensus_distance_final"] = _final_consensus(
+        out / "geotrain", sc.n_peers, set(sc.attackers))
     (out / "run.json").write_text(json.dumps(run, indent=2) + "\n")
     summary = build_summary(out)
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
@@ -168,9 +193,55 @@ def run_testbed(options: RunOptions, echo: Echo = print) -> dict[str, Any]:
     return summary
 
 
+def _enter_nat(stack, namespaces, sc: TestbedScenario, echo: Echo) -> NatFirewall | None:
+    """Put scenario.nat's peers behind NAT (their namespace drops inbound connections)."""
+    if not sc.nat:
+        return None
+    if namespaces is None:
+        echo(f"NOTE: peers {list(sc.nat)} run in client mode, but WITHOUT a NAT firewall: "
+             "there are no namespaces on plain loopback")  # fmt: skip
+        return None
+    try:
+        nat = stack.enter_context(NatFirewall(namespaces, sc.nat))
+    except NatUnavailable as exc:
+        raise TestbedError(str(exc)) from None
+    echo(f"nat: peers {list(sc.nat)} drop inbound connections and run in client mode")
+    return nat
+
+
+def _leave_nat(nat: NatFirewall | None, sc: TestbedScenario, echo: Echo) -> dict[str, Any]:
+    """What the NAT firewall saw during geotrain's run; the baselines run without it (DDP's gloo
+    connects every rank to every other and cannot run behind NAT)."""
+    if nat is None:
+        return {"peers": list(sc.nat), "firewall": False, "inbound_attempts": {}}
+    attempts = nat.inbound_attempts()
+    nat.lift()
+    echo(f"nat: inbound connection attempts dropped during geotrain's run: {attempts}")
+    return {"peers": list(sc.nat), "firewall": True,
+            "inbound_attempts": {str(p): n for p, n in attempts.items()}}  # fmt: skip
+
+
+def _link_pairs(matrix) -> dict[tuple[str, str], tuple[int, int]]:
+    """The peer pair that stands for each ordered region pair (none inside a one-peer region)."""
+    members: dict[str, list[int]] = {}
+    for i, region in enumerate(matrix.peer_regions):
+        members.setdefault(region, []).append(i)
+    pairs = {}
+    for a, b in matrix.links:
+        if a == b and len(members[a]) < 2:
+            continue  # a region with one peer has no link inside it
+        pairs[(a, b)] = (members[a][0], members[b][1] if a == b else members[b][0])
+    return pairs
+
+
 def _spec_links(sc: TestbedScenario) -> list[dict[str, Any]]:
+    """Each ordered region pair's spec end to end (the access links of the peers that stand for
+    it included: what a flow between them should measure)."""
     matrix, out = sc.matrix(), []
+    pairs = _link_pairs(matrix)
     for (a, b), spec in matrix.links.items():
+        if (a, b) in pairs:
+            spec = matrix.path_spec(*pairs[(a, b)])
         out.append({
             "src": a, "dst": b, "spec_rtt_ms": 2 * spec.delay_ms, "measured_rtt_ms": None,
             "spec_mbit": spec.rate_mbit, "measured_mbit": None,
@@ -180,16 +251,12 @@ def _spec_links(sc: TestbedScenario) -> list[dict[str, Any]]:
 
 def _check_links(namespaces: NamespaceSet, sc: TestbedScenario, echo: Echo) -> list[dict]:
     """Measure one peer pair per ordered region pair (a region with one peer has no inner link)."""
-    matrix = sc.matrix()
-    first: dict[str, list[int]] = {}
-    for i, region in enumerate(matrix.peer_regions):
-        first.setdefault(region, []).append(i)
+    pairs = _link_pairs(sc.matrix())
     results = _spec_links(sc)
     for item in results:
-        srcs, dsts = first[item["src"]], first[item["dst"]]
-        if item["src"] == item["dst"] and len(dsts) < 2:
-            continue  # a region with one peer has no link inside it
-        src, dst = srcs[0], (dsts[1] if item["src"] == item["dst"] else dsts[0])
+        if (item["src"], item["dst"]) not in pairs:
+            continue
+        src, dst = pairs[(item["src"], item["dst"])]
         size = min(
             LINK_CHECK_MAX_BYTES,
             bulk_bytes_for(item["spec_mbit"], LINK_CHECK_SECONDS, item["spec_rtt_ms"]),
@@ -209,7 +276,9 @@ def _node_config(options: RunOptions, host, files, state: Path, bootstrap: list[
     sc = options.scenario
     key, cert, swarm = files
     network: dict[str, Any] = {"bootstrap": bootstrap}
-    if host.fixed_port:  # its own namespace and address: a known port
+    if host.index in sc.nat:  # behind NAT: a client, dialled by nobody, listening on loopback only
+        network.update(listen="tcp://127.0.0.1:0", reachable=False)
+    elif host.fixed_port:  # its own namespace and address: a known port
         network["listen"] = network["advertise"] = f"tcp://{host.address}:{NODE_PORT}"
     else:  # shared loopback: the node picks a free port and advertises what it got
         network["listen"] = f"tcp://{host.address}:0"
@@ -220,6 +289,7 @@ def _node_config(options: RunOptions, host, files, state: Path, bootstrap: list[
             "task": sc.task, "params": dict(sc.params), "seed": 0, "shard_index": host.index,
             "num_shards": sc.n_peers, "wait_for_peers": sc.n_peers - 1,
             "eval_every": options.eval_every, "slowdown": sc.slowdown(host.index), "threads": 1,
+            "step_time_ms": sc.step_ms, "partition": sc.partition, "alpha": sc.alpha,
         },
         # state_sync off: every peer starts from the same seeded model, as the DDP ranks do (a
         # restarted peer resumes from its own checkpoint either way)
@@ -229,6 +299,8 @@ def _node_config(options: RunOptions, host, files, state: Path, bootstrap: list[
 
 
 def _run_geotrain(options, hosts, meter: BytesMeter, faults: FaultRunner, echo: Echo) -> dict:
+    from ._attacker import start_attacker
+
     sc, root = options.scenario, options.out / "geotrain"
     root.mkdir()
     files = write_swarm_files(root, sc.n_peers, time.time())
@@ -241,9 +313,19 @@ def _run_geotrain(options, hosts, meter: BytesMeter, faults: FaultRunner, echo: 
             config = root / f"peer-{host.index:02d}.toml"
             doc = _node_config(options, host, files[host.index], state, bootstrap)
             config.write_text(config_to_toml(doc))
-            proc = peers.add(start_node(host, config, state, options.node_overrides))
+            kind = sc.attackers.get(host.index)  # [[attackers]]: the testbed's attacker process
+            proc = peers.add(
+                start_node(host, config, state, options.node_overrides) if kind is None
+                else start_attacker(host, config, state, options.node_overrides, kind, sc)
+            )  # fmt: skip
             if host.index == 0:
                 bootstrap = [wait_for_address(0, proc)]
+        # a peer rejoining from its window waits for one peer (peer 0 never leaves), not for
+        # the whole swarm: about half of it may be away
+        rejoin = (*options.node_overrides, "training.wait_for_peers=1")
+        availability = AvailabilityRunner(
+            sc, echo, faults.applied_all, join=lambda i: peers.procs[i].restart_with(*rejoin))
+        windowed = {w.peer for w in sc.availability}
 
         def statuses() -> list[dict | None]:
             return [read_json(StateDir(s).status) for s in states]
@@ -251,15 +333,9 @@ def _run_geotrain(options, hosts, meter: BytesMeter, faults: FaultRunner, echo: 
         def reached() -> bool:
             if any(not p.running and faults.restart_pending(i) for i, p in enumerate(peers.procs)):
                 return False  # a killed peer comes back: the swarm is not done without it
-            live = [
-                st for p, st in zip(peers.procs, statuses(), strict=True)
-                if p.running and st and st.get("pid") == p.proc.pid  # type: ignore[union-attr]
-            ]  # fmt: skip
-            return len(live) == len(peers.running()) > 0 and all(
-                st.get("metric") is not None
-                and _reached(st["metric"], options.target, options.higher_is_better)
-                for st in live
-            )
+            return swarm_at_target(peers, statuses(), windowed, availability.away(),
+                                   options.target, options.higher_is_better,
+                                   attackers=set(sc.attackers))  # fmt: skip
 
         def progress() -> list[tuple[int, float | None] | None]:
             return [
@@ -269,29 +345,37 @@ def _run_geotrain(options, hosts, meter: BytesMeter, faults: FaultRunner, echo: 
         stopped = _supervise(
             "geotrain", options, peers, meter, faults, echo, reached, progress,
             first_step=lambda: any(st and st.get("step", 0) > 0 for st in statuses()),
-            stop_at_duration=True, launch=launch,
+            stop_at_duration=True, launch=launch, availability=availability,
         )  # fmt: skip
     finally:
         peers.stop()
     return {"launch_t": launch, "stopped": stopped, "metrics": "geotrain/peer-NN/metrics.jsonl"}
 
 
-def _run_ddp(options, hosts, meter: BytesMeter, faults: FaultRunner, echo: Echo) -> dict:
-    sc, root = options.scenario, options.out / "ddp"
+def _run_ddp(options, hosts, meter: BytesMeter, faults: FaultRunner, echo: Echo,
+             name: str = "ddp") -> dict:  # fmt: skip
+    """DDP (`name` ddp) or DDP's ranks doing local SGD (`name` localsgd)."""
+    sc, root = options.scenario, options.out / name
     root.mkdir()
-    port = DDP_PORT if hosts[0].fixed_port else free_port()
+    period = options.baseline_settings["localsgd"]["period"] if name == "localsgd" else 0
+    # a port of its own per baseline: the previous one's rendezvous may linger in TIME_WAIT
+    port = DDP_PORT + BASELINES.index(name) if hosts[0].fixed_port else free_port()
     master = f"{hosts[0].address}:{port}"
     files = [root / f"peer-{h.index:02d}.jsonl" for h in hosts]
     peers = Peers()
-    echo(f"ddp: starting {sc.n_peers} gloo workers (same task, shards, slowdowns, links)")
+    how = f"local SGD, parameters averaged every {period} steps" if period else "all-reduce"
+    echo(f"{name}: starting {sc.n_peers} gloo workers ({how}; same task, shards, slowdowns, links)")
     launch = time.time()
     try:
         for host, metrics in zip(hosts, files, strict=True):
             argv = ddp_argv(
                 rank=host.index, world=sc.n_peers, master=master, task=sc.task,
                 params=dict(sc.params), seed=0, slowdown=sc.slowdown(host.index),
-                duration=sc.duration_s, target=options.target, eval_every=options.ddp_eval_every,
-                metrics=metrics,
+                duration=sc.duration_s, target=options.target, metrics=metrics, system=name,
+                step_ms=sc.step_ms,
+                # local steps are as fast as a node's: evaluated as often as a node evaluates
+                eval_every=options.eval_every if period else options.ddp_eval_every,
+                local_sgd_period=period, partition=sc.partition, alpha=sc.alpha,
             )  # fmt: skip
             env = child_env({"GLOO_SOCKET_IFNAME": host.ifname})
             peers.add(ManagedProcess(argv, metrics.with_suffix(".log"), env, host.prefix)).start()
@@ -301,7 +385,7 @@ def _run_ddp(options, hosts, meter: BytesMeter, faults: FaultRunner, echo: Echo)
             return [(r["step"], r.get("metric")) if r else None for r in lines]
 
         stopped = _supervise(
-            "ddp", options, peers, meter, faults, echo, reached=lambda: False,
+            name, options, peers, meter, faults, echo, reached=lambda: False,
             progress=progress, first_step=lambda: any(f.exists() and f.stat().st_size
                                                        for f in files),
             stop_at_duration=False, launch=launch,
@@ -311,7 +395,97 @@ def _run_ddp(options, hosts, meter: BytesMeter, faults: FaultRunner, echo: Echo)
             echo(f"ddp: ranks {failed} failed; see {root}/peer-NN.log")
     finally:
         peers.stop()
-    return {"launch_t": launch, "stopped": stopped, "metrics": "ddp/peer-NN.jsonl"}
+    settings = {"period": period} if period else None
+    return {"launch_t": launch, "stopped": stopped, "metrics": f"{name}/peer-NN.jsonl",
+            "algorithm": describe(name, settings), "settings": settings}  # fmt: skip
+
+
+def _run_hivemind(name: str, options, hosts, meter: BytesMeter, faults: FaultRunner,
+                  echo: Echo) -> dict:  # fmt: skip
+    """One hivemind baseline (`name` is hivemind or hivemind-local): a worker per peer, peer 0's
+    DHT the bootstrap, stopped like the geotrain swarm (every peer at the target, or the
+    duration)."""
+    sc, root = options.scenario, options.out / name
+    settings = dict(options.baseline_settings[name])
+    (root / "dht").mkdir(parents=True)
+    files = [root / f"peer-{h.index:02d}.jsonl" for h in hosts]
+    peers = Peers()
+    mode = "local updates" if settings["use_local_updates"] else "synchronous averaging"
+    echo(f"{name}: starting {sc.n_peers} hivemind.Optimizer workers ({mode}; same task, shards, "
+         "slowdowns, links)")  # fmt: skip
+    launch = time.time()
+    try:
+        for host, metrics in zip(hosts, files, strict=True):
+            argv = hivemind_argv(
+                rank=host.index, world=sc.n_peers, host=host.address,
+                port=HIVEMIND_PORT if host.fixed_port else 0, maddrs_dir=root / "dht",
+                run_id=f"{name}-{int(launch)}", settings=settings, system=name, task=sc.task,
+                params=dict(sc.params), seed=0, slowdown=sc.slowdown(host.index),
+                duration=sc.duration_s, eval_every=options.eval_every, metrics=metrics,
+                step_ms=sc.step_ms, partition=sc.partition, alpha=sc.alpha,
+            )  # fmt: skip
+            proc = ManagedProcess(argv, metrics.with_suffix(".log"), child_env(), host.prefix)
+            peers.add(proc).start()
+
+        def lines() -> list[dict | None]:
+            return [last_json_line(f) for f in files]
+
+        def reached() -> bool:
+            if any(not p.running and faults.restart_pending(i) for i, p in enumerate(peers.procs)):
+                return False  # a killed peer comes back: the swarm is not done without it
+            live = [(p, r) for p, r in zip(peers.procs, lines(), strict=True) if p.running]
+            return len(live) > 0 and all(
+                r is not None and r.get("metric") is not None
+                and r.get("pid") == p.proc.pid  # a line of this process, not of a killed one
+                and _reached(r["metric"], options.target, options.higher_is_better)
+                for p, r in live
+            )  # fmt: skip
+
+        def progress() -> list[tuple[int, float | None] | None]:
+            return [(r["step"], r.get("metric")) if r else None for r in lines()]
+
+        stopped = _supervise(
+            name, options, peers, meter, faults, echo, reached, progress,
+            first_step=lambda: any(f.exists() and f.stat().st_size for f in files),
+            stop_at_duration=True, launch=launch,
+        )  # fmt: skip
+        if stopped == "exited":
+            echo(f"{name}: every worker exited; see {root}/peer-NN.log")
+    finally:
+        peers.stop()
+    first = last_json_line(files[0]) or {}
+    settings["target_batch_size"] = first.get("target_batch_size", settings["target_batch_size"])
+    return {"launch_t": launch, "stopped": stopped, "metrics": f"{name}/peer-NN.jsonl",
+            "algorithm": describe(name, settings), "settings": settings}  # fmt: skip
+
+
+def swarm_at_target(peers: Peers, statuses: list[dict | None], windowed: set[int],
+                    away: frozenset[int], target: float, higher_is_better: bool,
+                    attackers: Set[int] = frozenset()) -> bool:  # fmt: skip
+    """Whether every honest geotrain peer is at the target: a running peer by its current
+    process's status; a peer with availability windows (`windowed`) that is away, or rejoining
+    and not reporting yet, by the metric it left with (as the summary's time to target counts
+    it); a peer that stopped otherwise (killed, crashed) is not counted, nor is an attacker.
+
+    Args:
+        peers: the swarm's processes; statuses: each peer's status.json (None: none yet).
+        away: the peers their windows took out and have not brought back.
+        attackers: the peers running the testbed's attacker (their metric says nothing).
+    """
+    counted = []
+    for i, (p, st) in enumerate(zip(peers.procs, statuses, strict=True)):
+        if i in attackers:
+            continue
+        if p.running and st and st.get("pid") == p.proc.pid:  # type: ignore[union-attr]
+            counted.append(st)
+        elif i in windowed and (p.running or i in away):
+            counted.append(st or {})
+        elif p.running:
+            return False  # started, not reporting yet
+    return len(counted) > 0 and all(
+        st.get("metric") is not None and _reached(st["metric"], target, higher_is_better)
+        for st in counted
+    )
 
 
 def _reached(value: float, target: float, higher_is_better: bool) -> bool:
@@ -319,8 +493,10 @@ def _reached(value: float, target: float, higher_is_better: bool) -> bool:
 
 
 def _supervise(system, options, peers: Peers, meter, faults, echo, reached, progress, *,
-               first_step, stop_at_duration: bool, launch: float) -> str:  # fmt: skip
-    """Watch one system until its target, its duration, or its processes' exit.
+               first_step, stop_at_duration: bool, launch: float,
+               availability: AvailabilityRunner | None = None) -> str:  # fmt: skip
+    """Watch one system until its target, its duration, or its processes' exit (faults and, for
+    geotrain, availability windows applied on the way).
 
     Returns why it stopped: "target", "duration", "exited".
     """
@@ -338,6 +514,8 @@ def _supervise(system, options, peers: Peers, meter, faults, echo, reached, prog
                 raise TestbedError(f"{system}: no peer took a step in {STARTUP_TIMEOUT_S:g} s")
             if start is not None:
                 faults.apply_due(now - start, peers, wall_t=now)
+                if availability is not None:
+                    availability.apply_due(now - start, peers, wall_t=now)
             total = meter.total()
             if total is not None and base is not None:
                 samples.write(json.dumps({"t": now, "bytes": total - base}) + "\n")
@@ -367,13 +545,15 @@ def _progress_line(system: str, elapsed: float, states, total, base) -> str:
     return f"[{system:8s} {elapsed:6.1f}s] step metric: " + ", ".join(parts) + sent
 
 
-def _final_consensus(root: Path, n: int) -> float | None:
-    """Mean relative squared distance of the peers' final checkpoints to their mean."""
+def _final_consensus(root: Path, n: int, attackers: set[int]) -> float | None:
+    """Mean relative squared distance of the honest peers' final checkpoints to their mean."""
     from geotrain.gossip import consensus_distance  # torch: only now, never at import time
     from geotrain.node.state import CheckpointStore
 
     models = []
     for i in range(n):
+        if i in attackers:
+            continue
         with contextlib.suppress(Exception):  # a peer without a readable checkpoint is skipped
             ckpt, _ = CheckpointStore(StateDir(root / f"peer-{i:02d}").checkpoints).load_latest()
             if ckpt is not None:

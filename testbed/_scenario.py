@@ -1,8 +1,9 @@
 # Testbed scenarios: regions with their peers, the links between regions, per-peer compute
-# slowdowns and a fault timeline. Invariants: a TestbedScenario is immutable and valid once built
-# (every error names the field, the value and what was expected); peers are numbered region by
-# region in the order the regions are listed; built-in scenarios take their link figures from
-# gossip's SCENARIOS (published measurements), so the simulator and the testbed agree.
+# slowdowns, a fault timeline, availability windows and the data partition. Invariants: a
+# TestbedScenario is immutable and valid once built (every error names the field, the value and
+# what was expected); peers are numbered region by region in the order the regions are listed;
+# built-in scenarios take their link figures from gossip's SCENARIOS (published measurements), so
+# the simulator and the testbed agree.
 from __future__ import annotations
 
 import json
@@ -15,10 +16,15 @@ from typing import Any
 
 from geotrain.gossip import SCENARIOS, LinkProfile
 
-from ._linkspec import LinkMatrix, LinkSpec
+from ._linkspec import AccessLink, LinkMatrix, LinkSpec
 
 FAULT_ACTIONS = ("kill", "restart", "partition", "heal", "degrade")
+# Byzantine behaviours a testbed peer can be given ([[attackers]]); testbed/_attacks.py forges them
+ATTACK_KINDS = ("sign_flip", "alie", "ipm", "label_flip", "noise", "nan", "replay")
 LINK_FIELDS = ("delay_ms", "jitter_ms", "loss", "rate_mbit")
+AVAILABILITY_FIELDS = ("peer", "online_s", "offline_s", "offset_s")
+ACCESS_FIELDS = ("up_mbit", "down_mbit", "delay_ms")
+PARTITIONS = ("iid", "dirichlet")  # the node's training.partition values (node/training/_tasks.py)
 
 
 class ScenarioError(ValueError):
@@ -31,16 +37,19 @@ def _fail(field_name: str, value: object, expected: str) -> ScenarioError:
 
 @dataclass(frozen=True)
 class Region:
-    """A region and how many peers it holds."""
+    """A region, how many peers it holds and their access link (None: none of their own)."""
 
     name: str
     peers: int
+    access: AccessLink | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
             raise _fail("regions.name", self.name, "a non-empty string")
         if not isinstance(self.peers, int) or self.peers < 1:
             raise _fail(f"regions[{self.name}].peers", self.peers, "an integer >= 1")
+        if self.access is not None and not isinstance(self.access, AccessLink):
+            raise _fail(f"regions[{self.name}].access", self.access, "an access link")
 
 
 @dataclass(frozen=True)
@@ -87,6 +96,53 @@ class Fault:
 
 
 @dataclass(frozen=True)
+class Availability:
+    """When one peer is online ([[availability]]): repeating windows on the system's clock
+    (seconds since its first step, as faults). Every peer starts with the swarm; this one stays
+    online for offset_s + online_s, then leaves gracefully (SIGTERM: it checkpoints and tells the
+    swarm), stays away for offline_s, rejoins from its checkpoint for online_s, and so on.
+
+    Attributes:
+        peer: the peer index (not 0: peer 0 is everyone's bootstrap and stays online).
+        online_s: seconds online per window, >= 1 (a node needs seconds to start).
+        offline_s: seconds away between windows, >= 1.
+        offset_s: seconds the first window is delayed by (staggers peers), >= 0.
+    """
+
+    peer: int
+    online_s: float
+    offline_s: float
+    offset_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        where = f"availability[{self.peer}]"
+        if not isinstance(self.peer, int) or isinstance(self.peer, bool):
+            raise _fail("availability.peer", self.peer, "a peer index (an integer)")
+        for name, least in (("online_s", 1.0), ("offline_s", 1.0), ("offset_s", 0.0)):
+            value = getattr(self, name)
+            if (not isinstance(value, int | float) or isinstance(value, bool)
+                    or not math.isfinite(value) or value < least):  # fmt: skip
+                raise _fail(f"{where}.{name}", value, f"a finite number of seconds >= {least:g}")
+
+    def events(self, until_s: float) -> list[tuple[float, str]]:
+        """(at_s, "leave" | "join") of every change before `until_s`, in time order."""
+        out, t, online = [], self.offset_s + self.online_s, True
+        while t < until_s:
+            out.append((t, "leave" if online else "join"))
+            t += self.offline_s if online else self.online_s
+            online = not online
+        return out
+
+    def online_at(self, at_s: float) -> bool:
+        """Whether the windows have the peer online at `at_s`."""
+        return sum(1 for t, _ in self.events(at_s + 1e-9)) % 2 == 0
+
+    def to_json(self) -> dict[str, Any]:
+        return {"peer": self.peer, "online_s": self.online_s, "offline_s": self.offline_s,
+                "offset_s": self.offset_s}  # fmt: skip
+
+
+@dataclass(frozen=True)
 class TestbedScenario:
     """Everything a testbed run emulates.
 
@@ -103,6 +159,22 @@ class TestbedScenario:
         target: the metric value to reach (None: the task's default).
         rate_scale: factor applied to every published link rate (1.0 = as published); a run that
             scales says so in its output and summary.
+        nat: indices of the peers behind NAT: their namespace drops inbound connection attempts
+            (as a home router does) and their nodes run in client mode (network.reachable =
+            false). Peer 0 is everyone's bootstrap and must stay reachable.
+        step_ms: compute emulation: every peer's step is padded to this many milliseconds (a
+            straggler's times its slowdown), in every system, so the run measures the links and
+            the algorithms rather than how the shared cores were scheduled. 0: off.
+        attackers: peer index -> attack kind (ATTACK_KINDS), from [[attackers]] tables: those
+            peers run the testbed's attacker entry point (testbed/_attacker.py) instead of a
+            plain node; no node config can do that.
+        availability: availability windows, one per peer at most, by peer index ([[availability]]
+            tables). The testbed applies them to the geotrain swarm only (see _availability.py).
+        partition, alpha: how every system splits the task's data over the peers: "iid", or
+            "dirichlet" label skew with concentration alpha (smaller: more skew).
+        access: peer index -> its own access link ([[access]] tables), over its region's
+            `access` if it has one. An access link shapes all a peer sends (uplink) and all it
+            receives (downlink), whoever the other end is; rate_scale applies to its rates too.
     """
 
     __test__ = False  # not a pytest test class despite its name
@@ -120,6 +192,13 @@ class TestbedScenario:
     duration_s: float = 60.0
     target: float | None = None
     rate_scale: float = 1.0
+    nat: tuple[int, ...] = ()
+    attackers: Mapping[int, str] = field(default_factory=dict)
+    step_ms: float = 0.0
+    availability: tuple[Availability, ...] = ()
+    partition: str = "iid"
+    alpha: float = 0.5
+    access: Mapping[int, AccessLink] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         names = [r.name for r in self.regions]
@@ -144,6 +223,68 @@ class TestbedScenario:
             raise _fail("duration_s", self.duration_s, "a number of seconds > 0")
         if not isinstance(self.rate_scale, int | float) or not 0 < self.rate_scale <= 1:
             raise _fail("rate_scale", self.rate_scale, "a factor in (0, 1]")
+        if (not isinstance(self.step_ms, int | float) or isinstance(self.step_ms, bool)
+                or not 0 <= self.step_ms < 3_600_000):  # fmt: skip
+            raise _fail("step_ms", self.step_ms, "milliseconds >= 0 (0: no compute emulation)")
+        for peer, link in self.access.items():
+            if not isinstance(peer, int) or isinstance(peer, bool) or not 0 <= peer < self.n_peers:
+                raise _fail("access.peer", peer, f"a peer index in 0..{self.n_peers - 1}")
+            if not isinstance(link, AccessLink):
+                raise _fail(f"access[{peer}]", link, "an access link")
+        self._check_nat()
+        self._check_attackers()
+        self._check_availability()
+        if self.partition not in PARTITIONS:
+            raise _fail("partition", self.partition, f"one of {PARTITIONS}")
+        if (not isinstance(self.alpha, int | float) or isinstance(self.alpha, bool)
+                or not math.isfinite(self.alpha) or not self.alpha > 0):  # fmt: skip
+            raise _fail("alpha", self.alpha, "a Dirichlet concentration > 0")
+
+    def _check_availability(self) -> None:
+        seen: set[int] = set()
+        for window in self.availability:
+            if not isinstance(window, Availability):
+                raise _fail("availability", window, "Availability windows")
+            peer = window.peer
+            if peer == 0:
+                raise _fail("availability.peer", 0, "a peer other than 0 (peer 0 is the "
+                            "bootstrap peer and must stay online)")  # fmt: skip
+            if not 0 < peer < self.n_peers:
+                raise _fail("availability.peer", peer, f"a peer index in 1..{self.n_peers - 1}")
+            if peer in seen:
+                raise _fail("availability.peer", peer, "each peer at most once")
+            if peer in self.attackers:
+                raise _fail("availability.peer", peer, "not an attacker (it would rejoin as an "
+                            "honest node)")  # fmt: skip
+            if any(f.peer == peer for f in self.faults if f.action in ("kill", "restart")):
+                raise _fail("availability.peer", peer, "a peer without kill/restart faults (the "
+                            "two timelines would fight over its process)")  # fmt: skip
+            seen.add(peer)
+        object.__setattr__(self, "availability",
+                           tuple(sorted(self.availability, key=lambda w: w.peer)))  # fmt: skip
+
+    def _check_attackers(self) -> None:
+        for peer, kind in self.attackers.items():
+            if not isinstance(peer, int) or isinstance(peer, bool) or not 0 <= peer < self.n_peers:
+                raise _fail("attackers.peer", peer, f"a peer index in 0..{self.n_peers - 1}")
+            if kind not in ATTACK_KINDS:
+                raise _fail(f"attackers[{peer}].kind", kind, f"one of {ATTACK_KINDS}")
+        if len(self.attackers) >= self.n_peers:
+            raise _fail("attackers", sorted(self.attackers), "fewer attackers than peers")
+        for fault in self.faults:
+            if fault.action == "restart" and fault.peer in self.attackers:
+                raise _fail("faults.peer", fault.peer, "no restart of an attacker (it would come "
+                            "back as an honest node)")  # fmt: skip
+
+    def _check_nat(self) -> None:
+        nat = self.nat
+        if not isinstance(nat, tuple | list) or len(set(nat)) != len(nat):
+            raise _fail("nat", nat, "a list of distinct peer indices")
+        for peer in nat:
+            if not isinstance(peer, int) or isinstance(peer, bool) or not 0 < peer < self.n_peers:
+                raise _fail("nat", peer, f"a peer index in 1..{self.n_peers - 1} (peer 0 is "
+                            "the bootstrap peer and must stay reachable)")  # fmt: skip
+        object.__setattr__(self, "nat", tuple(sorted(nat)))
 
     def _check_fault(self, fault: Fault, names: list[str]) -> None:
         if fault.peer is not None and not 0 <= fault.peer < self.n_peers:
@@ -175,7 +316,26 @@ class TestbedScenario:
 
         inside = {r.name: scaled(self.inside[r.name]) for r in self.regions}
         between = {pair: scaled(spec) for pair, spec in self.between.items()}
-        return LinkMatrix.symmetric(self.peer_regions, inside, between)
+        m = LinkMatrix.symmetric(self.peer_regions, inside, between)
+        access = [self.access_of(i) for i in range(self.n_peers)]
+        if not any(access):
+            return m
+        k = self.rate_scale
+        access = [a if a is None or k == 1.0 else replace(
+            a, up_mbit=a.up_mbit and a.up_mbit * k, down_mbit=a.down_mbit and a.down_mbit * k)
+            for a in access]  # fmt: skip
+        return replace(m, access=tuple(access))
+
+    def access_of(self, peer: int) -> AccessLink | None:
+        """The peer's own access link: its [[access]] entry, else its region's, else None."""
+        if peer in self.access:
+            return self.access[peer]
+        start = 0
+        for region in self.regions:
+            if peer < start + region.peers:
+                return region.access
+            start += region.peers
+        return None
 
     def with_peers(self, n: int) -> TestbedScenario:
         """The same scenario with `n` peers spread over its regions round robin."""
@@ -184,7 +344,8 @@ class TestbedScenario:
         counts = [0] * len(self.regions)
         for i in range(n):
             counts[i % len(counts)] += 1
-        regions = tuple(Region(r.name, c) for r, c in zip(self.regions, counts, strict=True) if c)
+        regions = tuple(Region(r.name, c, r.access)
+                        for r, c in zip(self.regions, counts, strict=True) if c)  # fmt: skip
         kept = {r.name for r in regions}
         return replace(
             self,
@@ -193,6 +354,10 @@ class TestbedScenario:
             between={k: v for k, v in self.between.items() if k <= kept},
             slowdowns={p: s for p, s in self.slowdowns.items() if p < n},
             faults=tuple(f for f in self.faults if self._fault_fits(f, n, kept)),
+            nat=tuple(p for p in self.nat if p < n),
+            attackers={p: k for p, k in self.attackers.items() if p < n},
+            availability=tuple(w for w in self.availability if w.peer < n),
+            access={p: a for p, a in self.access.items() if p < n},
         )
 
     @staticmethod
@@ -210,7 +375,9 @@ class TestbedScenario:
             "duration_s": self.duration_s,
             "target": self.target,
             "rate_scale": self.rate_scale,
-            "regions": [{"name": r.name, "peers": r.peers} for r in self.regions],
+            "regions": [{"name": r.name, "peers": r.peers,
+                         **({"access": r.access.to_json()} if r.access else {})}
+                        for r in self.regions],  # fmt: skip
             "links": {
                 "inside": {k: v.to_json() for k, v in self.inside.items()},
                 "between": [
@@ -220,6 +387,13 @@ class TestbedScenario:
             },
             "stragglers": [{"peer": p, "slowdown": s} for p, s in sorted(self.slowdowns.items())],
             "faults": [_fault_json(f) for f in self.faults],
+            "nat": list(self.nat),
+            "step_ms": self.step_ms,
+            "attackers": [{"peer": p, "kind": k} for p, k in sorted(self.attackers.items())],
+            "availability": [w.to_json() for w in self.availability],
+            "partition": self.partition,
+            "alpha": self.alpha,
+            "access": [{"peer": p, **a.to_json()} for p, a in sorted(self.access.items())],
         }
 
 
@@ -234,16 +408,21 @@ def _fault_json(fault: Fault) -> dict[str, Any]:
     return out
 
 
-def _link(data: Any, where: str) -> LinkSpec:
+def _link(data: Any, where: str, kind: Any = LinkSpec, fields: tuple = LINK_FIELDS) -> Any:
+    """A LinkSpec (or an AccessLink) from its table; a bad or unknown field is named."""
     if not isinstance(data, Mapping):
-        raise _fail(where, data, "a table with delay_ms, jitter_ms, loss, rate_mbit")
-    unknown = set(data) - set(LINK_FIELDS)
+        raise _fail(where, data, f"a table with {', '.join(fields)}")
+    unknown = set(data) - set(fields)
     if unknown:
-        raise _fail(where, sorted(unknown), f"only the fields {LINK_FIELDS}")
+        raise _fail(where, sorted(unknown), f"only the fields {fields}")
     try:
-        return LinkSpec(**data)
+        return kind(**data)
     except (ValueError, TypeError) as exc:
         raise ScenarioError(f"scenario.{where}: {exc}") from exc
+
+
+def _access_link(data: Any, where: str) -> AccessLink:
+    return _link(data, where, AccessLink, ACCESS_FIELDS)
 
 
 def scenario_from_dict(data: Mapping[str, Any], name: str = "custom") -> TestbedScenario:
@@ -254,7 +433,8 @@ def scenario_from_dict(data: Mapping[str, Any], name: str = "custom") -> Testbed
     """
     known = {
         "name", "description", "task", "params", "algorithm", "duration_s", "target",
-        "rate_scale", "regions", "links", "stragglers", "faults",
+        "rate_scale", "regions", "links", "stragglers", "faults", "nat", "attackers", "step_ms",
+        "availability", "partition", "alpha", "access",
     }  # fmt: skip
     unknown = set(data) - known
     if unknown:
@@ -262,7 +442,7 @@ def scenario_from_dict(data: Mapping[str, Any], name: str = "custom") -> Testbed
     regions_data = data.get("regions")
     if not isinstance(regions_data, list) or not regions_data:
         raise _fail("regions", regions_data, "a list of {name, peers} tables")
-    regions = tuple(Region(r.get("name", ""), r.get("peers", 0)) for r in regions_data)
+    regions = tuple(_region_from(r, i) for i, r in enumerate(regions_data))
     links = data.get("links", {})
     inside_data = links.get("inside", {})
     if isinstance(inside_data, Mapping) and set(inside_data) <= set(LINK_FIELDS):
@@ -293,9 +473,76 @@ def scenario_from_dict(data: Mapping[str, Any], name: str = "custom") -> Testbed
             duration_s=data.get("duration_s", 60.0),
             target=data.get("target"),
             rate_scale=data.get("rate_scale", 1.0),
+            nat=data.get("nat", ()),
+            step_ms=data.get("step_ms", 0.0),
+            attackers=_attackers_from(data.get("attackers", [])),
+            availability=_availability_from(data.get("availability", [])),
+            partition=data.get("partition", "iid"),
+            alpha=data.get("alpha", 0.5),
+            access=_access_from(data.get("access", [])),
         )
     except TypeError as exc:
         raise ScenarioError(f"scenario: {exc}") from exc
+
+
+def _region_from(item: Any, i: int) -> Region:
+    if not isinstance(item, Mapping):
+        raise _fail(f"regions[{i}]", item, "a table with name, peers and optionally access")
+    unknown = set(item) - {"name", "peers", "access"}
+    if unknown:
+        raise _fail(f"regions[{i}]", sorted(unknown), "only the fields name, peers, access")
+    access = item.get("access")
+    return Region(item.get("name", ""), item.get("peers", 0),
+                  None if access is None else _access_link(access, f"regions[{i}].access"))
+
+
+def _access_from(items: Any) -> dict[int, AccessLink]:
+    """[[access]] tables ({peer, up_mbit, down_mbit, delay_ms}) as peer -> access link."""
+    if not isinstance(items, list):
+        raise _fail("access", items, "a list of [[access]] tables with peer and link fields")
+    out: dict[int, AccessLink] = {}
+    for i, item in enumerate(items):
+        if not isinstance(item, Mapping) or "peer" not in item:
+            raise _fail(f"access[{i}]", item, f"a table with peer and {ACCESS_FIELDS}")
+        peer = item["peer"]
+        if peer in out:
+            raise _fail(f"access[{i}].peer", peer, "each peer at most once")
+        out[peer] = _access_link({k: v for k, v in item.items() if k != "peer"}, f"access[{i}]")
+    return out
+
+
+def _attackers_from(items: Any) -> dict[int, str]:
+    """[[attackers]] tables ({peer, kind}) as peer -> kind (checked by the scenario)."""
+    if not isinstance(items, list):
+        raise _fail("attackers", items, "a list of [[attackers]] tables with peer and kind")
+    out: dict[int, str] = {}
+    for i, item in enumerate(items):
+        if not isinstance(item, Mapping) or set(item) != {"peer", "kind"}:
+            raise _fail(f"attackers[{i}]", item, "a table with exactly peer and kind")
+        if item["peer"] in out:
+            raise _fail(f"attackers[{i}].peer", item["peer"], "each peer at most once")
+        out[item["peer"]] = item["kind"]
+    return out
+
+
+def _availability_from(items: Any) -> tuple[Availability, ...]:
+    """[[availability]] tables ({peer, online_s, offline_s, offset_s}), checked field by field."""
+    if not isinstance(items, list):
+        raise _fail("availability", items, "a list of [[availability]] tables")
+    out = []
+    for i, item in enumerate(items):
+        if not isinstance(item, Mapping):
+            raise _fail(f"availability[{i}]", item, f"a table with {AVAILABILITY_FIELDS}")
+        unknown = set(item) - set(AVAILABILITY_FIELDS)
+        if unknown:
+            raise _fail(f"availability[{i}]", sorted(unknown), f"only the fields "
+                        f"{AVAILABILITY_FIELDS}")  # fmt: skip
+        for name in ("peer", "online_s", "offline_s"):
+            if name not in item:
+                raise _fail(f"availability[{i}].{name}", None, "a value (it is required)")
+        out.append(Availability(item["peer"], item["online_s"], item["offline_s"],
+                                item.get("offset_s", 0.0)))  # fmt: skip
+    return tuple(out)
 
 
 def _fault_from(item: Any, i: int) -> Fault:
@@ -331,8 +578,56 @@ def _from_gossip(name: str, counts: tuple[int, ...], **kwargs: Any) -> TestbedSc
     )  # fmt: skip
 
 
+def _churn() -> TestbedScenario:
+    """8 peers on us2's links; from t = 20 s about half of them are online at any moment."""
+    windows = tuple(
+        Availability(peer, online_s=20.0, offline_s=20.0, offset_s=0.0 if peer % 2 else 20.0)
+        for peer in range(1, 8)
+    )  # fmt: skip
+    return replace(
+        # steps pinned to 0.5 s: digits would reach its target in ~120 steps, before anyone left
+        _from_gossip("us2", (4, 4), duration_s=180.0, availability=windows, step_ms=500.0),
+        name="churn",
+        description=(
+            "clients that come and go: 8 peers on us2's links (Virginia, Ohio); peers 1-7 are "
+            "online 20 s, away 20 s, odd peers first (they leave at 20 s), even ones 20 s later: "
+            "from t = 20 s four or five of the eight are online; peer 0 (bootstrap) stays; "
+            "every step pinned to 0.5 s"
+        ),
+    )  # fmt: skip
+
+
+# A home's access link: a common cable plan (20 Mbit/s up, 100 down, 10 ms to the provider's
+# network). Illustrative figures, not a measurement; scenario files can state their own.
+HOME_ACCESS = AccessLink(up_mbit=20.0, down_mbit=100.0, delay_ms=10.0)
+
+
+def _homes() -> TestbedScenario:
+    """Datacenter peers and home peers on two continents (Oregon, Tokyo): the published AWS
+    figures between and inside the datacenters, and each home behind its own access link."""
+    geo3 = SCENARIOS["geo3"]
+    near, far = _spec(geo3.intra), _spec(dict(geo3.inter)[("oregon", "tokyo")])
+    regions = (Region("dc-oregon", 2), Region("home-us", 2, HOME_ACCESS),
+               Region("dc-tokyo", 2), Region("home-jp", 2, HOME_ACCESS))  # fmt: skip
+    continent = {"dc-oregon": "us", "home-us": "us", "dc-tokyo": "jp", "home-jp": "jp"}
+    names = [r.name for r in regions]
+    between = {frozenset((a, b)): near if continent[a] == continent[b] else far
+               for i, a in enumerate(names) for b in names[i + 1 :]}  # fmt: skip
+    return TestbedScenario(
+        name="homes",
+        description=(
+            "datacenters and homes on two continents: 2 datacenter peers in Oregon and 2 in "
+            "Tokyo (AWS figures: 10 ms / 2 Gbit/s inside a continent, 96 ms / 523 Mbit/s "
+            "across), 2 homes on each continent behind their own access links (20 Mbit/s up, "
+            "100 down, 10 ms; a common cable plan, not a measurement); digits-mlp, 1.1M parameters"
+        ),
+        regions=regions, inside={n: near for n in names}, between=between, duration_s=300.0,
+        params={"hidden": 1024, "layers": 2},  # digits-mlp at 1.1M parameters, as in geo3
+    )  # fmt: skip
+
+
 def builtin_scenarios() -> dict[str, TestbedScenario]:
-    """Built-ins: `demo` (the default), `geo3`, `us2`, `lan`."""
+    """Built-ins: `demo` (the default), `geo3`, `us2`, `lan`, `churn`, `homes`."""
     us2 = SCENARIOS["us2"]
     oregon = dict(SCENARIOS["geo3"].inter)[("virginia", "oregon")]
     demo = TestbedScenario(
@@ -356,6 +651,8 @@ def builtin_scenarios() -> dict[str, TestbedScenario]:
         "geo3": geo3,
         "us2": _from_gossip("us2", (2, 2)),
         "lan": _from_gossip("lan", (4,)),
+        "churn": _churn(),
+        "homes": _homes(),
     }
 
 

@@ -3,10 +3,14 @@
 # Invariants: nothing here measures or invents a number: a figure the files do not hold is null;
 # a system's t = 0 is the earliest first step of any of its peers (estimated from each peer's first
 # metrics line as t - step / steps_per_s); time to target is when every peer's latest evaluated
-# metric has reached the target.
+# metric has reached the target; fairness is the mean final metric of the worst WORST_FRACTION
+# of the peers (at least one), worst by the task's direction. The testbed's attackers
+# (run.json "attackers", geotrain only) are no part of any quality figure (time to target, final
+# metric, fairness, equal quality): their bytes count, their models do not.
 from __future__ import annotations
 
 import json
+import math
 import statistics
 from pathlib import Path
 from typing import Any
@@ -57,18 +61,8 @@ def train_start(peers: list[list[dict[str, Any]]]) -> float | None:
 
 def time_to_target(peers, target: float, higher_is_better: bool, t0: float) -> float | None:
     """Seconds from t0 until every peer's latest metric has reached the target, or None."""
-    events = sorted(
-        (r["t"], i, r["metric"]) for i, rs in enumerate(peers) for r in rs
-        if r.get("metric") is not None
-    )  # fmt: skip
-    latest: dict[int, float] = {}
-    for t, i, metric in events:
-        latest[i] = metric
-        if len(latest) == len(peers) and all(
-            (m >= target if higher_is_better else m <= target) for m in latest.values()
-        ):
-            return round(t - t0, 2)
-    return None
+    hit = time_bytes_to(swarm_quality(peers, higher_is_better), [], target, higher_is_better, t0)
+    return None if hit is None else hit[0]
 
 
 def steps_per_s(records: list[dict[str, Any]]) -> float | None:
@@ -99,33 +93,136 @@ def bytes_samples(out: Path, system: str) -> list[dict[str, Any]]:
     return load_jsonl(out / f"bytes-{system}.jsonl")
 
 
-def _system(out: Path, run: dict[str, Any], system: str) -> dict[str, Any]:
-    n = run["peers"]
-    peers = peer_metrics(out, system, n)
+def bytes_at(samples: list[dict[str, Any]], t: float) -> int | None:
+    """Bytes a system had put on the links by wall time t: the first sample at or after t (the
+    samples are a quarter second apart), or None when the samples end before t."""
+    return next((s["bytes"] for s in samples if s["t"] >= t), None)
+
+
+def swarm_quality(peers, higher_is_better: bool) -> list[tuple[float, float]]:
+    """(t, the worst peer's latest metric) at each evaluation once every peer has one: the level
+    the whole swarm is at or past."""
+    events = sorted(
+        (r["t"], i, r["metric"]) for i, rs in enumerate(peers) for r in rs
+        if r.get("metric") is not None
+    )  # fmt: skip
+    latest: dict[int, float] = {}
+    out = []
+    for t, i, metric in events:
+        latest[i] = metric
+        if len(latest) == len(peers):
+            worst = min(latest.values()) if higher_is_better else max(latest.values())
+            out.append((t, worst))
+    return out
+
+
+def time_bytes_to(curve, samples, level: float, higher_is_better: bool,
+                  t0: float) -> tuple[float, int | None] | None:  # fmt: skip
+    """(seconds from t0, bytes by then) when the swarm first was at or past `level`, or None."""
+    for t, worst in curve:
+        if worst >= level if higher_is_better else worst <= level:
+            return round(t - t0, 2), bytes_at(samples, t)
+    return None
+
+
+WORST_FRACTION = 0.1  # fairness: the worst 10% of the peers (federated learning's usual cut)
+
+
+def worst_peers(finals: list[float | None], higher_is_better: bool,
+                fraction: float = WORST_FRACTION) -> list[int]:  # fmt: skip
+    """Indices of the worst ceil(fraction x n) peers by final metric, worst first, among the n
+    peers that have one (a peer never evaluated has no figure to rank)."""
+    known = [(m, i) for i, m in enumerate(finals) if m is not None]
+    if not known:
+        return []
+    ranked = sorted(known, reverse=higher_is_better)  # worst first: lowest when higher is better
+    return [i for _, i in ranked[-math.ceil(fraction * len(known)) :]][::-1]
+
+
+def _fairness(finals: list[float | None], higher_is_better: bool) -> dict[str, Any]:
+    worst = worst_peers(finals, higher_is_better)
+    return {
+        "final_metric_worst_10pct": (round(statistics.fmean(finals[i] for i in worst), 4)
+                                     if worst else None),  # type: ignore[misc]
+        "worst_10pct_peers": worst,
+        "final_metric_spread": (round(abs(max(known) - min(known)), 4)
+                                if (known := [m for m in finals if m is not None]) else None),
+    }  # fmt: skip
+
+
+def utilization(records: list[dict[str, Any]], pinned_s: float) -> float | None:
+    """The share of a peer's wall time (first to last step line) spent in its training steps.
+
+    A geotrain node measures it (`utilization` in its lines). A baseline's worker does not tell
+    compute from waiting inside its step (DDP's all-reduce runs inside backward); with compute
+    emulation its compute is the pinned time per step, so steps x pinned / wall time; without,
+    None (not measured)."""
+    own = next((r["utilization"] for r in reversed(records) if r.get("utilization") is not None),
+               None)  # fmt: skip
+    if own is not None:
+        return round(own, 3)
+    stepped = [r for r in records if r.get("step", 0) > 0]
+    if pinned_s <= 0 or len(stepped) < 2 or stepped[-1]["t"] <= stepped[0]["t"]:
+        return None
+    wall = stepped[-1]["t"] - stepped[0]["t"]
+    return round(min(1.0, (stepped[-1]["step"] - stepped[0]["step"]) * pinned_s / wall), 3)
+
+
+def attacker_peers(run: dict[str, Any], system: str) -> set[int]:
+    """The peers of `system` that ran the testbed's attacker (geotrain only)."""
+    return {int(p) for p in run.get("attackers", {})} if system == "geotrain" else set()
+
+
+def honest(peers: list, attackers: set[int]) -> list:
+    """The peers' records without the attackers' (the ones every quality figure is made of)."""
+    return [rs for i, rs in enumerate(peers) if i not in attackers]
+
+
+def _system(run: dict[str, Any], system: str, peers, samples) -> dict[str, Any]:
     t0 = train_start(peers)
-    samples = bytes_samples(out, system)
+    attackers = attacker_peers(run, system)
     if samples:
         sent, source = samples[-1]["bytes"], run["bytes_source"]
     elif system == "geotrain":
         sent, source = sum(node_bytes_out(r) for r in peers), "the nodes' bytes_out counters"
     else:
         sent, source = None, "not measured (no emulation: no shared counter)"
-    finals = [next((r["metric"] for r in reversed(rs) if r.get("metric") is not None), None)
-              for rs in peers]  # fmt: skip
+    finals = [None if i in attackers else
+              next((r["metric"] for r in reversed(rs) if r.get("metric") is not None), None)
+              for i, rs in enumerate(peers)]  # fmt: skip
+    higher = run.get("higher_is_better", True)
+    curve = swarm_quality(honest(peers, attackers), higher)
+    best = (max if higher else min)((w for _, w in curve), default=None)
+    to_target = None if t0 is None else time_bytes_to(
+        curve, samples, run["target_value"], higher, t0)  # fmt: skip
+    entry = run["systems"][system]
     known = [m for m in finals if m is not None]
     rates = [steps_per_s(rs) for rs in peers]
     rates_known = [r for r in rates if r is not None]
+    slowdowns = run.get("slowdowns") or [1.0] * len(peers)
+    busy = [utilization(rs, run.get("step_ms", 0.0) / 1000 * slowdowns[i])
+            for i, rs in enumerate(peers)]  # fmt: skip
+    busy_known = [u for u in busy if u is not None]
     return {
         "system": system,
-        "algorithm": run["algorithm"] if system == "geotrain" else "allreduce (gloo DDP)",
+        "algorithm": entry.get("algorithm") or (
+            run["algorithm"] if system == "geotrain" else "allreduce (gloo DDP)"),
+        "settings": entry.get("settings"),
         "time_to_target_s": None if t0 is None else time_to_target(
-            peers, run["target_value"], run.get("higher_is_better", True), t0),
+            honest(peers, attackers), run["target_value"], run.get("higher_is_better", True), t0),
+        "attackers": sorted(attackers),
         "final_metric": round(statistics.fmean(known), 4) if known else None,
         "final_metric_by_peer": finals,
+        **_fairness(finals, higher),
+        "best_swarm_metric": best,
+        "bytes_to_target": None if to_target is None else to_target[1],
         "bytes_sent_total": sent,
         "bytes_source": source,
         "steps_per_s_median": round(statistics.median(rates_known), 3) if rates_known else None,
         "steps_per_s_by_peer": [None if r is None else round(r, 3) for r in rates],
+        # compute utilization: share of wall time in training steps (see utilization())
+        "utilization_by_peer": busy,
+        "utilization_min": min(busy_known) if busy_known else None,
         "startup_s": None if t0 is None else round(t0 - run["systems"][system]["launch_t"], 2),
         "trained_s": None if t0 is None else round(
             max((rs[-1]["t"] for rs in peers if rs), default=t0) - t0, 2),
@@ -136,6 +233,10 @@ def _system(out: Path, run: dict[str, Any], system: str) -> dict[str, Any]:
 def build_summary(out: Path) -> dict[str, Any]:
     """summary.json of the run in `out` (issue 8's shape, plus a few fields it explains)."""
     run = json.loads((out / "run.json").read_text())
+    # every file is read once: the table's figures and the equal-quality ladder share them
+    loaded = {s: (peer_metrics(out, s, run["peers"]), bytes_samples(out, s))
+              for s in run["systems"]}  # fmt: skip
+    systems = [_system(run, s, *loaded[s]) for s in run["systems"]]
     return {
         "scenario": run["scenario"],
         "emulation": run["emulation"],
@@ -143,13 +244,65 @@ def build_summary(out: Path) -> dict[str, Any]:
         "peers": run["peers"],
         "task": run["task"],
         "target": {"metric": run["metric"], "value": run["target_value"]},
-        "systems": [_system(out, run, s) for s in run["systems"]],
+        "systems": systems,
+        "equal_quality": equal_quality(run, systems, loaded),
         "links": run["links"],
         "faults": run["faults"],
         "rate_scale": run["rate_scale"],
         "consensus_distance_final": run["consensus_distance_final"],
         "time_origin": "each system's first step; time_to_target_s counts from there",
+        "partition": _partition(run),
+        "availability": run.get("availability", {"windows": [], "systems": [], "note": None}),
+        "fairness": "final_metric_worst_10pct: mean final metric of the worst ceil(10%) of the "
+                    "peers with one, worst by the task's direction (worst_10pct_peers, worst "
+                    "first); final_metric is the mean over all of them",
     }
+
+
+def _partition(run: dict[str, Any]) -> dict[str, Any]:
+    """How the data was split: "iid" (alpha null: it plays no part) or "dirichlet" with alpha."""
+    kind = run.get("partition", "iid")  # runs before --partition were IID
+    return {"kind": kind, "alpha": run.get("alpha") if kind == "dirichlet" else None}
+
+
+LADDER_STEPS = (0.25, 0.5, 0.75)  # rungs below the equal-quality level, as fractions of the way
+
+
+def equal_quality(run: dict[str, Any], systems: list[dict[str, Any]],
+                  loaded: dict[str, tuple[list, list]]) -> dict | None:  # fmt: skip
+    """Every system's time and bytes to the best level all of them reached (every peer at or past
+    it): the comparison at equal quality, whether or not anyone reached the target. A system
+    whose peers were never all evaluated has no level and shows no time.
+
+    `ladder` holds the same for rungs from the worst starting level (the swarms' first
+    evaluations) up to that level, so a run says who was ahead all the way, not at one point.
+    `loaded`: per system, its peers' metrics lines and its bytes samples."""
+    bests = [s["best_swarm_metric"] for s in systems if s["best_swarm_metric"] is not None]
+    if len(systems) < 2 or not bests:
+        return None
+    higher = run.get("higher_is_better", True)
+    level = min(bests) if higher else max(bests)
+    curves, starts = {}, []
+    for s in systems:
+        peers, samples = loaded[s["system"]]
+        curve = swarm_quality(honest(peers, attacker_peers(run, s["system"])), higher)
+        curves[s["system"]] = (curve, samples, train_start(peers))
+        if curve:
+            starts.append(curve[0][1])
+    start = min(starts) if higher else max(starts)
+    rungs = [start + (level - start) * f for f in LADDER_STEPS] + [level]
+
+    def hits(rung: float) -> dict[str, dict[str, Any]]:
+        by_system = {}
+        for name, (curve, samples, t0) in curves.items():
+            hit = None if t0 is None else time_bytes_to(curve, samples, rung, higher, t0)
+            by_system[name] = {"time_s": hit[0] if hit else None,
+                               "bytes": hit[1] if hit else None}  # fmt: skip
+        return by_system
+
+    ladder = [{"level": round(r, 6), "systems": hits(r)} for r in rungs if r != start]
+    return {"metric": run["metric"], "level": level, "systems": hits(level), "ladder": ladder,
+            "meaning": "every peer at or past the best level all systems reached"}  # fmt: skip
 
 
 def _fmt_bytes(n: int | None) -> str:
@@ -175,23 +328,63 @@ def comparison_rows(summary: dict[str, Any]) -> list[tuple[str, ...]]:
     The text table and the HTML report both show these cells, so they cannot disagree.
     """
     metric = summary["target"]["metric"]
-    rows = [("system", "algorithm", "time to target", f"final {metric}",
+    rows = [("system", "algorithm", "time to target", f"final {metric}: mean (worst 10%)",
              "bytes sent", "median steps/s")]  # fmt: skip
     for s in summary["systems"]:
         ttt = s["time_to_target_s"]
         rows.append((
             s["system"], s["algorithm"],
             f"{ttt:.1f} s" if ttt is not None else f"not reached ({s['trained_s']} s)",
-            "-" if s["final_metric"] is None else f"{s['final_metric']:.4f}",
+            _final_cell(s),
             _fmt_bytes(s["bytes_sent_total"]),
             "-" if s["steps_per_s_median"] is None else f"{s['steps_per_s_median']:.2f}",
         ))  # fmt: skip
     return rows
 
 
+def _final_cell(s: dict[str, Any]) -> str:
+    """`0.9412 (0.9220)`: the mean final metric and, beside it, the worst 10%'s (fairness)."""
+    if s["final_metric"] is None:
+        return "-"
+    worst = s.get("final_metric_worst_10pct")  # absent from summaries written before it
+    return f"{s['final_metric']:.4f}" + ("" if worst is None else f" ({worst:.4f})")
+
+
 def comparison_notes(summary: dict[str, Any]) -> list[str]:
     """The lines under the table: ratios geotrain vs the baseline when both are known, bytes."""
-    return [*_ratios(summary["systems"]), f"bytes: {summary['systems'][0]['bytes_source']}"]
+    return [*_ratios(summary["systems"]), *_equal_lines(summary), *_fairness_lines(summary),
+            *_utilization_lines(summary),
+            f"bytes: {summary['systems'][0]['bytes_source']}"]  # fmt: skip
+
+
+def _utilization_lines(summary: dict[str, Any]) -> list[str]:
+    """The lowest peer's compute utilization per system, where it was measured."""
+    known = [(s["system"], s["utilization_min"]) for s in summary["systems"]
+             if s.get("utilization_min") is not None]  # fmt: skip
+    if not known:
+        return []
+    cells = ", ".join(f"{name} {u:.0%}" for name, u in known)
+    return [f"compute utilization, lowest peer: {cells} (share of wall time in training steps; "
+            "baselines: pinned step time x steps, under compute emulation only)"]
+
+
+def _fairness_lines(summary: dict[str, Any]) -> list[str]:
+    """Who the worst peers were (the table's worst 10%), the data split, and the windows."""
+    lines = []
+    for s in summary["systems"]:
+        if s.get("worst_10pct_peers"):
+            peers = ", ".join(f"peer {i}" for i in s["worst_10pct_peers"])
+            lines.append(f"worst 10%: {s['system']} {peers} (final {s['final_metric_worst_10pct']}"
+                         f" vs mean {s['final_metric']})")  # fmt: skip
+    part = summary.get("partition") or {}
+    if part.get("kind") not in (None, "iid"):
+        lines.append(f"data: {part['kind']} label skew, alpha {part['alpha']:g}, the same split "
+                     "in every system")  # fmt: skip
+    availability = summary.get("availability") or {}
+    if availability.get("windows"):
+        lines.append(f"availability: {len(availability['windows'])} peers come and go; "
+                     f"{availability['note']}")  # fmt: skip
+    return lines
 
 
 def render_table(summary: dict[str, Any]) -> str:
@@ -204,17 +397,47 @@ def render_table(summary: dict[str, Any]) -> str:
 
 
 def _ratios(systems: list[dict[str, Any]]) -> list[str]:
+    """geotrain against each baseline: time to target and bytes of the whole runs."""
     by = {s["system"]: s for s in systems}
-    if "geotrain" not in by or "ddp" not in by:
+    if "geotrain" not in by:
         return []
-    g, d = by["geotrain"], by["ddp"]
-    out = []
-    if g["time_to_target_s"] and d["time_to_target_s"]:
-        ratio = d["time_to_target_s"] / g["time_to_target_s"]
-        out.append(f"time to target: DDP/geotrain = {ratio:.2f} (above 1: geotrain sooner)")
-    elif g["time_to_target_s"] and not d["time_to_target_s"]:
-        out.append("time to target: geotrain reached it, DDP did not")
-    if g["bytes_sent_total"] and d["bytes_sent_total"]:
-        out.append(f"bytes sent: geotrain/DDP = {g['bytes_sent_total'] / d['bytes_sent_total']:.3g}"
-                   " (whole runs, not to the target)")  # fmt: skip
+    g, out = by["geotrain"], []
+    for name, d in by.items():
+        if name == "geotrain":
+            continue
+        label = "DDP" if name == "ddp" else name
+        if g["time_to_target_s"] and d["time_to_target_s"]:
+            ratio = d["time_to_target_s"] / g["time_to_target_s"]
+            out.append(f"time to target: {label}/geotrain = {ratio:.2f} (above 1: geotrain sooner)")
+        elif g["time_to_target_s"] and not d["time_to_target_s"]:
+            out.append(f"time to target: geotrain reached it, {label} did not")
+        elif d["time_to_target_s"] and not g["time_to_target_s"]:
+            out.append(f"time to target: {label} reached it, geotrain did not")
+        if g["bytes_sent_total"] and d["bytes_sent_total"]:
+            ratio = g["bytes_sent_total"] / d["bytes_sent_total"]
+            out.append(f"bytes sent: geotrain/{label} = {ratio:.3g} (whole runs)")
     return out
+
+
+def _equal_lines(summary: dict[str, Any]) -> list[str]:
+    """Time and bytes of every system to each rung of the ladder, the best level all of them
+    reached last."""
+    eq = summary.get("equal_quality")
+    if not eq:
+        return []
+
+    def cells(systems: dict[str, dict[str, Any]]) -> str:
+        parts = []
+        for name, hit in systems.items():
+            if hit["time_s"] is None:
+                parts.append(f"{name} -")
+            else:
+                parts.append(f"{name} {hit['time_s']:.1f} s, {_fmt_bytes(hit['bytes'])}")
+        return "; ".join(parts)
+
+    lines = [f"  {eq['metric']} {rung['level']:.4g}: " + cells(rung["systems"])
+             for rung in eq.get("ladder", [])[:-1]]  # fmt: skip
+    if lines:
+        lines.insert(0, "on the way (every peer at or past each level):")
+    return [*lines, f"at equal quality ({eq['metric']} {eq['level']:.4g}, every peer): "
+            + cells(eq["systems"])]  # fmt: skip

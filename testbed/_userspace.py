@@ -3,9 +3,11 @@
 # counted) or written to the destination peer's TUN device at
 # max(serialized + delay ± jitter, previous delivery of that link), so one link never reorders;
 # a link is a (source peer, destination region) pair with its own serialization clock and a
-# bounded queue. The emulator runs in its own process (no GIL contention with the orchestrator)
-# and exits when told to or when its control pipe closes (the parent died), which closes the TUN
-# fds and so deletes the devices.
+# bounded queue; a peer with an access link also has an uplink (all it sends, before the region
+# link) and a downlink (all it receives, after it, served in order of arrival) of its own. The
+# emulator runs in its own process (no GIL contention with the orchestrator) and exits when told
+# to or when its control pipe closes (the parent died), which closes the TUN fds and so deletes
+# the devices.
 from __future__ import annotations
 
 import contextlib
@@ -41,6 +43,13 @@ class UserspaceConfig:
             processes do not delay its wake-ups: on a loaded 2-core box (load 7) this took a
             25 ms link's measured RTT from 52-53 ms to 50.4-50.6 ms. It sleeps in select() when
             idle and its CPU use follows the traffic the peers make.
+        access_queue_s: an access link (a peer's own uplink or downlink) buffers this many
+            seconds of its rate before it drops (at least queue_min_bytes), as a home router's
+            deep buffer does. 1.0, because with 64 KB packets 0.25 s of a 20 Mbit/s uplink holds
+            fewer packets than TCP's initial window (10): the burst at a flow's start overflowed
+            it (6 drops) and a 1.5 MiB transfer measured 7.2 Mbit/s (0.5 s: 19.8-20.0 Mbit/s on
+            a 40 ms path); and on a 212 ms path (a home uplink across the Pacific) 0.5 s is less
+            than the startup overshoot: 27 drops, 13.7 and 18.0 Mbit/s; 1.0 s: 0 drops, 20.0.
     """
 
     seed: int = 0
@@ -48,6 +57,7 @@ class UserspaceConfig:
     queue_min_bytes: int = 4 * 65536
     mtu: int = TUN_MTU
     realtime: bool = True
+    access_queue_s: float = 1.0  # an access link buffers this many seconds at its rate
 
     def __post_init__(self) -> None:
         if self.queue_bdp_factor <= 0:
@@ -117,6 +127,32 @@ class EgressLink:
         return at
 
 
+class AccessQueue:
+    """Serialization clock and bounded queue of one peer's uplink or downlink."""
+
+    __slots__ = ("bps", "delay", "free_at", "limit", "packets", "bytes", "overflowed")
+
+    def __init__(self, rate_mbit: float | None, delay_ms: float, config: UserspaceConfig) -> None:
+        self.bps = None if rate_mbit is None else rate_mbit * 1e6 / 8
+        self.delay = delay_ms / 1000
+        self.free_at = 0.0
+        self.limit = max(config.queue_min_bytes, (self.bps or 0.0) * config.access_queue_s)
+        self.packets = self.bytes = self.overflowed = 0
+
+    def admit(self, size: int, now: float) -> float | None:
+        """When a packet of `size` bytes entering at `now` has crossed, or None (dropped)."""
+        sent = now
+        if self.bps is not None:
+            start = max(now, self.free_at)
+            if round((start - now) * self.bps) + size > self.limit:
+                self.overflowed += 1
+                return None
+            self.free_at = sent = start + size / self.bps
+        self.packets += 1
+        self.bytes += size
+        return sent + self.delay
+
+
 @dataclass(frozen=True)
 class LinkStatistics:
     """Counters of one link: packets/bytes admitted for delivery, drops by cause."""
@@ -140,11 +176,13 @@ class EmulatorStatistics:
     links: tuple[LinkStatistics, ...]
     unroutable: int
     write_errors: int
+    access_overflowed: int = 0  # packets dropped by a full access link (uplink or downlink)
 
     @classmethod
     def from_json(cls, data: dict) -> EmulatorStatistics:
         links = tuple(LinkStatistics(**link) for link in data["links"])
-        return cls(links, data["unroutable"], data["write_errors"])
+        return cls(links, data["unroutable"], data["write_errors"],
+                   data.get("access_overflowed", 0))  # fmt: skip
 
 
 class PacketScheduler:
@@ -168,8 +206,13 @@ class PacketScheduler:
             [EgressLink(matrix.spec(src, dst), config) for dst in matrix.regions]
             for src in matrix.peer_regions
         ]
+        self._up: list[AccessQueue | None] = [None] * matrix.n_peers
+        self._down: list[AccessQueue | None] = [None] * matrix.n_peers
+        self._set_access(matrix)
         self._matrix = matrix
-        self._heap: list[tuple[float, int, int, bytes]] = []
+        # (time, seq, stage, destination peer, packet): stage 1 reaches the destination's
+        # downlink at `time`, stage 0 is delivered then
+        self._heap: list[tuple[float, int, int, int, bytes]] = []
         self._seq = 0
         self.unroutable = 0
         self.write_errors = 0
@@ -184,7 +227,25 @@ class PacketScheduler:
         for src, src_region in enumerate(matrix.peer_regions):
             for j, dst_region in enumerate(matrix.regions):
                 self._links[src][j].set_spec(matrix.spec(src_region, dst_region), self.config)
+        self._set_access(matrix)
         self._matrix = matrix
+
+    def _set_access(self, matrix: LinkMatrix) -> None:
+        """Each peer's uplink and downlink queues per its access link; a queue whose rate and
+        delay stay the same keeps its clock (packets in it keep their times)."""
+        for peer in range(matrix.n_peers):
+            access = matrix.access_of(peer)
+            for queues, rate in ((self._up, access and access.up_mbit),
+                                 (self._down, access and access.down_mbit)):  # fmt: skip
+                delay = access.delay_ms if access else 0.0
+                old = queues[peer]
+                new = None if access is None else AccessQueue(rate, delay, self.config)
+                if old is not None and new is not None and (old.bps, old.delay) == (
+                        new.bps, new.delay):  # fmt: skip
+                    continue
+                if old is not None and new is not None:
+                    new.free_at = old.free_at
+                queues[peer] = new
 
     def send(self, src: int, packet: bytes, now: float) -> None:
         """Peer `src` sent `packet` (a raw IP packet) at `now`."""
@@ -195,10 +256,16 @@ class PacketScheduler:
         if dst is None:
             self.unroutable += 1
             return
+        up = self._up[src]
+        if up is not None:
+            now = up.admit(len(packet), now)  # (when it has left the sender's access link)
+            if now is None:
+                return
         at = self._links[src][self._peer_region[dst]].admit(len(packet), now, self._rng)
         if at is not None:
             self._seq += 1
-            heapq.heappush(self._heap, (at, self._seq, dst, packet))
+            stage = 0 if self._down[dst] is None else 1
+            heapq.heappush(self._heap, (at, self._seq, stage, dst, packet))
 
     def next_due(self) -> float | None:
         """Time of the earliest pending delivery, or None when nothing is in flight."""
@@ -209,8 +276,14 @@ class PacketScheduler:
         out = []
         heap = self._heap
         while heap and heap[0][0] <= now:
-            _, _, dst, packet = heapq.heappop(heap)
-            out.append((dst, packet))
+            at, seq, stage, dst, packet = heapq.heappop(heap)
+            if stage == 0:
+                out.append((dst, packet))
+                continue
+            down = self._down[dst]  # it reached the receiver's downlink at `at`: in order of
+            done = at if down is None else down.admit(len(packet), at)  # arrival, its queue
+            if done is not None:
+                heapq.heappush(heap, (done, seq, 0, dst, packet))
         return out
 
     def write_failed(self, dst: int) -> None:
@@ -223,7 +296,8 @@ class PacketScheduler:
             for src, row in enumerate(self._links)
             for region, link in zip(self._matrix.regions, row, strict=True)
         )
-        return EmulatorStatistics(links, self.unroutable, self.write_errors)
+        overflowed = sum(q.overflowed for q in (*self._up, *self._down) if q is not None)
+        return EmulatorStatistics(links, self.unroutable, self.write_errors, overflowed)
 
 
 # Starts the emulator process with this package's modules but without running the package's

@@ -106,6 +106,24 @@ async def test_a_peer_gone_mid_stream_changes_neither_model(autojump_clock):
         assert b.counters.statistics().failed == 1 and b.counters.statistics().ok == 1
 
 
+async def test_a_closed_connection_ends_the_exchange_its_peer_was_driving_at_once(autojump_clock):
+    async with runtimes(2, **CHUNKED) as (net, (a, b)):
+        net.set_delay("p0", "p1", 0.05)
+        a.ctx.trainer.train_step()
+        before_b = model(b)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(a.exchange_once)
+            await trio.sleep(0.12)
+            net.cut("p0", "p1")  # a's machine dies mid-stream ...
+        session = b._sessions["p0"]
+        assert trio.current_time() < session.expires_at  # it would wait to idle out (a 100M
+        b.peer_disconnected("p0")  # model's: minutes) ... but the transport saw a's connection
+        assert not b._sessions  # close: dropped now (a 100M model answers one at a time)
+        assert same(model(b), before_b) and b.counters.statistics().failed == 1
+        b.peer_disconnected("p0")  # nothing left to drop: counted once
+        assert b.counters.statistics().failed == 1
+
+
 def _opening(algo, **changes) -> Exchange:
     plan = algo.plan(algo.ctx.chunk_numel)
     fields = {"algorithm": "adpsgd", "codec": "none", "step": 0, "xid": 7, "plan": plan.digest,

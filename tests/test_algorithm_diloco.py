@@ -4,6 +4,7 @@ a missing partner left out at the deadline, a poisoned update refused, restart f
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
@@ -11,7 +12,10 @@ import trio
 from _runtimes import model, poison, runtimes, same, step
 
 from geotrain.gossip import NesterovOuter, average, pseudo_gradient
-from geotrain.node.algorithms.diloco import DilocoSettings
+from geotrain.node.algorithms._stream import encode_chunk, model_chunk
+from geotrain.node.algorithms.diloco import DeltaOffer, DeltaReply, DilocoSettings
+from geotrain.node.training import StepResult
+from geotrain.node.transport import PeerInfo
 
 DILOCO = {
     "algorithm": "diloco",
@@ -96,3 +100,159 @@ async def test_an_update_is_used_once_and_never_when_too_stale(autojump_clock):
         a.inbox["p1"] = (1, b.latest_delta)  # an update of b's round 1 offered again, late
         await a.after_step(step(a, 6))  # round 3: two rounds old > max_staleness 1: left out
         assert a.statistics().peer_deltas_used == 1
+
+
+async def test_a_closed_connection_frees_the_slot_of_an_unfinished_offer(autojump_clock):
+    settings = {"diloco": DilocoSettings(inner_steps=2, fanout=1)}
+    async with runtimes(2, **{**DILOCO, "chunk_numel": 8, "algorithm_settings": settings}) as (
+        net, (a, b)
+    ):
+        plan = b.plan(8)
+        delta = {k: torch.zeros_like(v) for k, v in b.ctx.trainer.params().items()}
+        p0 = PeerInfo("p0", b"", "mem://p0", "inbound")
+
+        def offer(index: int, xid: int = 1) -> DeltaOffer:
+            return DeltaOffer(codec="none", round=1, xid=xid, plan=plan.digest, chunk_numel=8,
+                              chunks=len(plan), index=index)  # fmt: skip
+
+        chunk = encode_chunk(model_chunk(delta, plan, 0), "none")
+        reply, _ = await b.handle(p0, offer(0), memoryview(chunk))
+        assert isinstance(reply, DeltaReply) and "p0" in b._incoming
+        # p0 dies before its other chunks: with fanout 1 its half offer fills b's only slot ...
+        p2 = PeerInfo("p2", b"", "mem://p2", "inbound")
+        refused, _ = await b.handle(p2, offer(0, xid=2), memoryview(chunk))
+        assert not isinstance(refused, DeltaReply)
+        b.peer_disconnected("p0")  # ... until the transport sees its connection close
+        assert not b._incoming
+        reply, _ = await b.handle(p2, offer(0, xid=2), memoryview(chunk))
+        assert isinstance(reply, DeltaReply) and "p2" in b._incoming
+
+
+@pytest.mark.parametrize("chunk_numel", [None, 8])
+async def test_consensus_averages_the_outer_parameters_of_each_swap_on_both_ends(
+    autojump_clock, chunk_numel
+):
+    settings = {"diloco": DilocoSettings(inner_steps=2, consensus_every=1,
+                                         consensus_codec="none")}  # fmt: skip
+    torch.manual_seed(0)
+    async with runtimes(2, chunk_numel=chunk_numel, **{**DILOCO, "algorithm_settings": settings}
+                        ) as (net, (a, b)):  # fmt: skip
+        # the two have drifted apart (as nodes that averaged different updates do)
+        b.ctx.trainer.apply(lambda live: [t.add_(1.0) for t in live.values()])
+        b.model_replaced()
+        a0 = {k: v.clone() for k, v in a.start.items()}
+        b0 = {k: v.clone() for k, v in b.start.items()}
+        for _ in range(2):
+            b.ctx.trainer.train_step()
+        delta_b = pseudo_gradient(b0, b.ctx.trainer.params())
+        await b.after_step(step(b, 2))  # b ends round 1 first: swaps starts with a
+        mid = {k: (a0[k] + b0[k]) / 2 for k in a0}
+        expected_b = {k: v.clone() for k, v in mid.items()}
+        NesterovOuter(0.7, 0.9).step(expected_b, average([delta_b]))  # a had no update yet
+        assert all(torch.allclose(b.start[k], expected_b[k], atol=1e-5) for k in mid)
+        for _ in range(2):
+            a.ctx.trainer.train_step()
+        delta_a = pseudo_gradient(a0, a.ctx.trainer.params())
+        b_after = {k: v.clone() for k, v in b.start.items()}
+        await a.after_step(step(a, 2))  # a swaps again, with b as it is now (b keeps a0 for its
+        # next outer step), and a mixes that before its own step
+        expected_a = {k: (a0[k] + b_after[k]) / 2 for k in a0}
+        NesterovOuter(0.7, 0.9).step(expected_a, average([delta_a, delta_b]))
+        assert all(torch.allclose(a.start[k], expected_a[k], atol=1e-5) for k in mid)
+        assert a.statistics().consensus_mixes == 1 and b.statistics().consensus_mixes == 1
+        assert set(b.consensus) == {"p0"}  # for b's next outer step: a's start of the swap
+        assert all(torch.equal(b.consensus["p0"][1][k], a0[k]) for k in a0)
+        apart = sum(float((a0[k] - b0[k]).norm() ** 2) for k in a0) ** 0.5
+        now = sum(float((a.start[k] - b.start[k]).norm() ** 2) for k in a0) ** 0.5
+        # what is left is the two outer steps' difference (b had only its own update)
+        assert now < apart / 2, (now, apart)
+
+
+async def test_without_consensus_drifted_outer_parameters_stay_apart(autojump_clock):
+    settings = {"diloco": DilocoSettings(inner_steps=2, consensus_every=0)}
+    async with runtimes(2, **{**DILOCO, "algorithm_settings": settings}) as (net, (a, b)):
+        b.ctx.trainer.apply(lambda live: [t.add_(1.0) for t in live.values()])
+        b.model_replaced()
+        for x in (b, a):
+            x.ctx.trainer.train_step()
+            x.ctx.trainer.train_step()
+            await x.after_step(step(x, 2))
+        apart = sum(float((a.start[k] - b.start[k]).norm() ** 2) for k in a.start) ** 0.5
+        assert apart > 1.0 and a.statistics().consensus_mixes == 0
+
+
+def test_consensus_needs_a_dense_codec():
+    with pytest.raises(ValueError, match="gossip.diloco.consensus_codec"):
+        DilocoSettings(consensus_codec="topk:0.01")
+
+
+async def test_adaptive_rounds_keep_the_round_end_a_set_fraction_of_compute(autojump_clock):
+    # steps of 10 ms; a round end may take 10% of the round's compute: H = wait / 1 ms
+    settings = {"diloco": DilocoSettings(inner_steps=2, comm_fraction=0.1, max_inner_steps=500,
+                                         consensus_every=0)}  # fmt: skip
+    async with runtimes(2, **{**DILOCO, "algorithm_settings": settings}) as (net, (a, b)):
+        net.set_delay("p0", "p1", 0.01)
+        stepped = 0
+
+        async def round_of_a() -> tuple[int, float]:
+            """Steps until a's round ends; (the steps it took, the seconds its round end took)."""
+            nonlocal stepped
+            before = a.outer_steps
+            while True:
+                stepped += 1
+                started = trio.current_time()
+                await a.after_step(StepResult(step=stepped, loss=0.0, seconds=0.01))
+                if a.outer_steps > before:
+                    return stepped, trio.current_time() - started
+
+        end, waited = await round_of_a()
+        assert end == 2  # the first round is inner_steps long
+        assert a.inner_steps == math.ceil(waited / (0.1 * 0.01))  # 20 ms offer -> 20 steps
+        assert a.inner_steps == 20 and a.statistics().inner_steps == 20
+        next_end, _ = await round_of_a()
+        assert next_end == end + 20  # the round it asked for
+        net.set_delay("p0", "p1", 0.05)  # the link degrades: rounds grow with it ...
+        await round_of_a()
+        assert a.inner_steps == 100
+        net.set_delay("p0", "p1", 0.001)  # ... and shrink back, not below inner_steps
+        await round_of_a()
+        await round_of_a()
+        assert a.inner_steps == 2
+
+
+def test_adaptive_round_settings_are_checked():
+    with pytest.raises(ValueError, match="gossip.diloco.comm_fraction"):
+        DilocoSettings(comm_fraction=1.5)
+    with pytest.raises(ValueError, match="gossip.diloco.max_inner_steps"):
+        DilocoSettings(inner_steps=50, max_inner_steps=10)
+
+
+async def test_steps_a_loop_took_while_its_round_ended_are_kept_on_the_new_start(autojump_clock):
+    # a loop of the user's own does not pause at a round end: the outer step runs at its next
+    # step, and what it learned meanwhile lands on top of the new start instead of being lost
+    torch.manual_seed(0)
+    async with runtimes(2, **DILOCO) as (net, (a, b)):
+        for _ in range(2):
+            b.ctx.trainer.train_step()
+        await b.after_step(step(b, 2))
+        for _ in range(2):
+            a.ctx.trainer.train_step()
+        trainer = a.ctx.trainer
+        live_end = {k: v.clone() for k, v in trainer.params().items()}
+        delta_a = pseudo_gradient(a.start, live_end)
+        start_a = {k: v.clone() for k, v in a.start.items()}
+        real_apply, drift = trainer.apply, {}
+
+        def apply_at_the_next_user_step(fn):
+            trainer.train_step()  # the user's step during the round end
+            drift.update({k: v - live_end[k] for k, v in trainer.params().items()})
+            return real_apply(fn)
+
+        trainer.apply = apply_at_the_next_user_step
+        await a.after_step(step(a, 2))
+        expected = dict(start_a)
+        NesterovOuter(0.7, 0.9).step(expected, average([delta_a, b.latest_delta]))
+        assert all(torch.allclose(a.start[k], expected[k], atol=1e-6) for k in expected)
+        assert any(d.abs().max() > 0 for d in drift.values())
+        assert all(torch.allclose(model(a)[k], expected[k] + drift[k], atol=1e-6)
+                   for k in expected)  # fmt: skip

@@ -56,6 +56,8 @@ def test_overrides_take_toml_values_and_bare_strings():
     [
         ("training.lr=-1", "training.lr = -1.0: expected > 0"),
         ("training.lr=fast", "training.lr = 'fast': expected a number"),
+        ("training.step_time_ms=-5", "training.step_time_ms = -5.0: expected milliseconds >= 0"),
+        ("training.step_time_ms=inf", "training.step_time_ms = inf: expected milliseconds >= 0"),
         ("training.shard_index=4", "training.shard_index = 4: expected 0..3"),
         ("gossip.policy=random", "gossip.policy = 'random': expected uniform or ring"),
         ("gossip.exchange_every=0", "gossip.exchange_every = 0: expected >= 1"),
@@ -166,3 +168,26 @@ def test_a_settings_object_of_another_algorithm_is_refused():
 
     with pytest.raises(ConfigError, match="gossip.dpsgd = .*DpsgdSettings"):
         GossipConfig(algorithm="dpsgd", algorithm_settings={"dpsgd": ChocoSettings()})
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["network.reachable=maybe"], "network.reachable = 'maybe': expected true or false"),
+        (["network.reachable=false", 'network.listen="tcp://0.0.0.0:7001"'],
+         "network.listen = 'tcp://0.0.0.0:7001': expected a loopback address"),
+        (["network.reachable=false", 'network.advertise="tcp://203.0.113.7:7000"'],
+         "network.advertise = 'tcp://203.0.113.7:7000': expected unset"),
+        (["network.reachable=false", "network.bootstrap=[]"],
+         "network.bootstrap = []: expected at least one reachable peer"),
+    ],
+)  # fmt: skip
+def test_a_client_mode_node_listens_on_loopback_advertises_nothing_and_has_a_bootstrap(
+    overrides, message
+):
+    with pytest.raises(ConfigError) as info:
+        config_from_toml(GOOD, base=Path("/x"), overrides=overrides)
+    assert message in str(info.value)
+    client = config_from_toml(GOOD, base=Path("/x"), overrides=["network.reachable=false"])
+    assert client.network.reachable is False
+    assert config_from_toml(GOOD, base=Path("/x")).network.reachable is True  # the default

@@ -65,6 +65,36 @@ def test_admit_accepts_a_hex_public_key_and_an_explicit_out(tmp_path, capsys):
     assert "refusing to overwrite" in capsys.readouterr().err
 
 
+def test_renew_replaces_the_same_peers_certificate_and_nothing_else(tmp_path, capsys):
+    swarm = tmp_path / "swarm"
+    assert main(["swarm", "init", "--out", str(swarm)]) == 0
+    member, other = Identity.generate(), Identity.generate()
+    admit = ["swarm", "admit", "--swarm", str(swarm)]
+    assert main([*admit, member.peer_id, "--expires", "1h"]) == 0  # into SWARM/certs/
+    path = swarm / "certs" / f"{member.peer_id}.cert.json"
+    first = MembershipCertificate.load(path).expires_at
+    capsys.readouterr()
+    assert main([*admit, member.peer_id, "--expires", "30d"]) == 1  # not without --renew
+    assert "refusing to overwrite" in capsys.readouterr().err
+    for _ in range(2):  # the renewal the node's hint gives works again and again
+        assert main([*admit, member.peer_id, "--expires", "30d", "--renew"]) == 0
+    renewed = MembershipCertificate.load(path)
+    assert renewed.expires_at > first + 29 * 86400 and stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert sorted(p.name for p in path.parent.iterdir()) == [path.name]  # no temp file left
+    # --renew never replaces another peer's certificate, a key, or a file that is not there
+    capsys.readouterr()
+    assert main([*admit, other.peer_id, "--expires", "30d", "--renew", "--out", str(path)]) == 1
+    assert "holds the certificate of peer" in capsys.readouterr().err
+    assert MembershipCertificate.load(path).peer_id == member.peer_id
+    key = tmp_path / "node.key"
+    member.save(key)
+    assert main([*admit, member.peer_id, "--expires", "30d", "--renew", "--out", str(key)]) == 1
+    assert Identity.load(key).peer_id == member.peer_id
+    missing = tmp_path / "none.cert.json"
+    assert main([*admit, member.peer_id, "--expires", "30d", "--renew", "--out", str(missing)]) == 1
+    assert "no certificate there to renew" in capsys.readouterr().err and not missing.exists()
+
+
 @pytest.mark.parametrize(
     ("peer", "expires", "message"),
     [

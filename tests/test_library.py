@@ -193,3 +193,129 @@ def test_a_gpt_style_model_with_dataclass_outputs_trains_in_its_own_loop(tmp_pat
             assert b.status().exchanges_ok >= 2
     for losses in results.values():  # from ~5.5 (uniform over 256 bytes) down
         assert sum(losses[-10:]) / 10 < 0.6 * sum(losses[:5]) / 5
+
+
+class ModeWatch(nn.Module):
+    """A model that counts the forward passes during which its train/eval mode changed."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = nn.Linear(8, 1)
+        self.changed = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        import time
+
+        mode = self.training
+        time.sleep(0.002)  # a forward pass that takes a while
+        out = self.lin(x)
+        self.changed += self.training != mode
+        return out
+
+
+def test_evaluations_run_between_the_users_steps_never_during_a_forward_pass(tmp_path):
+    model = ModeWatch()
+    evaluated = []
+
+    def evaluate(m: nn.Module) -> float:
+        evaluated.append(m.training)  # the node puts the model in eval mode for it
+        with torch.no_grad():
+            return float(m(torch.zeros(4, 8)).abs().mean())
+
+    swarm = geotrain.join(config(tmp_path, "a", "training.eval_every=1",
+                                 "training.wait_for_peers=0"), model, evaluate=evaluate,
+                          identity=Identity.generate(), admission=Admission.open_swarm("geotrain"))
+    with swarm:
+        opt = swarm.wrap(torch.optim.SGD(model.parameters(), lr=0.01))
+        for _ in range(60):
+            loss = model(torch.randn(16, 8)).pow(2).mean()
+            loss.backward()
+            opt.step(loss=loss)
+            opt.zero_grad()
+            assert model.training  # the user's mode, as they left it
+    assert len(evaluated) >= 20 and not any(evaluated)
+    assert model.changed == 0  # no forward pass, the user's or the evaluation's, saw a switch
+
+
+def test_a_join_that_times_out_stops_its_node(tmp_path):
+    before = {t for t in threading.enumerate() if t.name == "geotrain-node"}
+    with pytest.raises(TimeoutError, match="not ready within 1.5 s"):
+        geotrain.join(config(tmp_path, "a", "training.wait_for_peers=1"), make_model(),
+                      identity=Identity.generate(), admission=Admission.open_swarm("geotrain"),
+                      ready_timeout_s=1.5)  # nobody to wait for  # fmt: skip
+    left = {t for t in threading.enumerate() if t.name == "geotrain-node"} - before
+    assert not any(t.is_alive() for t in left)  # nothing keeps listening behind the user's back
+
+
+def test_a_node_that_stops_by_itself_is_an_error_at_the_next_step(tmp_path):
+    model = make_model()
+    swarm = joined(tmp_path, "a", model, "training.wait_for_peers=0")
+    opt = swarm.wrap(torch.optim.SGD(model.parameters(), lr=0.01))
+    import trio
+
+    opt.step()  # fine while the node runs
+    # the node ends without the user closing it (here: asked from its own loop, as an error or
+    # a signal would end it): the next step says so instead of training alone unawares
+    trio.from_thread.run_sync(swarm.node.request_stop, trio_token=swarm._token)
+    swarm._thread.join(30)
+    model(torch.randn(4, 8)).sum().backward()
+    with pytest.raises(geotrain.LoopClosed, match="the geotrain node stopped"):
+        opt.step()
+    swarm.close()
+
+
+def test_a_loops_step_time_is_its_whole_iteration():
+    import time
+
+    from geotrain.node.training import LoopTrainer
+
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    loop = LoopTrainer(model)
+    loop.attach(opt)
+    loop.start()
+    seconds = []
+    for _ in range(4):
+        time.sleep(0.03)  # the user's data, forward and backward: outside the optimizer's step
+        _, result = loop.stepped(opt.step, 0.0)
+        seconds.append(result.seconds)
+    # what diloco's adaptive rounds and dpsgd's deadlines pace by: the iteration, not opt.step
+    assert all(s >= 0.03 for s in seconds[1:]), seconds
+
+
+def test_joining_with_another_model_than_the_swarms_is_a_clear_error(tmp_path):
+    from geotrain.node import ConfigError
+
+    first = joined(tmp_path, "a", make_model(), "training.wait_for_peers=0")
+    try:
+        other = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 1))  # other shapes
+        with pytest.raises(ConfigError, match=r"the model differs from the swarm's: 1 peer\(s\)"):
+            joined(tmp_path, "b", other, f'network.bootstrap=["{first.address}"]',
+                   "training.wait_for_peers=1")  # fmt: skip
+    finally:
+        first.close()
+
+
+def test_a_loop_that_ends_on_an_evaluation_step_closes_cleanly_with_that_evaluation(tmp_path):
+    import json
+
+    model = make_model()
+    swarm = geotrain.join(config(tmp_path, "a", "training.eval_every=5",
+                                 "training.wait_for_peers=0"), model,
+                          evaluate=lambda m: 0.5, identity=Identity.generate(),
+                          admission=Admission.open_swarm("geotrain"))  # fmt: skip
+    opt = swarm.wrap(torch.optim.SGD(model.parameters(), lr=0.01))
+    for _ in range(10):  # the last step asks for an evaluation that waits for a next step
+        model(torch.randn(4, 8)).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+    import time
+
+    deadline = time.monotonic() + 30
+    while not swarm._loop._pending:  # the node asked for step 10's evaluation and waits
+        assert time.monotonic() < deadline, "the node never asked for the evaluation"
+        time.sleep(0.01)
+    swarm.close()  # no next step comes: the node evaluates at its close, and nothing failed
+    status = json.loads((tmp_path / "a" / "status.json").read_text())
+    assert status["step"] == 10 and status["metric"] == 0.5 and not status["running"]

@@ -44,8 +44,11 @@ def test_own_loops_and_a_daemon_train_together_resume_and_sync(tmp_path):
         l1 = own_loop(swarm, "l1", 1, **boot)
         l2 = own_loop(swarm, "l2", 2, **boot)
         nodes = [n0, l1, l2]
-        swarm.wait_until(lambda: all(metric(n) >= 0.9 for n in nodes), 240, "all three at 90%")
-        assert all((n.status() or {})["exchanges_ok"] >= 3 for n in nodes)
+        # together: each at 90% and each with exchanges behind it (which comes first depends on
+        # the machine's speed: a fast one reaches 90% on its own shard within a few exchanges)
+        swarm.wait_until(
+            lambda: all(metric(n) >= 0.9 and (n.status() or {}).get("exchanges_ok", 0) >= 3
+                        for n in nodes), 240, "all three at 90% with 3 exchanges each")  # fmt: skip
         assert l1.status()["task"] == "own loop" and l1.status()["metric_name"] == "accuracy"
         # l1 dies hard after its first checkpoint, and comes back from it (its log is the
         # script's own, not JSON: the files tell)

@@ -62,6 +62,9 @@ async def test_a_running_node_serves_its_numbers(tmp_path):
             samples = await trio.to_thread.run_sync(scrape, a.metrics.port)
     names = {name for name, _ in samples}
     assert samples[("geotrain_steps_total", ())] >= 40
+    # every step took one batch (synthetic-linreg: 32 samples), counted from the batches
+    steps, taken = samples[("geotrain_steps_total", ())], samples[("geotrain_samples_total", ())]
+    assert taken % 32 == 0 and steps - 2 <= taken / 32 <= steps + 2
     assert samples[("geotrain_exchanges_total", (("outcome", "ok"),))] >= 3
     assert samples[("geotrain_transport_bytes_total", (("direction", "out"),))] > 0
     assert samples[("geotrain_members", (("state", "alive"),))] == 1
@@ -71,6 +74,27 @@ async def test_a_running_node_serves_its_numbers(tmp_path):
             "geotrain_memory_peak_bytes", "geotrain_peer_exchanges_total"} <= names  # fmt: skip
     peer_rows = [labels for name, labels in samples if name == "geotrain_peer_exchanges_total"]
     assert peer_rows and all(dict(labels)["outcome"] in ("ok", "failed") for labels in peer_rows)
+    codecs = [dict(labels) for name, labels in samples if name == "geotrain_peer_codec_info"]
+    assert codecs and all(c["codec"] == "none" for c in codecs), codecs  # loopback: uncompressed
+
+
+async def test_compute_utilization_is_the_share_of_wall_time_in_training_steps(tmp_path):
+    # compute emulation pins each step to 40 ms: a node alone spends nearly all its time in steps
+    cfg = config(tmp_path, "u", "training.step_time_ms=40", "training.wait_for_peers=0")
+    async with geotrain.open_node(cfg, identity=Identity.generate(),
+                                  admission=Admission.open_swarm("geotrain")) as node:  # fmt: skip
+        with trio.fail_after(60):
+            while node.status().step < 30:
+                await trio.sleep(0.05)
+        await trio.sleep(0.3)
+        status = node.status()
+        samples = await trio.to_thread.run_sync(scrape, node.metrics.port)
+    # at least the pinned time of every step it finished (the step count moves before a step's
+    # padding ends), at most that plus the real compute
+    assert 0.04 * (status.step - 1) <= status.train_s <= 0.04 * status.step + 1.5, status
+    assert 0.5 < status.utilization <= 1.0, status  # what the loop adds around steps is small
+    assert samples[("geotrain_train_seconds_total", ())] > 0
+    assert 0.5 < samples[("geotrain_compute_utilization", ())] <= 1.0
 
 
 async def test_refusals_are_counted_by_reason(tmp_path):
@@ -128,5 +152,67 @@ def test_a_library_node_serves_the_same_metrics(tmp_path):
         samples = scrape(swarm.metrics_port)
     assert samples[("geotrain_steps_total", ())] == 25
     assert samples[("geotrain_loss", ())] >= 0
+    # the user's forward and backward passes happen outside the node: no utilization claimed
+    assert ("geotrain_compute_utilization", ()) not in samples
     with pytest.raises(OSError):  # closed with the swarm
         scrape(swarm.metrics_port)
+
+
+def test_rejections_by_reason_and_codecs_are_labelled_with_bounded_values():
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from geotrain.node._metrics import MAX_PEER_SERIES, NodeCollector
+    from geotrain.node.state._status import NodeStatus, PeerStatus
+
+    peers = tuple(
+        PeerStatus(peer=f"peer{i:03d}", address=f"tcp://10.0.0.{i}:7000", state="alive",
+                   rtt_ms=10.0, goodput_mbit=100.0, codec="topk:0.01" if i % 2 else "int8",
+                   exchanges_ok=100 - i, exchanges_failed=0)
+        for i in range(MAX_PEER_SERIES + 5)
+    )  # fmt: skip
+    status = NodeStatus(
+        peer_id="me", address="tcp://10.0.0.99:7000", algorithm="adpsgd", task="t",
+        metric_name="accuracy", elapsed_s=1.0, step=5, steps_per_s=1.0, loss=None, metric=None,
+        metric_step=None, bytes_in=0, bytes_out=0, exchanges_ok=3, exchanges_failed=0,
+        rejected_updates=3, pid=1, peers=peers, rejected_by_reason={"norm": 2, "decode": 1},
+    )  # fmt: skip
+    registry = CollectorRegistry()
+    registry.register(NodeCollector(lambda: status))
+    samples = {}
+    for family in text_string_to_metric_families(generate_latest(registry).decode()):
+        for sample in family.samples:
+            samples[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
+    assert samples[("geotrain_updates_rejected_total", (("reason", "norm"),))] == 2
+    assert samples[("geotrain_updates_rejected_total", (("reason", "decode"),))] == 1
+    codecs = {dict(labels)["peer"]: dict(labels)["codec"]
+              for name, labels in samples if name == "geotrain_peer_codec_info"}  # fmt: skip
+    # the busiest peers are named, no more than MAX_PEER_SERIES of them
+    assert len(codecs) == MAX_PEER_SERIES and codecs["peer001"] == "topk:0.01"
+    assert codecs["peer000"] == "int8" and f"peer{MAX_PEER_SERIES:03d}" not in codecs
+
+
+def _peer(i: int, ok: int, failed: int = 0):
+    from geotrain.node.state._status import PeerStatus
+
+    return PeerStatus(peer=f"peer{i:03d}", address=f"tcp://10.0.0.{i}:7000", state="alive",
+                      rtt_ms=10.0, goodput_mbit=100.0, codec="int8", exchanges_ok=ok,
+                      exchanges_failed=failed)  # fmt: skip
+
+
+def test_named_peers_keep_their_labels_and_the_others_counter_only_grows():
+    from geotrain.node._metrics import PeerLabels
+
+    labels = PeerLabels(limit=3)
+    named, other = labels.update(tuple(_peer(i, 10 * (5 - i)) for i in range(5)))
+    assert [p.peer for p in named] == ["peer000", "peer001", "peer002"] and other == (20 + 10, 0)
+    # peer 4 overtakes them all: the named keep their labels, 4's new exchanges go to other
+    named, other = labels.update((_peer(0, 50), _peer(1, 40), _peer(2, 30), _peer(3, 20),
+                                  _peer(4, 90, 2)))  # fmt: skip
+    assert [p.peer for p in named] == ["peer000", "peer001", "peer002"] and other == (110, 2)
+    # peer 1 is forgotten: its label goes to the busiest unnamed (4); other does not go down
+    named, other = labels.update((_peer(0, 51), _peer(2, 30), _peer(3, 21), _peer(4, 95, 2)))
+    assert [p.peer for p in named] == ["peer000", "peer002", "peer004"] and other == (111, 2)
+    # peer 3 is forgotten and comes back with a counter from zero: its new exchanges still count
+    labels.update((_peer(0, 51), _peer(2, 30), _peer(4, 95)))
+    named, other = labels.update((_peer(0, 51), _peer(2, 30), _peer(3, 4), _peer(4, 95)))
+    assert other == (115, 2)

@@ -72,18 +72,25 @@ def stop(swarm: LocalSwarm, nodes) -> None:
 
 def test_four_peers_reach_accuracy_and_agree(swarm):
     nodes = start_swarm(swarm, 4, max_steps=0)
-    swarm.wait_until(lambda: reached(nodes, 0.90), 240, "all four at 90% accuracy")
+    # each at 90% and with exchanges behind it (on a fast machine 90% can come first)
+    swarm.wait_until(
+        lambda: reached(nodes, 0.90)
+        and all((n.status() or {}).get("exchanges_ok", 0) >= 10 for n in nodes),
+        240, "all four at 90% accuracy, 10 exchanges each",
+    )  # fmt: skip
     stop(swarm, nodes)
     finals = [node.status() for node in nodes]
     assert all(not s["running"] for s in finals)
-    assert all(s["exchanges_ok"] >= 3 for s in finals), [s["exchanges_ok"] for s in finals]
+    assert all(s["exchanges_ok"] >= 10 for s in finals), [s["exchanges_ok"] for s in finals]
     assert all(s["bytes_out"] > 0 and s["rejected_updates"] == 0 for s in finals)
     # The models agree: their spread is under half of what the same shards trained alone from the
-    # same start, for the same numbers of steps, give.
+    # same start, for the same numbers of steps, give (without mixing the ratio is 1). After 3
+    # exchanges each it was 0.04-0.54 in six runs on the dev box (a node whose last exchange lay
+    # far back when it was stopped decided it; CI once saw 0.56); after 10, 0.04-0.05 in four.
     together = consensus_distance([node.params() for node in nodes], relative=True)
     alone_models = [train_alone(i, 4, s["step"]) for i, s in enumerate(finals)]
     alone = consensus_distance(alone_models, relative=True)
-    assert together < 0.5 * alone, (together, alone)
+    assert together < 0.5 * alone, (together, alone, [s["exchanges_ok"] for s in finals])
     assert all('"node_stopped"' in n.log_text() for n in nodes)
 
 

@@ -53,10 +53,12 @@ def test_choco_with_topk_reaches_accuracy(swarm):
 
 
 def test_diloco_reaches_accuracy_with_outer_steps(swarm):
-    finals = run_to_accuracy(swarm, algorithm="diloco", diloco={"inner_steps": 10}, codec="int8")
+    finals = run_to_accuracy(swarm, algorithm="diloco", codec="int8",
+                             diloco={"inner_steps": 10, "consensus_every": 1})  # fmt: skip
     stats = [s["algorithm_stats"] for s in finals]
     assert all(st["outer_steps"] >= 2 for st in stats), stats
     assert sum(st["peer_deltas_used"] for st in stats) >= 6, stats
+    assert sum(st["consensus_mixes"] for st in stats) >= 4, stats  # outer parameters swapped
 
 
 def test_selsync_reaches_accuracy_and_reports_how_often_it_communicated(swarm):

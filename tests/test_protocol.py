@@ -137,6 +137,7 @@ async def test_a_node_answers_bad_messages_with_errors_and_keeps_serving(tmp_pat
             assert isinstance(await ask(good), Delivered)
         assert node.rejected_messages["gossip"] == 1 and node.rejected_messages["probe"] == 1
         assert node.status().rejected_updates == 1
+        assert node.status().rejected_by_reason == {"decode": 1}  # what metrics label it
         node.request_stop()
 
 

@@ -152,6 +152,14 @@ def test_auto_prefers_netem_then_userspace_then_says_loudly_there_is_none():
     assert no_ns.backend == "none" and "no network namespaces" in no_ns.reason
 
 
+def test_access_links_take_the_userspace_emulator_even_where_netem_works():
+    netem_host = FakeHost(has_netem=(True, "ok"))
+    chosen = choose_backend("auto", netem_host, access_links=True)
+    assert chosen.backend == "userspace" and "access links" in chosen.reason
+    with pytest.raises(BackendUnavailable, match="netem cannot emulate the scenario's access"):
+        choose_backend("netem", netem_host, access_links=True)
+
+
 def test_without_root_a_user_namespace_is_tried_before_falling_back():
     chosen = choose_backend("auto", FakeHost(root=False))
     assert (chosen.backend, chosen.user_namespace) == ("userspace", True)

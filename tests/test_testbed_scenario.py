@@ -8,8 +8,9 @@ from pathlib import Path
 import pytest
 
 from geotrain.gossip import SCENARIOS
-from geotrain.testbed._linkspec import LinkSpec
+from geotrain.testbed._linkspec import AccessLink, LinkSpec
 from geotrain.testbed._scenario import (
+    HOME_ACCESS,
     ScenarioError,
     builtin_scenarios,
     load_scenario,
@@ -117,7 +118,15 @@ def _base() -> dict:
          "faults.link"),  # fmt: skip
         (lambda d: d.update(duration_s=0), "duration_s"),
         (lambda d: d.update(rate_scale=2), "rate_scale"),
+        (lambda d: d.update(step_ms=-1), "step_ms"),
+        (lambda d: d.update(step_ms="fast"), "step_ms"),
         (lambda d: d.update(colour="red"), "<top level>"),
+        (lambda d: d["regions"][0].update(access={"up_mbit": -5}), "regions[0].access"),
+        (lambda d: d["regions"][0].update(access={"upload": 5}), "regions[0].access"),
+        (lambda d: d["regions"][0].update(size="big"), "regions[0]"),
+        (lambda d: d.update(access=[{"peer": 9, "up_mbit": 5}]), "access.peer"),
+        (lambda d: d.update(access=[{"up_mbit": 5}]), "access[0]"),
+        (lambda d: d.update(access=[{"peer": 1, "delay_ms": "far"}]), "access[0]"),
     ],
 )
 def test_invalid_scenarios_name_the_field(change, field):
@@ -126,6 +135,48 @@ def test_invalid_scenarios_name_the_field(change, field):
     with pytest.raises(ScenarioError) as info:
         scenario_from_dict(data)
     assert f"scenario.{field}" in str(info.value)
+
+
+ACCESS_TOML = """
+[[regions]]
+name = "dc"
+peers = 2
+[[regions]]
+name = "home"
+peers = 2
+access = { up_mbit = 20, down_mbit = 100, delay_ms = 10 }
+[links.inside]
+delay_ms = 5
+[[links.between]]
+regions = ["dc", "home"]
+delay_ms = 30
+rate_mbit = 1000
+[[access]]
+peer = 3
+up_mbit = 5
+[[access]]
+peer = 1
+down_mbit = 50
+"""
+
+
+def test_access_links_by_region_and_by_peer_shape_the_path_end_to_end(tmp_path: Path):
+    path = tmp_path / "homes.toml"
+    path.write_text(ACCESS_TOML)
+    sc = load_scenario(str(path))
+    m = sc.matrix()
+    home, slow_home = AccessLink(20, 100, 10), AccessLink(up_mbit=5)  # peer 3's own wins
+    assert m.access == (None, AccessLink(down_mbit=50), home, slow_home)
+    assert m.path_spec(2, 0) == LinkSpec(delay_ms=40, rate_mbit=20)  # the home's uplink
+    assert m.path_spec(0, 2) == LinkSpec(delay_ms=40, rate_mbit=100)
+    assert m.path_spec(3, 1) == LinkSpec(delay_ms=30, rate_mbit=5)
+    assert m.path_spec(2, 1) == LinkSpec(delay_ms=40, rate_mbit=20)
+    assert scenario_from_dict(sc.to_json()).matrix() == m  # as written to the run
+    assert load_scenario("homes").matrix().access[2] == HOME_ACCESS
+    scaled = scenario_from_dict({**sc.to_json(), "rate_scale": 0.5}).matrix()
+    assert scaled.access[2] == AccessLink(10, 50, 10)  # rate_scale scales access rates too
+    # 3 peers: dc gets 2, home 1; a per-peer entry stays with its index
+    assert sc.with_peers(3).matrix().access == (None, AccessLink(down_mbit=50), home)
 
 
 def test_unknown_name_and_bad_files_are_reported(tmp_path: Path):
@@ -146,3 +197,85 @@ def test_rate_scale_scales_every_rate_and_nothing_else():
     spec = sc.matrix().spec("virginia", "oregon")
     assert spec.rate_mbit == pytest.approx(395.0) and spec.delay_ms == 67.0
     assert sc.to_json()["links"]["between"][0]["rate_mbit"] == 790.0  # the spec, as written
+
+
+def test_compute_emulation_reaches_every_system(tmp_path: Path, monkeypatch):
+    from geotrain.testbed import _ddp
+    from geotrain.testbed._peers import Host, ddp_argv, hivemind_argv
+    from geotrain.testbed._run import RunOptions, _node_config
+
+    data = _base()
+    data["step_ms"] = 800
+    sc = scenario_from_dict(data)
+    assert scenario_from_dict({**data, **sc.to_json()}).step_ms == 800  # as written to the run
+    options = RunOptions(scenario=sc, out=tmp_path / "run", target=0.9)
+    doc = _node_config(options, Host(0, "127.0.0.1", "lo"), ("k", "c", "s"), tmp_path, [])
+    assert doc["training"]["step_time_ms"] == 800
+    common = dict(task="t", params={}, seed=0, slowdown=2.0, duration=1.0, eval_every=1,
+                  metrics=tmp_path / "m.jsonl", step_ms=800.0)  # fmt: skip
+    for argv in (ddp_argv(rank=0, world=2, master="h:1", target=0.9, **common),
+                 hivemind_argv(rank=0, world=2, host="h", port=0, maddrs_dir=tmp_path, run_id="r",
+                               settings={}, system="hivemind", **common)):  # fmt: skip
+        assert argv[argv.index("--step-ms") + 1] == "800.0"
+    waits: list[float] = []
+    monkeypatch.setattr(_ddp.time, "sleep", waits.append)
+    _ddp.pad_step(_ddp.time.perf_counter(), 800.0, 2.0)  # a straggler: 2 x 800 ms
+    assert 1.59 < waits[0] <= 1.6
+    assert not scenario_from_dict(_base()).step_ms  # off unless asked for
+
+
+def test_partition_flags_reach_every_system_and_the_run_files(tmp_path: Path, monkeypatch):
+    import argparse
+
+    from geotrain.testbed import _ddp, _hivemind, _run
+    from geotrain.testbed._cli import _scenario_from_args
+    from geotrain.testbed._peers import Host
+
+    args = argparse.Namespace(
+        scenario="demo", peers=None, task=None, algorithm=None, duration=None, step_ms=None,
+        partition="dirichlet", alpha=0.1, node_set=[],
+    )  # fmt: skip
+    sc = _scenario_from_args(args)
+    assert (sc.partition, sc.alpha) == ("dirichlet", 0.1)
+    assert scenario_from_dict(sc.to_json()).partition == "dirichlet"  # as written to the run
+    options = _run.RunOptions(scenario=sc, out=tmp_path / "run", target=0.9,
+                              baseline="ddp,localsgd,hivemind")  # fmt: skip
+    hosts = [Host(i, "127.0.0.1", "lo") for i in range(sc.n_peers)]
+    doc = _run._node_config(options, hosts[1], ("k", "c", "s"), tmp_path, [])
+    assert (doc["training"]["partition"], doc["training"]["alpha"]) == ("dirichlet", 0.1)
+
+    started: list[list[str]] = []  # every baseline worker's argv, none of them really started
+
+    class FakeProcess:
+        running, proc = False, None
+
+        def __init__(self, argv, log, env, prefix) -> None:
+            self.argv = argv
+
+        def close(self) -> None:
+            pass
+
+        def start(self) -> None:
+            started.append(self.argv)
+
+    monkeypatch.setattr(_run, "ManagedProcess", FakeProcess)
+    monkeypatch.setattr(_run, "_supervise", lambda *a, **k: "exited")
+    options.out.mkdir()
+    for name in ("ddp", "localsgd"):
+        _run._run_ddp(options, hosts, None, None, lambda _: None, name)
+    _run._run_hivemind("hivemind", options, hosts, None, None, lambda _: None)
+    assert len(started) == 3 * sc.n_peers
+    for argv in started:
+        worker = _hivemind if argv[2].endswith("_hivemind") else _ddp
+        parsed = worker._parse(argv[3:])  # the worker's own parser reads what the testbed wrote
+        assert (parsed.partition, parsed.alpha) == ("dirichlet", 0.1), argv
+
+    # --node-set would split geotrain's data alone: refused, naming the flag to use
+    with pytest.raises(ScenarioError, match="--alpha"):
+        _scenario_from_args(argparse.Namespace(**{**vars(args), "partition": None, "alpha": None,
+                                                  "node_set": ["training.alpha=0.2"]}))  # fmt: skip
+    with pytest.raises(ScenarioError, match="scenario.alpha"):
+        _scenario_from_args(argparse.Namespace(**{**vars(args), "alpha": 0.0}))
+    with pytest.raises(ScenarioError, match="scenario.partition"):
+        scenario_from_dict({**_base(), "partition": "shards"})
+    assert load_scenario("demo").partition == "iid"  # unchanged unless asked for

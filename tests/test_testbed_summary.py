@@ -66,6 +66,32 @@ def test_summary_has_the_issue_shape_and_measured_values(tmp_path: Path):
     assert "geotrain reached it, DDP did not" in table
 
 
+def test_an_attacker_is_no_part_of_the_swarm_quality(tmp_path: Path):
+    _fake_run(tmp_path)
+    run = json.loads((tmp_path / "run.json").read_text())
+    run["peers"], run["attackers"] = 3, {"2": "label_flip"}
+    run["systems"]["ddp"]["stopped"] = "exited"
+    (tmp_path / "run.json").write_text(json.dumps(run))
+    # peer 2 attacks: its own accuracy stays at 0.1 and its bytes are counted
+    _write_lines(tmp_path / "geotrain" / "peer-02" / "metrics.jsonl", [
+        {"t": T0 + s, "step": 10 * s, "steps_per_s": 10.0, "metric": 0.1, "bytes_out": 100 * s}
+        for s in range(1, 5)
+    ])  # fmt: skip
+    for i in range(3):  # the baseline's peer 2 is honest (the attack is geotrain's only)
+        _write_lines(tmp_path / "ddp" / f"peer-0{i}.jsonl", [
+            {"t": T0 + s, "step": s, "steps_per_s": 1.0, "metric": 0.6 + 0.1 * (i == 2)}
+            for s in range(1, 6)
+        ])  # fmt: skip
+    summary = build_summary(tmp_path)
+    geotrain, ddp = summary["systems"]
+    assert geotrain["attackers"] == [2] and ddp["attackers"] == []
+    assert geotrain["time_to_target_s"] == 3.0  # the honest two, as without the attacker
+    assert geotrain["final_metric"] == 0.95 and geotrain["final_metric_by_peer"][2] is None
+    assert geotrain["best_swarm_metric"] == 0.95
+    assert ddp["final_metric_by_peer"] == [0.6, 0.6, 0.7]
+    assert summary["equal_quality"]["level"] == 0.6
+
+
 def test_without_emulator_counters_geotrain_bytes_come_from_the_nodes(tmp_path: Path):
     _fake_run(tmp_path)
     (tmp_path / "bytes-geotrain.jsonl").unlink()
@@ -90,3 +116,81 @@ def test_time_to_target_waits_for_every_peer_and_respects_direction():
     assert time_to_target(peers, 0.99, True, 0.0) is None
     losses = [[{"t": 1.0, "metric": 0.3}, {"t": 3.0, "metric": 0.01}]]
     assert time_to_target(losses, 0.02, False, 0.0) == 3.0
+
+
+def _fairness_run(out: Path, finals: list[float | None], higher_is_better: bool = True) -> None:
+    """A run of len(finals) geotrain peers whose last evaluation is `finals[i]` (None: never)."""
+    n = len(finals)
+    run = {
+        "scenario": "fake", "emulation": "none", "emulation_reason": "test", "peers": n,
+        "task": "digits-mlp", "params": {}, "algorithm": "adpsgd", "target_value": 0.9,
+        "metric": "accuracy" if higher_is_better else "loss",
+        "higher_is_better": higher_is_better, "rate_scale": 1.0, "duration_s": 10,
+        "bytes_source": "-", "faults": [], "links": [], "consensus_distance_final": None,
+        "partition": "dirichlet", "alpha": 0.1,
+        "systems": {"geotrain": {"launch_t": T0 - 5, "stopped": "duration"}},
+    }  # fmt: skip
+    (out / "run.json").write_text(json.dumps(run))
+    for i, final in enumerate(finals):
+        first = None if final is None else 0.5
+        _write_lines(out / "geotrain" / f"peer-{i:02d}" / "metrics.jsonl", [
+            {"t": T0 + 1, "step": 10, "steps_per_s": 10.0, "metric": first},
+            {"t": T0 + 2, "step": 20, "steps_per_s": 10.0, "metric": final},
+        ])  # fmt: skip
+
+
+def test_fairness_is_the_mean_of_the_worst_tenth_by_the_tasks_direction(tmp_path: Path):
+    # 12 peers: ceil(1.2) = 2 worst peers, 0.40 (peer 5) and 0.60 (peer 9)
+    finals = [0.9, 0.91, 0.92, 0.93, 0.94, 0.40, 0.95, 0.96, 0.97, 0.60, 0.98, 0.99]
+    _fairness_run(tmp_path, finals)
+    summary = build_summary(tmp_path)
+    (geotrain,) = summary["systems"]
+    assert geotrain["final_metric_by_peer"] == finals
+    assert geotrain["worst_10pct_peers"] == [5, 9]
+    assert geotrain["final_metric_worst_10pct"] == 0.5
+    assert geotrain["final_metric"] == round(sum(finals) / 12, 4)  # the mean, as before
+    assert summary["partition"] == {"kind": "dirichlet", "alpha": 0.1}
+    table = render_table(summary)
+    header = table.splitlines()[1]
+    assert "final accuracy: mean (worst 10%)" in header
+    assert f"{geotrain['final_metric']:.4f} (0.5000)" in table.splitlines()[2]
+    assert "peer 5, peer 9" in table and "dirichlet label skew, alpha 0.1" in table
+
+
+def test_fairness_of_a_loss_takes_the_highest_and_skips_peers_never_evaluated(tmp_path: Path):
+    finals = [0.2, 0.9, None, 0.1, 0.3]  # a loss: lower is better, so 0.9 (peer 1) is the worst
+    _fairness_run(tmp_path, finals, higher_is_better=False)
+    (geotrain,) = build_summary(tmp_path)["systems"]
+    assert geotrain["final_metric_by_peer"][2] is None
+    assert geotrain["worst_10pct_peers"] == [1]  # ceil(0.4) = 1 of the 4 with a figure
+    assert geotrain["final_metric_worst_10pct"] == 0.9
+
+
+def test_an_iid_run_and_an_older_run_say_iid_without_an_alpha(tmp_path: Path):
+    _fake_run(tmp_path)  # an older run.json: no partition recorded
+    assert build_summary(tmp_path)["partition"] == {"kind": "iid", "alpha": None}
+    run = json.loads((tmp_path / "run.json").read_text())
+    (tmp_path / "run.json").write_text(json.dumps({**run, "partition": "iid", "alpha": 0.5}))
+    assert build_summary(tmp_path)["partition"] == {"kind": "iid", "alpha": None}
+    assert "label skew" not in render_table(build_summary(tmp_path))
+
+
+def test_compute_utilization_per_peer_for_every_system(tmp_path: Path):
+    _fake_run(tmp_path)
+    summary = build_summary(tmp_path)
+    # no compute emulation and no figure from the nodes: not measured, and the table says nothing
+    assert all(s["utilization_by_peer"] == [None, None] for s in summary["systems"])
+    assert "compute utilization" not in render_table(summary)
+    run = json.loads((tmp_path / "run.json").read_text())
+    run.update(step_ms=500.0, slowdowns=[1.0, 1.5])  # compute emulation: 0.5 s and 0.75 s steps
+    (tmp_path / "run.json").write_text(json.dumps(run))
+    for i, own in enumerate((0.97, 0.91)):  # the nodes measured their own
+        path = tmp_path / "geotrain" / f"peer-0{i}" / "metrics.jsonl"
+        lines = [json.loads(x) for x in path.read_text().splitlines()]
+        _write_lines(path, [*lines, {**lines[-1], "utilization": own}])
+    geotrain, ddp = build_summary(tmp_path)["systems"]
+    assert geotrain["utilization_by_peer"] == [0.97, 0.91] and geotrain["utilization_min"] == 0.91
+    # ddp: 1 step/s; steps pinned at 0.5 s (peer 1: 0.75 s) -> half (three quarters) the time
+    assert ddp["utilization_by_peer"] == [0.5, 0.75] and ddp["utilization_min"] == 0.5
+    assert "compute utilization, lowest peer: geotrain 91%, ddp 50%" in render_table(
+        build_summary(tmp_path))

@@ -12,7 +12,7 @@ import sys
 import pytest
 
 from geotrain.testbed._linkcheck import bulk_bytes_for, measure_link
-from geotrain.testbed._linkspec import LinkMatrix, LinkSpec
+from geotrain.testbed._linkspec import AccessLink, LinkMatrix, LinkSpec
 from geotrain.testbed._namespaces import NamespaceSet, list_devices, list_namespaces
 from geotrain.testbed._tun import tun_available
 from geotrain.testbed._userspace import PacketScheduler, UserspaceConfig, UserspaceLinks
@@ -166,6 +166,82 @@ def test_links_are_per_source_peer_and_destination_region():
     assert [t for t, *_ in sorted(s._heap)] == pytest.approx([0.001, 0.001, 0.001])
 
 
+def _homes(spec: LinkSpec, *access: AccessLink | None) -> PacketScheduler:
+    m = LinkMatrix.uniform(3, spec)
+    return PacketScheduler(ADDRS, LinkMatrix(m.regions, m.peer_regions, m.links, access),
+                           UserspaceConfig())  # fmt: skip
+
+
+def _drain(s: PacketScheduler) -> list[tuple[float, int, int]]:
+    """(time, destination, tag) of every delivery, in order."""
+    out = []
+    while (t := s.next_due()) is not None:
+        out += [(t, dst, tag_of(p)) for dst, p in s.pop_due(t)]
+    return out
+
+
+@pytest.mark.parametrize(("kwargs", "field"), [({"up_mbit": 0}, "up_mbit"),
+                                               ({"down_mbit": float("inf")}, "down_mbit"),
+                                               ({"delay_ms": -2}, "delay_ms")])  # fmt: skip
+def test_a_bad_access_link_names_its_field(kwargs, field):
+    with pytest.raises(ValueError, match=f"AccessLink.{field}="):
+        AccessLink(**kwargs)
+
+
+def test_access_links_survive_the_trip_and_set_the_end_to_end_path():
+    m = LinkMatrix.uniform(3, LinkSpec(delay_ms=40, rate_mbit=1000))
+    m = LinkMatrix(m.regions, m.peer_regions, m.links,
+                   (None, AccessLink(20, 100, 8), AccessLink(None, 50, 2)))  # fmt: skip
+    assert LinkMatrix.from_json(json.loads(json.dumps(m.to_json()))) == m
+    assert m.path_spec(1, 2) == LinkSpec(delay_ms=50, rate_mbit=20)  # the home's uplink
+    assert m.path_spec(2, 1) == LinkSpec(delay_ms=50, rate_mbit=100)  # its downlink
+    assert m.path_spec(0, 2) == LinkSpec(delay_ms=42, rate_mbit=50)
+    with pytest.raises(ValueError, match="2 entries for 3 peers"):
+        LinkMatrix(m.regions, m.peer_regions, m.links, (None, None))
+
+
+def test_a_peers_uplink_paces_everything_it_sends_whoever_receives_it():
+    # peer 0's uplink: 8 Mbit/s (1 byte per microsecond); the region link is unshaped, 10 ms
+    s = _homes(LinkSpec(delay_ms=10), AccessLink(up_mbit=8, delay_ms=5), None, None)
+    for i, dst in enumerate((1, 2, 1)):
+        s.send(0, packet(0, dst, size=1000, tag=i), now=0.0)
+    got = _drain(s)
+    # back to back through one uplink, to two receivers: 1, 2, 3 ms of serialization + 15 ms
+    assert [t for t, _, _ in got] == pytest.approx([0.016, 0.017, 0.018])
+    assert [(dst, tag) for _, dst, tag in got] == [(1, 0), (2, 1), (1, 2)]
+
+
+def test_a_downlink_is_shared_by_all_senders_in_order_of_arrival():
+    # peer 2's downlink: 8 Mbit/s; peers 0 and 1 send at once over unshaped 10 ms links
+    s = _homes(LinkSpec(delay_ms=10), None, None, AccessLink(down_mbit=8))
+    s.send(0, packet(0, 2, size=1000, tag=0), now=0.0)
+    s.send(1, packet(1, 2, size=1000, tag=1), now=0.0)
+    s.send(0, packet(0, 2, size=1000, tag=2), now=0.0)
+    assert [t for t, _, _ in _drain(s)] == pytest.approx([0.011, 0.012, 0.013])
+
+
+def test_a_far_senders_packet_does_not_hold_up_a_near_ones_on_the_downlink():
+    # peer 0 is 100 ms from peer 2, peer 1 is 1 ms from it; peer 2's downlink is 8 Mbit/s
+    far, near = LinkSpec(delay_ms=100), LinkSpec(delay_ms=1)
+    m = LinkMatrix(("far", "near"), ("far", "near", "near"),
+                   {("far", "far"): near, ("far", "near"): far, ("near", "far"): far,
+                    ("near", "near"): near}, (None, None, AccessLink(down_mbit=8)))  # fmt: skip
+    s = PacketScheduler(ADDRS, m, UserspaceConfig())
+    s.send(0, packet(0, 2, size=1000, tag=0), now=0.0)  # reaches the downlink at 100 ms
+    s.send(1, packet(1, 2, size=1000, tag=1), now=0.0)  # reaches it at 1 ms: goes first
+    assert [(round(t, 6), tag) for t, _, tag in _drain(s)] == [(0.002, 1), (0.101, 0)]
+
+
+def test_a_full_access_link_drops_and_counts():
+    s = PacketScheduler(ADDRS, LinkMatrix(("all",), ("all",) * 3, {("all", "all"): LinkSpec()},
+                                          (AccessLink(up_mbit=8), None, None)),
+                        UserspaceConfig(access_queue_s=0.01, queue_min_bytes=1280,
+                                        mtu=1280))  # fmt: skip
+    for _ in range(50):  # 10 ms of buffer at 1 byte per microsecond: 10 packets of 1000 bytes
+        s.send(0, packet(0, 1, size=1000), now=0.0)
+    assert s.statistics().access_overflowed == 40 and len(_drain(s)) == 10
+
+
 # ---- the real emulator -----------------------------------------------------------------------
 
 tun_ok, tun_why = tun_available()
@@ -211,6 +287,20 @@ def test_measured_rtt_and_throughput_are_within_ten_percent_of_the_spec():
     assert m.connect_rtt_ms == pytest.approx(50, rel=0.10)
     assert m.measured_mbit == pytest.approx(80, rel=0.10)
     assert sum(link.bytes for link in stats.links) >= m.bulk_bytes
+
+
+@needs_root_and_tun
+@pytest.mark.slow
+def test_a_home_uplink_and_downlink_are_what_tcp_measures():
+    # a home (peer 1: 20 Mbit/s up, 60 down, 5 ms last mile) behind a fast 20 ms region link
+    m = LinkMatrix.uniform(2, LinkSpec(delay_ms=20, rate_mbit=400))
+    m = LinkMatrix(m.regions, m.peer_regions, m.links, (None, AccessLink(20, 60, 5)))
+    with NamespaceSet(2) as nss, UserspaceLinks(nss, m):
+        up = measure_link(nss, 1, 0, bulk_bytes=bulk_bytes_for(20, seconds=1.5))
+        down = measure_link(nss, 0, 1, bulk_bytes=bulk_bytes_for(60, seconds=1.5))
+    assert up.measured_rtt_ms == pytest.approx(50, rel=0.10)  # 2 x (20 + 5)
+    assert up.measured_mbit == pytest.approx(20, rel=0.10)
+    assert down.measured_mbit == pytest.approx(60, rel=0.10)
 
 
 @needs_root_and_tun

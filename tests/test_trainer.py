@@ -30,6 +30,19 @@ def test_slowdown_waits_in_proportion_to_compute():
     assert 2.5 * result.seconds <= waits[0] <= 3.0 * result.seconds
 
 
+def test_a_pinned_step_time_pads_each_step_to_it_times_the_slowdown():
+    waits: list[float] = []
+    trainer = _trainer(step_time_s=0.5, slowdown=2.0, sleep=waits.append)
+    result = trainer.train_step()  # the fake sleep returns at once: result.seconds ~ compute
+    assert len(waits) == 1 and waits[0] + result.seconds == pytest.approx(1.0, abs=0.01)
+    assert trainer.overran_steps == 0
+    tight = _trainer(step_time_s=1e-9, sleep=waits.append)  # no step computes in a nanosecond
+    tight.train_step()
+    assert tight.overran_steps == 1 and len(waits) == 1  # counted, and no wait added
+    with pytest.raises(ValueError, match="step_time_s"):
+        _trainer(step_time_s=-1.0)
+
+
 def test_mix_averages_and_keeps_local_progress():
     trainer = _trainer()
     snap = trainer.snapshot()

@@ -702,3 +702,41 @@ async def test_pulling_a_reply_part_that_was_never_offered_is_rejected(authority
         finally:
             raw.close()
         assert ts.statistics().frames_rejected == {"part": 1}
+
+
+async def test_a_peer_whose_connection_closes_is_reported_by_id(authority):
+    """A dead or departed peer's exchange with us must end when its connection closes, not when
+    it idles out: the transport names the authenticated peer whose connection to us closed."""
+    a, b = Node(authority), Node(authority)
+    gone: list[str] = []
+    async with _open(b, on_disconnect=gone.append) as tb:
+        async with _open(a) as ta:
+            await ta.request(tb.address, Ping(1), deadline_s=5)
+            assert gone == []
+        with trio.fail_after(5):
+            while not gone:
+                await trio.sleep(0.01)
+        assert gone == [a.identity.peer_id]
+        # a stranger that never authenticated is not reported
+        raw = RawClient(tb.address, Identity.generate(), b"other swarm")
+        raw.close()
+        await trio.sleep(0.3)
+        assert gone == [a.identity.peer_id]
+
+
+async def test_a_peer_is_reported_gone_only_when_its_last_connection_closes(authority):
+    """`geotrain status --node ... --config node.toml` connects as the node's own identity: its
+    connection closing must not end the exchanges that node is driving over its other one."""
+    a, b = Node(authority), Node(authority)
+    gone: list[str] = []
+    async with _open(b, on_disconnect=gone.append) as tb, _open(a) as ta:
+        async with _open(a) as status_client:  # the same identity, a second connection
+            await ta.request(tb.address, Ping(1), deadline_s=5)
+            await status_client.request(tb.address, Ping(2), deadline_s=5)
+        await trio.sleep(0.5)
+        assert gone == []  # a is still connected
+        await ta.request(tb.address, Ping(3), deadline_s=5)  # and still served
+    with trio.fail_after(5):
+        while not gone:
+            await trio.sleep(0.01)
+    assert gone == [a.identity.peer_id]

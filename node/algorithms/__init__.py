@@ -22,6 +22,7 @@ from ._registry import get_algorithm as get_algorithm
 from ._registry import register_algorithm as register_algorithm
 from ._stream import CHUNKS_IN_FLIGHT as CHUNKS_IN_FLIGHT
 from ._stream import MAX_CHUNKS as MAX_CHUNKS
+from ._stream import MODELS_DIFFER as MODELS_DIFFER
 from ._stream import ChunkPlan as ChunkPlan
 from ._stream import ModelAssembly as ModelAssembly
 from ._stream import PairwiseMix as PairwiseMix

@@ -6,6 +6,7 @@
 # inline in deterministic tests).
 from __future__ import annotations
 
+import dataclasses
 import random
 import time
 from collections.abc import Awaitable, Callable, Mapping
@@ -16,7 +17,7 @@ import torch
 import trio
 
 from geotrain import compress
-from geotrain.gossip import check_update
+from geotrain.gossip import ClipRadius, RejectedUpdate, check_update
 
 from .._config import GossipConfig
 from .._peer_choice import DENSE_LADDER, PeerChoice
@@ -57,18 +58,21 @@ class ExchangeStatistics:
     failed: int
     rejected: int
     peers: Mapping[str, PeerExchangeStatistics]
+    rejected_by_reason: Mapping[str, int] = field(default_factory=dict)
 
 
 class ExchangeCounters:
     """Exchange outcomes in total and per peer. Every algorithm fills one (`ctx.counters`).
 
     ok: an exchange (started or answered by us) that changed our model; failed: no usable answer
-    in time; rejected: the peer's tensors failed validation and were not used.
+    in time; rejected: the peer's tensors failed validation and were not used, counted also by
+    reason (`rejection_reason`: a RejectedUpdate's code, "decode" or "invalid").
     """
 
     def __init__(self) -> None:
         self._peers: dict[str, dict[str, Any]] = {}
         self.ok = self.failed = self.rejected = 0
+        self.rejected_by_reason: dict[str, int] = {}
 
     def _peer(self, peer: str, codec: str | None) -> dict[str, Any]:
         entry = self._peers.setdefault(peer, {"ok": 0, "failed": 0, "rejected": 0, "codec": None})
@@ -84,13 +88,33 @@ class ExchangeCounters:
         self.failed += 1
         self._peer(peer, codec)["failed"] += 1
 
-    def record_rejected(self, peer: str, codec: str | None = None) -> None:
+    def record_rejected(
+        self, peer: str, codec: str | None = None, exc: BaseException | None = None
+    ) -> None:
         self.rejected += 1
         self._peer(peer, codec)["rejected"] += 1
+        reason = rejection_reason(exc)
+        self.rejected_by_reason[reason] = self.rejected_by_reason.get(reason, 0) + 1
 
     def statistics(self) -> ExchangeStatistics:
         peers = {p: PeerExchangeStatistics(**e) for p, e in self._peers.items()}
-        return ExchangeStatistics(self.ok, self.failed, self.rejected, peers)
+        return ExchangeStatistics(
+            self.ok, self.failed, self.rejected, peers, dict(self.rejected_by_reason)
+        )
+
+
+def rejection_reason(exc: BaseException | None) -> str:
+    """A short, bounded code for why an update was rejected (a metric label)."""
+    if isinstance(exc, RejectedUpdate):
+        return exc.reason if exc.reason in REJECTION_REASONS else "other"
+    if isinstance(exc, compress.DecodeError):
+        return "decode"
+    if isinstance(exc, ValueError):
+        return "invalid"
+    return "other"
+
+
+REJECTION_REASONS = ("names", "shape", "dtype", "nonfinite", "norm")
 
 
 ToThread = Callable[..., Awaitable[Any]]
@@ -116,6 +140,8 @@ class AlgorithmContext:
         counters: exchange outcomes, read by the node's status.
         chunk_numel: elements per chunk of the model streams we start (network.chunk_mb).
         max_chunk_numel: the most a peer may ask for (what fits in one message).
+        robust: the clipping radius of `gossip.robust` (made from the config when not given);
+            every mix of a neighbour's difference asks it for tau and it counts what it clipped.
     """
 
     trainer: Trainer
@@ -132,6 +158,11 @@ class AlgorithmContext:
     # seconds of the machine's own clock, for measuring tensor work (which takes no time on a
     # virtual clock, where `now` stands still during it); tests pass a fixed one
     clock: Callable[[], float] = time.perf_counter
+    robust: ClipRadius | None = None
+
+    def __post_init__(self) -> None:
+        if self.robust is None:
+            self.robust = ClipRadius(self.gossip.robust, cap=self.gossip.clip)
 
     @property
     def numel(self) -> int:
@@ -215,8 +246,21 @@ class Algorithm:
         """This algorithm's own counters (a frozen dataclass) for status, or None."""
         return None
 
+    def status_counters(self) -> dict[str, float | int]:
+        """What status shows as algorithm_stats: `statistics()` and, under gossip.robust, robust
+        mixing's counters (robust_clipped, robust_trimmed_rounds, ...)."""
+        own = self.statistics()
+        out = dataclasses.asdict(own) if own is not None else {}  # type: ignore[call-overload]
+        if self.ctx.robust is not None and self.ctx.robust.active:
+            out.update(dataclasses.asdict(self.ctx.robust.statistics()))
+        return out
+
     def model_replaced(self) -> None:
         """The model was replaced wholesale (state sync): restart what depends on it."""
+
+    def peer_disconnected(self, peer_id: str) -> None:
+        """The connection `peer_id` opened to us closed (it died, left or was cut off): drop
+        what we hold for an exchange it was driving. Runs in the trio loop; must not block."""
 
     def busy(self) -> bool:
         """Whether an exchange this node started is still running (shutdown waits for it)."""

@@ -18,7 +18,7 @@ import torch
 import trio
 
 from geotrain import compress
-from geotrain.gossip import RejectedUpdate
+from geotrain.gossip import ClipRadius, RejectedUpdate, clip_scale
 
 from ..training import Trainer
 from ._base import Tensors
@@ -129,6 +129,9 @@ async def in_window(
         raise failure[0]
 
 
+MODELS_DIFFER = "models differ"  # how a refusal for another model's plan begins
+
+
 def plan_refusal(
     cache: dict[int, ChunkPlan], trainer: Trainer, chunk_numel: int, most: int, digest: int,
     chunks: int | None, index: int,
@@ -143,7 +146,7 @@ def plan_refusal(
     except ValueError as exc:  # cut too finely
         return None, str(exc)
     if digest != plan.digest or (chunks is not None and chunks != len(plan)):
-        return None, "models differ: other parameter names or shapes (or a wrong chunk count)"
+        return None, f"{MODELS_DIFFER}: other parameter names or shapes (or a wrong chunk count)"
     if index >= len(plan):
         return None, f"chunk {index} of a {len(plan)}-chunk plan"
     return plan, ""
@@ -293,6 +296,9 @@ class PairwiseMix:
         feedback: error feedback for what we send (None: none kept).
         weight: the peer's share; max_norm_ratio: refuse a peer model whose norm is above this
             multiple of ours (+1); clip: bound the distance one exchange may move us.
+        radius: robust mixing's adaptive radius (gossip.robust); when given it decides the bound
+            (`clip` is its cap) from the full difference's norm, summed over every chunk before
+            anything is applied, so a streamed exchange clips exactly as a whole one would.
     """
 
     def __init__(
@@ -306,7 +312,9 @@ class PairwiseMix:
         max_norm_ratio: float = 10.0,
         clip: float | None = None,
         seed: int = 0,
+        radius: ClipRadius | None = None,
     ) -> None:
+        self.radius = radius
         self.trainer, self.plan, self.spec, self.feedback = trainer, plan, spec, feedback
         self.weight, self.max_norm_ratio, self.clip, self.seed = weight, max_norm_ratio, clip, seed
         self.device = trainer.task_device
@@ -388,11 +396,12 @@ class PairwiseMix:
                 "norm", f"norm {theirs:.3g} > {self.max_norm_ratio} x local {ours:.3g} + 1"
             )
         distance = math.sqrt(self._diff_sq)
-        scale = self.weight
-        if self.clip is not None and distance > self.clip:
-            scale = self.weight * self.clip / distance
 
         def apply(live: Tensors) -> None:
+            # the radius is asked under the model's lock: concurrent exchanges' commits take
+            # turns, so its window and counters see one update at a time
+            tau = self.clip if self.radius is None else self.radius.radius(distance)
+            scale = self.weight * clip_scale(distance, tau)
             for name, delta in self._delta.items():
                 live[name].add_(delta.view_as(live[name]), alpha=scale)
 

@@ -98,9 +98,10 @@ class _Session:
 class _Abort(Exception):
     """An exchange this node started cannot go on: `kind` is failed, rejected or busy."""
 
-    def __init__(self, kind: str, reason: str) -> None:
+    def __init__(self, kind: str, reason: str, cause: BaseException | None = None) -> None:
         super().__init__(reason)
         self.kind = kind
+        self.cause = cause  # for a rejection: the check that failed (its reason is counted)
 
 
 class Adpsgd(Algorithm):
@@ -168,6 +169,15 @@ class Adpsgd(Algorithm):
                 self._end(session)
         return len(self._sessions) + self._running < self.max_exchanges
 
+    def peer_disconnected(self, peer_id: str) -> None:
+        """An exchange `peer_id` was driving ends now, not when it idles out: its requests
+        cannot come any more (a new connection starts with a new opening)."""
+        session = self._sessions.get(peer_id)
+        if session is not None and not session.committing:
+            log.info("exchange_abandoned", peer=peer_id[:12], reason="connection lost")
+            self.counters.record_failed(peer_id, session.mix.spec)
+            self._end(session)
+
     def _session(self, peer: str, xid: int) -> _Session | None:
         session = self._sessions.get(peer)
         return session if session is not None and session.xid == xid else None
@@ -179,6 +189,7 @@ class Adpsgd(Algorithm):
         return PairwiseMix(
             self.ctx.trainer, plan, spec, None if lossless else self.feedback, weight=0.5,
             max_norm_ratio=cfg.max_norm_ratio, clip=cfg.clip, seed=self._seed,
+            radius=self.ctx.robust,
         )  # fmt: skip
 
     # -- initiator ------------------------------------------------------------------------------
@@ -195,7 +206,7 @@ class Adpsgd(Algorithm):
         Returns:
             Whether an exchange was started.
         """
-        if self._running or not self._free() or not self.ctx.peers.live_peers():
+        if self._running or not self._free() or not self.ctx.peers.dialable_peers():
             return False
         self._running = True
         self.ctx.start_soon(self._run_exchange, on_mixed)
@@ -238,7 +249,7 @@ class Adpsgd(Algorithm):
             distance = await self.ctx.to_thread(mix.commit)
         except (_Abort, RejectedUpdate, compress.DecodeError) as exc:
             if not isinstance(exc, _Abort):
-                exc = _Abort("rejected", str(exc))
+                exc = _Abort("rejected", str(exc), exc)
             if exc.kind in ("failed", "rejected") and len(mix.plan) > 1:
                 self.ctx.start_soon(self._tell_abort, partner, address, xid)
             return self._aborted(partner, spec, exc, now)
@@ -314,7 +325,7 @@ class Adpsgd(Algorithm):
         try:
             await ctx.to_thread(mix.receive, index, data)
         except (RejectedUpdate, compress.DecodeError, ValueError) as exc:
-            raise _Abort("rejected", str(exc)) from None
+            raise _Abort("rejected", str(exc), exc) from None
         self._timed((encoded - started) + (ctx.clock() - received))
 
     def _aborted(self, partner: str, spec: str, exc: _Abort, started: float) -> bool:
@@ -324,7 +335,7 @@ class Adpsgd(Algorithm):
             log.debug("exchange_declined", partner=partner[:12], reason=str(exc))
         elif exc.kind == "rejected":
             self.ctx.peers.unreliable(partner, now)
-            self.counters.record_rejected(partner, spec)
+            self.counters.record_rejected(partner, spec, exc.cause)
             log.warning("update_rejected", peer=partner[:12], reason=str(exc))
         elif exc.kind == "skipped":
             log.warning("exchange_skipped", partner=partner[:12], reason=str(exc))
@@ -407,7 +418,7 @@ class Adpsgd(Algorithm):
             self._timed(ctx.clock() - started)
         except (RejectedUpdate, compress.DecodeError) as exc:
             self._end(session)
-            self.counters.record_rejected(session.peer, mix.spec)
+            self.counters.record_rejected(session.peer, mix.spec, exc)
             log.warning("update_rejected", peer=session.peer[:12], reason=str(exc))
             return ErrorReply(code="bad_request", reason=f"update rejected: {exc}"[:500]), b""
         except ValueError as exc:  # a chunk out of the plan, twice, or our model is not finite
@@ -425,7 +436,7 @@ class Adpsgd(Algorithm):
         try:
             await self.ctx.to_thread(session.mix.commit)
         except (RejectedUpdate, ValueError) as exc:
-            self.counters.record_rejected(session.peer, session.mix.spec)
+            self.counters.record_rejected(session.peer, session.mix.spec, exc)
             log.warning("update_rejected", peer=session.peer[:12], reason=str(exc))
             return
         except LoopClosed:  # the user's loop ended before our mix could join it

@@ -131,7 +131,10 @@ class Choco(Algorithm):
 
     def _apply(self, link: ChocoLink, q_mine: Tensors, q_theirs: Tensors) -> float:
         gamma = self.ctx.settings.gamma
-        return self.ctx.trainer.apply(lambda live: link.apply(live, q_mine, q_theirs, gamma))
+        radius = self.ctx.robust if self.ctx.gossip.robust != "none" else None
+        return self.ctx.trainer.apply(
+            lambda live: link.apply(live, q_mine, q_theirs, gamma, radius)
+        )
 
     def _decode_q(self, payload: bytes, spec: str) -> Tensors:
         # a difference, not a model: its norm is bounded by the model's (ratio + 1), names/shapes
@@ -192,7 +195,7 @@ class Choco(Algorithm):
             q_theirs = await ctx.to_thread(self._decode_q, bytes(data), spec)
         except (RejectedUpdate, compress.DecodeError) as exc:
             # the peer applied its side: the counts now differ and the next exchange resyncs
-            self.counters.record_rejected(partner, spec)
+            self.counters.record_rejected(partner, spec, exc)
             ctx.peers.unreliable(partner, ctx.now())
             log.warning("update_rejected", peer=partner[:12], reason=str(exc))
             return
@@ -238,7 +241,7 @@ class Choco(Algorithm):
             try:
                 q_theirs = await ctx.to_thread(self._decode_q, data, header.codec)
             except (RejectedUpdate, compress.DecodeError) as exc:
-                self.counters.record_rejected(peer.peer_id, header.codec)
+                self.counters.record_rejected(peer.peer_id, header.codec, exc)
                 log.warning("update_rejected", peer=peer.short_id, reason=str(exc))
                 return ErrorReply(code="bad_request", reason=f"update rejected: {exc}"[:500]), b""
             reply, q_mine = await ctx.to_thread(self._compress, link, header.codec)

@@ -1,12 +1,15 @@
 # diloco: local SGD with an outer Nesterov step on gossip-averaged pseudo-gradients.
-# Invariants: the model moves by the outer step only at round ends (every inner_steps steps), from
+# Invariants: the model moves by the outer step only at round ends (every inner_steps steps, or as
+# many as comm_fraction asks for, measured again every round), from
 # the round's starting parameters; a round end waits at most the partners' link deadlines (late
 # or missing partners are left out, never waited for beyond that); each peer's pseudo-gradient of
 # a round is used at most once and only if at most max_staleness rounds old (gossip's
 # fresh_deltas); pseudo-gradients from peers are decoded within the model's size budget and
-# checked first.
+# checked first; every consensus_every rounds the outer parameters are averaged pairwise with one
+# of the round's partners, both ends alike (each at its next outer step), so the models agree.
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import structlog
@@ -15,12 +18,15 @@ import trio
 
 from geotrain import compress
 from geotrain.gossip import (
+    ClipRadius,
     NesterovOuter,
     RejectedUpdate,
     average,
     check_update,
+    clipped_neighbourhood_mix,
     fresh_deltas,
     pseudo_gradient,
+    robust_average,
 )
 
 from .._config import check_field
@@ -46,13 +52,10 @@ class _Refused(Exception):
 log = structlog.get_logger()
 
 
-class DeltaOffer(Header, frozen=True, tag="delta_offer"):
-    """The payload is chunk `index` of the sender's pseudo-gradient of outer round `round`.
-
-    An offer is `chunks` such requests under one `xid`, cut by the plan whose digest is `plan`
-    (chunks of at most `chunk_numel` elements; both ends must agree). Each is answered with the
-    same chunk of the responder's latest pseudo-gradient.
-    """
+class _ChunkOffer(Header, frozen=True):
+    """One chunk of a model-shaped payload: `chunks` such requests under one `xid`, cut by the
+    plan whose digest is `plan` (chunks of at most `chunk_numel` elements; both ends must
+    agree), coded with `codec`; `round` counts the sender's outer steps."""
 
     codec: CodecSpec
     round: U63
@@ -63,10 +66,32 @@ class DeltaOffer(Header, frozen=True, tag="delta_offer"):
     index: U63
 
 
+class DeltaOffer(_ChunkOffer, frozen=True, tag="delta_offer"):
+    """The payload is chunk `index` of the sender's pseudo-gradient of outer round `round`;
+    answered with the same chunk of the responder's latest pseudo-gradient."""
+
+
 class DeltaReply(Header, frozen=True, tag="delta_reply"):
     """A chunk of the responder's latest pseudo-gradient (round 0, empty: it has none yet)."""
 
     round: U63
+
+
+class OuterOffer(_ChunkOffer, frozen=True, tag="outer_offer"):
+    """Chunk `index` of the sender's outer parameters after `round` outer steps (consensus), in
+    a dense codec; answered with the same chunk of the responder's outer parameters (busy while
+    its own outer step changes them). Rounds may differ: as in AD-PSGD, a peer behind (a
+    straggler, a late joiner) is pulled toward the rest.
+    """
+
+
+class OuterReply(Header, frozen=True, tag="outer_reply"):
+    """The asked chunk of the responder's outer parameters, after `round` outer steps."""
+
+    round: U63
+
+
+DENSE_CODECS = ("none", "fp16", "bf16", "int8", "int4")  # codecs that can carry parameters
 
 
 @dataclass(frozen=True)
@@ -78,6 +103,18 @@ class DilocoSettings:
     fanout: most peers a pseudo-gradient is sent to per outer round.
     max_staleness: a peer's pseudo-gradient at most this many rounds older than ours is used (a
         slower peer's updates still count).
+    consensus_every: every this many outer rounds a node averages its outer parameters with
+        one of the round's partners (both move halfway, each at its next outer step), which
+        keeps the swarm on one model, stragglers and late joiners included; 0: never (the
+        models drift apart as nodes average different sets of updates). Costs one model in
+        consensus_codec each way.
+    consensus_codec: the codec of those parameters: a dense one (none, fp16, bf16, int8, int4).
+    comm_fraction: adaptive rounds: 0 keeps inner_steps fixed; above 0 the node sets its inner
+        steps after every round so that a round end (offers, swap, outer step: the time its
+        training waits) takes at most this fraction of the round's compute: H = round-end
+        seconds / (comm_fraction x seconds per step), at least inner_steps, at most
+        max_inner_steps. A slower link or a faster step gives longer rounds, and back.
+    max_inner_steps: the most inner steps adaptive rounds may take.
     """
 
     inner_steps: int = 20
@@ -85,6 +122,10 @@ class DilocoSettings:
     outer_momentum: float = 0.9
     fanout: int = 8
     max_staleness: int = 4
+    consensus_every: int = 4
+    consensus_codec: str = "int8"
+    comm_fraction: float = 0.0
+    max_inner_steps: int = 1000
 
     def __post_init__(self) -> None:
         check_field(self.inner_steps >= 1, "gossip.diloco.inner_steps", self.inner_steps, ">= 1")
@@ -94,6 +135,16 @@ class DilocoSettings:
         check_field(self.fanout >= 1, "gossip.diloco.fanout", self.fanout, ">= 1")
         check_field(self.max_staleness >= 0, "gossip.diloco.max_staleness", self.max_staleness,
                     ">= 0")  # fmt: skip
+        check_field(isinstance(self.consensus_every, int) and self.consensus_every >= 0,
+                    "gossip.diloco.consensus_every", self.consensus_every,
+                    ">= 0 (0: off)")  # fmt: skip
+        check_field(self.consensus_codec in DENSE_CODECS, "gossip.diloco.consensus_codec",
+                    self.consensus_codec, f"one of {DENSE_CODECS}")  # fmt: skip
+        check_field(isinstance(self.comm_fraction, int | float) and 0 <= self.comm_fraction < 1,
+                    "gossip.diloco.comm_fraction", self.comm_fraction,
+                    "0 (fixed rounds) or a fraction in (0, 1)")  # fmt: skip
+        check_field(self.max_inner_steps >= self.inner_steps, "gossip.diloco.max_inner_steps",
+                    self.max_inner_steps, f">= inner_steps ({self.inner_steps})")  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -101,6 +152,8 @@ class DilocoStatistics:
     outer_steps: int
     peer_deltas_used: int
     partners_missing: int
+    consensus_mixes: int = 0  # partners' outer parameters averaged in
+    inner_steps: int = 0  # this round's inner steps (comm_fraction adapts them)
 
 
 class Diloco(Algorithm):
@@ -118,7 +171,7 @@ class Diloco(Algorithm):
     deadline, and late partners are left out.
     """
 
-    handles = (DeltaOffer,)
+    handles = (DeltaOffer, OuterOffer)
 
     def __init__(self, ctx: AlgorithmContext) -> None:
         super().__init__(ctx)
@@ -135,10 +188,23 @@ class Diloco(Algorithm):
         self._plans: dict[int, ChunkPlan] = {}
         self.feedback = SliceFeedback(torch.float16)
         self._rejected_now: set[str] = set()  # partners whose update this round was refused
-        self.outer_steps = self.peer_deltas_used = self.missing = 0
+        self.outer_steps = self.peer_deltas_used = self.missing = self.consensus_mixes = 0
+        # consensus: partners' outer parameters to average in at our next outer step (with the
+        # outer steps they had made); one offer of a peer's held while it arrives
+        self.consensus: dict[str, tuple[int, Tensors]] = {}
+        self._outer_in: tuple[str, int, int, ModelAssembly] | None = None  # peer, xid, round
+        self._stepping = False  # the outer step is changing self.start: answer no consensus
+        self._round_end_step = 0  # the trainer's step when the last round ended
+        rule = ctx.gossip.robust
+        self._consensus_radius = ClipRadius("none" if rule == "none" else "clip",
+                                            cap=ctx.gossip.clip)  # fmt: skip
+        self.inner_steps = ctx.settings.inner_steps  # this round's (adaptive rounds change it)
+        self._next_round_at: int | None = None  # the step that ends this round (adaptive)
+        self._step_s: float | None = None  # seconds per step, a moving average (adaptive)
 
     def statistics(self) -> DilocoStatistics:
-        return DilocoStatistics(self.outer_steps, self.peer_deltas_used, self.missing)
+        return DilocoStatistics(self.outer_steps, self.peer_deltas_used, self.missing,
+                                self.consensus_mixes, self.inner_steps)  # fmt: skip
 
     def state(self) -> tuple[Tensors, dict]:
         tensors = {f"start/{n}": t.clone() for n, t in self.start.items()}
@@ -159,6 +225,13 @@ class Diloco(Algorithm):
     def model_replaced(self) -> None:
         self.start = self.ctx.trainer.snapshot()
 
+    def peer_disconnected(self, peer_id: str) -> None:
+        """An offer `peer_id` was pushing to us will not be finished: free its slot now."""
+        if self._incoming.pop(peer_id, None) is not None:
+            log.info("offer_dropped", peer=peer_id[:12], reason="connection lost")
+        if self._outer_in is not None and self._outer_in[0] == peer_id:
+            self._outer_in = None
+
     def _spec(self, partners: list[str]) -> str:
         peers = self.ctx.peers
         if peers.fixed_codec is not None:
@@ -177,6 +250,7 @@ class Diloco(Algorithm):
 
     def _round_end(self, spec: str) -> tuple[Tensors, list[bytes]]:
         """Our update of this round, and its chunks encoded once (error feedback applies once)."""
+        self._round_end_step = self.ctx.trainer.step
         delta = self.ctx.trainer.update(lambda live: pseudo_gradient(self.start, live))
         plan = self.plan(self.ctx.chunk_numel)
         feedback = None if spec == "none" else self.feedback
@@ -185,12 +259,33 @@ class Diloco(Algorithm):
                                shapes=shapes) for i in range(len(plan))]  # fmt: skip
         return delta, chunks
 
+    def _round_ends(self, result: StepResult) -> bool:
+        """Whether `result`'s step ends an outer round (every inner_steps steps, or adaptive)."""
+        cfg = self.ctx.settings
+        if not cfg.comm_fraction:
+            return result.step % cfg.inner_steps == 0
+        seconds = result.seconds
+        self._step_s = seconds if self._step_s is None else 0.8 * self._step_s + 0.2 * seconds
+        if self._next_round_at is None:  # (also after a restart: the next multiple)
+            self._next_round_at = result.step + (-result.step) % cfg.inner_steps
+        return result.step >= self._next_round_at
+
+    def _adapt(self, step: int, waited_s: float) -> None:
+        """Set the next round's inner steps from this round end's wait and the step time."""
+        cfg = self.ctx.settings
+        if not cfg.comm_fraction or not self._step_s:
+            return
+        wanted = math.ceil(waited_s / (cfg.comm_fraction * self._step_s) * (1 - 1e-9))  # (float)
+        self.inner_steps = max(cfg.inner_steps, min(cfg.max_inner_steps, wanted))
+        self._next_round_at = step + self.inner_steps
+
     async def after_step(self, result: StepResult) -> None:
         ctx = self.ctx
-        if result.step % ctx.settings.inner_steps:
+        if not self._round_ends(result):
             return
+        started = ctx.now()
         round_ = self.round + 1
-        live = sorted(ctx.peers.live_peers())
+        live = sorted(ctx.peers.dialable_peers())  # a client-mode peer offers, is not offered to
         partners = sorted(ctx.rng.sample(live, min(len(live), ctx.settings.fanout)))
         spec = self._spec(partners)
         delta, chunks = await ctx.to_thread(self._round_end, spec)
@@ -210,7 +305,12 @@ class Diloco(Algorithm):
                 ctx.peers.failed(peer, now)
                 self.counters.record_failed(peer, spec)
         self._rejected_now.clear()
+        every = ctx.settings.consensus_every
+        answered = [p for p in partners if p in replies]
+        if every and round_ % every == 0 and answered:
+            await self._consensus_offer(ctx.rng.choice(answered))
         await self._outer_step(round_, delta, replies, partners)
+        self._adapt(result.step, ctx.now() - started)
 
     async def _outer_step(self, round_, delta, replies, partners) -> None:
         offered = {**self.inbox}
@@ -223,14 +323,43 @@ class Diloco(Algorithm):
             self.used,
             max_staleness=self.ctx.settings.max_staleness,
         )
-        deltas = [delta] + [offered[p][1] for p in use]
+        others = [offered[p][1] for p in use]
+        rule, radius = self.ctx.gossip.robust, self.ctx.robust
+        assert radius is not None
+
+        # consensus: partners' outer parameters from this round's swaps
+        mixes = {p: t for p, (_, t) in self.consensus.items()}
+        self.consensus.clear()
 
         def step(live: Tensors) -> None:
-            self.outer.step(self.start, average(deltas))
+            # a loop of the user's own kept training while the round ended: keep those steps
+            # (live - live at the round end = live - (start - delta)) on top of the new start
+            drift = self.ctx.trainer.step != self._round_end_step
+            if drift:
+                for name, tensor in live.items():
+                    tensor.sub_(self.start[name]).add_(delta[name])
+            # gossip.robust: peers' pseudo-gradients clipped around ours, or trimmed
+            mean = average([delta, *others]) if rule == "none" else robust_average(
+                delta, others, rule, radius)  # fmt: skip
+            if mixes:  # the outer step moves every start alike: average first, then step
+                sent = self.start if len(mixes) == 1 else {
+                    n: t.clone() for n, t in self.start.items()}  # fmt: skip
+                weight = 1.0 / (len(mixes) + 1)
+                clipped_neighbourhood_mix(self.start, sent, mixes, dict.fromkeys(mixes, weight),
+                                          self._consensus_radius)  # fmt: skip
+            self.outer.step(self.start, mean)
             for name, tensor in live.items():
-                tensor.copy_(self.start[name])
+                if drift:
+                    tensor.add_(self.start[name])
+                else:
+                    tensor.copy_(self.start[name])
 
-        await self.ctx.to_thread(lambda: self.ctx.trainer.apply(step))
+        self._stepping = True
+        try:
+            await self.ctx.to_thread(lambda: self.ctx.trainer.apply(step))
+        finally:
+            self._stepping = False
+        self.consensus_mixes += len(mixes)
         for peer in use:
             self.used[peer] = offered[peer][0]
         self.inbox.clear()
@@ -246,7 +375,55 @@ class Diloco(Algorithm):
             round=round_,
             used=[p[:12] for p in use],
             missing=[p[:12] for p in missing],
+            consensus=[p[:12] for p in mixes],
+            inner_steps=self.inner_steps,
         )
+
+    async def _consensus_offer(self, peer: str) -> None:
+        """Swap outer parameters with `peer` chunk by chunk and keep its for our outer step (it
+        keeps ours for its next one)."""
+        ctx = self.ctx
+        address = ctx.peers.address_of(peer)
+        if address is None:
+            return
+        spec, plan, made = ctx.settings.consensus_codec, self.plan(ctx.chunk_numel), self.round
+        xid = ctx.rng.getrandbits(63)
+        theirs = ModelAssembly(plan, spec, ctx.trainer.task_device)
+        mine = self.start
+        started, moved, their_round = ctx.now(), [0], []
+        deadline = ctx.peers.round_deadline(peer, 2 * ctx.peers.payload_nbytes(spec), started)
+
+        async def one(index: int) -> None:
+            data = await ctx.to_thread(lambda: encode_chunk(model_chunk(mine, plan, index), spec))
+            header = OuterOffer(codec=spec, round=made, xid=xid, plan=plan.digest,
+                                chunk_numel=plan.chunk_numel, chunks=len(plan), index=index)
+            reply, got, _ = await ctx.network.request(address, header, data, deadline_s=deadline,
+                                                      expect_peer=peer)  # fmt: skip
+            if not isinstance(reply, OuterReply):
+                raise _Refused(getattr(reply, "reason", "") or type(reply).__name__)
+            their_round.append(reply.round)
+            moved[0] += len(data) + len(got)
+            await ctx.to_thread(theirs.add, index, got)
+
+        try:
+            with trio.move_on_after(deadline):
+                await in_window(range(len(plan)), one)
+            if not theirs.complete:
+                raise _Refused("no complete answer within the deadline")
+            await ctx.to_thread(lambda: check_update(
+                mine, theirs.tensors, max_norm_ratio=ctx.gossip.max_norm_ratio))
+        except (TransportError, _Refused) as exc:
+            log.info("consensus_skipped", partner=peer[:12], reason=str(exc))
+            return
+        except (RejectedUpdate, compress.DecodeError, ValueError) as exc:
+            self.counters.record_rejected(peer, spec, exc)
+            ctx.peers.unreliable(peer, ctx.now())
+            log.warning("update_rejected", peer=peer[:12], reason=str(exc))
+            return
+        now = ctx.now()
+        ctx.peers.transferred(peer, moved[0], now - started, now)
+        if self.round == made:  # (nothing replaced our model meanwhile)
+            self.consensus[peer] = (max(their_round), theirs.tensors)
 
     async def _offer(self, peer, round_, spec, deadline, replies) -> None:
         """Send our update to `peer` chunk by chunk and take its latest one from the replies."""
@@ -288,7 +465,7 @@ class Diloco(Algorithm):
             return
         except (RejectedUpdate, compress.DecodeError, ValueError) as exc:
             self._rejected_now.add(peer)
-            self.counters.record_rejected(peer, spec)
+            self.counters.record_rejected(peer, spec, exc)
             ctx.peers.unreliable(peer, ctx.now())
             log.warning("update_rejected", peer=peer[:12], reason=str(exc))
             return
@@ -298,6 +475,8 @@ class Diloco(Algorithm):
         self.counters.record_ok(peer, spec)
 
     async def handle(self, peer: PeerInfo, header: Header, payload: memoryview) -> Reply:
+        if isinstance(header, OuterOffer):
+            return await self._answer_outer(peer, header, payload)
         assert isinstance(header, DeltaOffer)
         ctx = self.ctx
         if not ctx.acceptable(header.codec):
@@ -311,7 +490,7 @@ class Diloco(Algorithm):
             await self._take(peer.peer_id, header, payload, plan)
         except (RejectedUpdate, compress.DecodeError, ValueError) as exc:
             self._incoming.pop(peer.peer_id, None)
-            self.counters.record_rejected(peer.peer_id, header.codec)
+            self.counters.record_rejected(peer.peer_id, header.codec, exc)
             log.warning("update_rejected", peer=peer.short_id, reason=str(exc))
             return ErrorReply(code="bad_request", reason=f"update rejected: {exc}"[:500]), b""
         round_, chunks, spec = self.latest
@@ -324,6 +503,47 @@ class Diloco(Algorithm):
             lambda: encode_chunk(model_chunk(delta, plan, header.index), header.codec)
         )
         return DeltaReply(round=round_), data
+
+    async def _answer_outer(self, peer: PeerInfo, header: OuterOffer, payload: memoryview) -> Reply:
+        """One chunk of a partner's outer parameters for ours; kept for our next outer step when
+        it completes (checked as a pseudo-gradient is)."""
+        ctx = self.ctx
+        if header.codec not in DENSE_CODECS or not ctx.acceptable(header.codec):
+            return ErrorReply(code="bad_request", reason=f"codec {header.codec!r} refused"), b""
+        if self._stepping:  # our outer parameters are changing right now
+            return ErrorReply(code="busy", reason="in its outer step"), b""
+        plan, why = plan_refusal(self._plans, ctx.trainer, header.chunk_numel,
+                                 ctx.max_chunk_numel, header.plan, header.chunks,
+                                 header.index)  # fmt: skip
+        if plan is None:
+            return ErrorReply(code="bad_request", reason=why[:500]), b""
+        held = self._outer_in  # (peer, xid, our outer steps when it began, assembly)
+        if held is not None and held[2] != self.round:  # begun before our last outer step: the
+            self._outer_in = None  # chunks we sent were of other parameters
+            if held[:2] == (peer.peer_id, header.xid):
+                return ErrorReply(code="busy", reason="made an outer step during the swap"), b""
+            held = None
+        if held is None or held[:2] != (peer.peer_id, header.xid):
+            if held is not None and held[0] != peer.peer_id:  # one at a time (memory budget)
+                return ErrorReply(code="busy", reason="answering another consensus offer"), b""
+            held = self._outer_in = (peer.peer_id, header.xid, self.round,
+                                     ModelAssembly(plan, header.codec, ctx.trainer.task_device))
+        assembly, mine = held[3], self.start
+        try:
+            if await ctx.to_thread(assembly.add, header.index, payload):
+                self._outer_in = None
+                await ctx.to_thread(lambda: check_update(
+                    mine, assembly.tensors, max_norm_ratio=ctx.gossip.max_norm_ratio))
+                if held[2] == self.round:  # (our outer parameters are still those it saw)
+                    self.consensus[peer.peer_id] = (header.round, assembly.tensors)
+        except (RejectedUpdate, compress.DecodeError, ValueError) as exc:
+            self._outer_in = None
+            self.counters.record_rejected(peer.peer_id, header.codec, exc)
+            log.warning("update_rejected", peer=peer.short_id, reason=str(exc))
+            return ErrorReply(code="bad_request", reason=f"update rejected: {exc}"[:500]), b""
+        data = await ctx.to_thread(
+            lambda: encode_chunk(model_chunk(mine, plan, header.index), header.codec))
+        return OuterReply(round=self.round), data
 
     async def _take(self, peer: str, header: DeltaOffer, payload: memoryview, plan) -> None:
         """Add one chunk of `peer`'s offer; a complete, checked update goes to the inbox."""
@@ -353,10 +573,11 @@ ALGORITHM = register_algorithm(
         name="diloco",
         runtime=Diloco,
         settings=DilocoSettings,
-        messages=(DeltaOffer, DeltaReply),
+        messages=(DeltaOffer, DeltaReply, OuterOffer, OuterReply),
         summary="local SGD: inner_steps local steps, then an outer step on averaged updates",
         # round start, outer momentum, error feedback, our update (and its payload), and up to
-        # fanout updates from peers offered to us plus fanout replies
-        memory=lambda g: 5.0 + 2 * g.settings.fanout,
+        # fanout updates from peers offered to us plus fanout replies; with consensus, a
+        # partner's outer parameters we asked for and one we answer
+        memory=lambda g: 5.0 + 2 * g.settings.fanout + (2 if g.settings.consensus_every else 0),
     )
 )

@@ -4,6 +4,9 @@
 # asker's deadline (never over ROUND_WAIT_CAP_S); a reply is used only when it is of the requested
 # round or newer; the round ends at its deadline with whoever answered (Metropolis-Hastings
 # weights, the rest stays with us); whom to ask and whom to forgive is gossip's RoundAttendance.
+# A client-mode peer (behind NAT) is never asked: it sends its round's model with its requests
+# (chunk i with the request for chunk i), and the asked node mixes the complete, checked models
+# it was sent into its next round (at most `degree` held at once).
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -15,11 +18,15 @@ import trio
 
 from geotrain import compress
 from geotrain.gossip import (
+    TRIM_MIN_NEIGHBOURS,
     RejectedUpdate,
     RoundAttendance,
     check_update,
+    clipped_neighbourhood_mix,
     metropolis_hastings_weights,
     neighbourhood_mix,
+    trim_count,
+    trimmed_mean_mix,
 )
 
 from .._config import check_field
@@ -130,6 +137,10 @@ class Dpsgd(Algorithm):
         self._rejected_now: set[str] = set()  # neighbours whose model this round was refused
         self._plans: dict[int, ChunkPlan] = {}
         self.rounds = self.full_rounds = self.missed = self.late_ignored = 0
+        self._said_fallback = False  # the trim -> clip fallback is logged once
+        self._pushes: dict[str, tuple[ModelAssembly, int]] = {}  # client -> its model arriving
+        self._pushed: dict[str, tuple[Tensors, int]] = {}  # clients' models for our next round
+        self._pushers = 0  # clients mixed in our last round (counted in our degree)
 
     def statistics(self) -> DpsgdStatistics:
         return DpsgdStatistics(
@@ -152,7 +163,7 @@ class Dpsgd(Algorithm):
         return cached_plan(self._plans, self.ctx.trainer, chunk_numel)
 
     def _neighbours(self, round_: int) -> list[str]:
-        live = sorted(self.ctx.peers.live_peers())
+        live = sorted(self.ctx.peers.dialable_peers())  # a client-mode peer asks, is not asked
         self._attendance.forget(live)
         degree = self.ctx.settings.degree
         if len(live) > degree:
@@ -177,8 +188,8 @@ class Dpsgd(Algorithm):
         round_ = result.step // every
         neighbours = self._neighbours(round_)
         sent = await self.ctx.to_thread(self.ctx.trainer.snapshot)
-        self._publish(round_, sent, len(neighbours))
-        if neighbours:
+        self._publish(round_, sent, len(neighbours) + self._pushers)
+        if neighbours or self._pushed:
             await self._round(round_, sent, neighbours)
 
     def _spec(self, peer: str | None = None) -> str:
@@ -192,11 +203,12 @@ class Dpsgd(Algorithm):
         nbytes = ctx.peers.payload_nbytes(self._spec())
         slack = ctx.settings.round_slack * ctx.gossip.exchange_every * self._step_s
         now = ctx.now()
-        deadline = max(ctx.peers.round_deadline(p, nbytes, now) for p in neighbours) + slack
+        deadline = max((ctx.peers.round_deadline(p, nbytes, now) for p in neighbours), default=0)
+        deadline += slack
         started = now
         got: dict[str, tuple[Tensors, int]] = {}
         reasons: dict[str, str] = {}  # why a neighbour is missing (for the log)
-        with trio.move_on_after(deadline):
+        with trio.move_on_after(deadline if neighbours else 0):
             async with trio.open_nursery() as nursery:
                 for peer in neighbours:
                     nursery.start_soon(
@@ -216,26 +228,52 @@ class Dpsgd(Algorithm):
                 self.counters.record_ok(peer, self._spec(peer))
             elif peer not in rejected:  # (rejected ones were counted as such)
                 self.counters.record_failed(peer)
+        pushed, self._pushed = self._pushed, {}  # clients' models sent with their requests
+        for peer in pushed:
+            self.counters.record_ok(peer, None)
+        got.update({p: v for p, v in pushed.items() if p not in got})
+        self._pushers = len(pushed)
         self_w, weights = metropolis_hastings_weights(
-            len(neighbours), {p: d for p, (_, d) in got.items()}
+            len(neighbours) + len(pushed), {p: d for p, (_, d) in got.items()}
         )
         remotes = {p: m for p, (m, _) in got.items()}
-        await ctx.to_thread(
-            lambda: ctx.trainer.apply(lambda live: neighbourhood_mix(live, sent, remotes, weights))
-        )
+        await ctx.to_thread(lambda: ctx.trainer.apply(self._mixer(sent, remotes, weights)))
         self.rounds += 1
         self.full_rounds += not missing
         self.missed += len(missing)
         log.info(
             "round_done",
             round=round_,
-            answered=sorted(p[:12] for p in got),
+            answered=sorted(p[:12] for p in got if p not in pushed),
+            clients=sorted(p[:12] for p in pushed),
             missing=sorted(p[:12] for p in missing),
             reasons={p[:12]: r for p, r in reasons.items()},
             self_weight=round(self_w, 4),
             deadline_s=round(deadline, 3),
             waited_s=round(ctx.now() - started, 3),
         )
+
+    def _mixer(self, sent: Tensors, remotes: dict[str, Tensors], weights: dict[str, float]):
+        """The round's mixing step for `gossip.robust`: Metropolis-Hastings averaging (none),
+        with every difference clipped (clip), or a coordinate-wise trimmed mean (trim; clipping
+        when fewer than TRIM_MIN_NEIGHBOURS neighbours answered, said once in the log)."""
+        radius = self.ctx.robust
+        assert radius is not None
+        rule = self.ctx.gossip.robust
+        if rule == "trim" and remotes and trim_count(len(remotes) + 1):
+            radius.trimmed_rounds += 1
+            radius.mixed += 1
+            return lambda live: trimmed_mean_mix(live, sent, remotes)
+        if rule == "trim" and remotes:
+            radius.trim_fallbacks += 1
+            if not self._said_fallback:
+                self._said_fallback = True
+                log.warning("trim_fallback", neighbours=len(remotes), needed=TRIM_MIN_NEIGHBOURS,
+                            detail="too few neighbours answered for a trimmed mean: this round "
+                            "and others like it are mixed with clipping")  # fmt: skip
+        if rule == "none":
+            return lambda live: neighbourhood_mix(live, sent, remotes, weights)
+        return lambda live: clipped_neighbourhood_mix(live, sent, remotes, weights, radius)
 
     async def _ask(self, peer, round_, degree, deadline, got, reasons) -> None:
         ctx = self.ctx
@@ -256,8 +294,9 @@ class Dpsgd(Algorithm):
         assembly = ModelAssembly(plan, first.codec, ctx.trainer.task_device)
         try:
             reply, payload, _ = await ctx.network.request(
-                address, first, b"", deadline_s=deadline, expect_peer=peer
-            )
+                address, first, await self._push(round_, plan, first.codec, 0),
+                deadline_s=deadline, expect_peer=peer,
+            )  # fmt: skip
             if not isinstance(reply, RoundReply) or reply.chunks != len(plan):
                 reasons[peer] = getattr(reply, "reason", type(reply).__name__)[:200]
                 return
@@ -267,7 +306,8 @@ class Dpsgd(Algorithm):
                 reasons[peer] = f"reply for round {reply.round}"
                 return
             await ctx.to_thread(assembly.add, 0, payload)
-            await self._rest(address, peer, plan, assembly, request(reply.round, 0), deadline)
+            await self._rest(address, peer, plan, assembly, request(reply.round, 0), deadline,
+                             ours=round_)  # fmt: skip
             remote = assembly.tensors
             await ctx.to_thread(lambda: check_update(
                 ctx.trainer.params(), remote, max_norm_ratio=ctx.gossip.max_norm_ratio))
@@ -280,19 +320,32 @@ class Dpsgd(Algorithm):
         except (RejectedUpdate, compress.DecodeError, ValueError) as exc:
             reasons[peer] = f"rejected: {exc}"[:200]
             self._rejected_now.add(peer)
-            self.counters.record_rejected(peer, first.codec)
+            self.counters.record_rejected(peer, first.codec, exc)
             log.warning("update_rejected", peer=peer[:12], reason=str(exc))
             return
         got[peer] = (remote, reply.degree)
 
-    async def _rest(self, address, peer, plan, assembly, template, deadline) -> None:
-        """Chunks 1.. of the round `template` names, CHUNKS_IN_FLIGHT at a time."""
+    async def _push(self, round_: int, plan: ChunkPlan, codec: str, index: int) -> bytes:
+        """What goes with our request for chunk `index`: nothing, or, when we are a client (nobody
+        asks us), chunk `index` of our own model of round `round_`."""
+        entry = self._models.get(round_) if self.ctx.peers.client else None
+        if entry is None:
+            return b""
+        model = entry[0]
+        return await self.ctx.to_thread(
+            lambda: encode_chunk(model_chunk(model, plan, index), codec, seed=round_)
+        )
+
+    async def _rest(self, address, peer, plan, assembly, template, deadline, *, ours) -> None:
+        """Chunks 1.. of the round `template` names, CHUNKS_IN_FLIGHT at a time (each with our
+        own chunk of round `ours` when we are a client)."""
 
         async def one(index: int) -> None:
             header = msgspec.structs.replace(template, index=index, wait_s=0.0)
             reply, payload, _ = await self.ctx.network.request(
-                address, header, b"", deadline_s=deadline, expect_peer=peer
-            )
+                address, header, await self._push(ours, plan, header.codec, index),
+                deadline_s=deadline, expect_peer=peer,
+            )  # fmt: skip
             if not isinstance(reply, RoundReply) or reply.round != template.round:
                 raise _Refused(getattr(reply, "reason", "") or f"chunk {index}: no reply")
             await self.ctx.to_thread(assembly.add, index, payload)
@@ -311,6 +364,8 @@ class Dpsgd(Algorithm):
                                  ctx.max_chunk_numel, header.plan, None, header.index)  # fmt: skip
         if plan is None:
             return ErrorReply(code="bad_request", reason=why[:500]), b""
+        if len(payload) and ctx.peers.is_client(peer.peer_id):
+            await self._take_push(peer.peer_id, header, payload, plan)
         if header.index > 0:  # the rest of a round already answered: that round or nothing
             if header.round not in self._models:
                 return ErrorReply(code="busy", reason=f"round {header.round} is gone"), b""
@@ -327,10 +382,40 @@ class Dpsgd(Algorithm):
             if round_ not in self._models:  # (resumed from a checkpoint: nothing published yet)
                 return ErrorReply(code="busy", reason=f"round {round_} not published yet"), b""
         model, degree = self._models[round_]
-        data = await ctx.to_thread(
+        data = await ctx.to_thread(  # (our degree counts the clients that send us their model)
             lambda: encode_chunk(model_chunk(model, plan, header.index), header.codec, seed=round_)
         )
         return RoundReply(round=round_, degree=degree, chunks=len(plan)), data
+
+
+    async def _take_push(self, peer: str, header: RoundRequest, payload, plan) -> None:
+        """Keep chunk `header.index` of a client's model; a complete one, once checked, waits for
+        our next round. A client beyond `degree` held models, or a chunk refused, is left out
+        (logged and counted); the request is answered either way."""
+        ctx = self.ctx
+        if header.index == 0:
+            self._pushes.pop(peer, None)
+            if len(self._pushes) + len(set(self._pushed) - {peer}) >= ctx.settings.degree:
+                log.debug("client_model_skipped", peer=peer[:12], reason="degree models held")
+                return
+            assembly = ModelAssembly(plan, header.codec, ctx.trainer.task_device)
+            self._pushes[peer] = (assembly, header.degree)
+        entry = self._pushes.get(peer)
+        if entry is None or (entry[0].plan.digest, entry[0].spec) != (plan.digest, header.codec):
+            return
+        try:
+            if not await ctx.to_thread(entry[0].add, header.index, payload):
+                return
+            del self._pushes[peer]
+            remote = entry[0].tensors
+            await ctx.to_thread(lambda: check_update(
+                ctx.trainer.params(), remote, max_norm_ratio=ctx.gossip.max_norm_ratio))
+        except (RejectedUpdate, compress.DecodeError, ValueError) as exc:
+            self._pushes.pop(peer, None)
+            self.counters.record_rejected(peer, header.codec, exc)
+            log.warning("update_rejected", peer=peer[:12], reason=str(exc))
+            return
+        self._pushed[peer] = (remote, entry[1])
 
 
 ALGORITHM = register_algorithm(

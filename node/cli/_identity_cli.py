@@ -94,7 +94,7 @@ def _swarm_admit(args: argparse.Namespace) -> int:
         out.mkdir(exist_ok=True)
         out = out / f"{cert.peer_id}.cert.json"
     try:
-        cert.save(out)
+        cert.save(out, renew=args.renew)
     except KeyFileError as exc:
         return _fail("swarm admit", str(exc))
     print(f"peer_id {cert.peer_id}")
@@ -124,4 +124,7 @@ def register_swarm(subparsers: argparse._SubParsersAction) -> None:
     admit.add_argument("peer", metavar="PEER_PUBKEY_OR_ID", help="peer ID or public key")
     admit.add_argument("--expires", required=True, help="validity, e.g. 30d, 12h, 15m, 90s")
     admit.add_argument("--out", default=None, help="certificate file (default: SWARM/certs/)")
+    admit.add_argument("--renew", action="store_true",
+                       help="replace the certificate of the same peer there (a running node "
+                            "reloads it)")  # fmt: skip
     admit.set_defaults(handler=_swarm_admit)

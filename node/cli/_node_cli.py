@@ -1,10 +1,12 @@
 # `geotrain node run` and `geotrain status`. Invariants: a bad config, key or certificate is
-# reported in one line naming what is wrong and exits 2 before anything starts; SIGINT/SIGTERM ask
-# the node to stop cleanly, a second one cancels at once.
+# reported in one line naming what is wrong and exits 2 before anything starts (status: 1);
+# SIGINT/SIGTERM ask the node to stop cleanly, a second one cancels at once. `status --watch`
+# lives in _status_watch (it alone imports rich), its sources in _status_client.
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import signal
 import sys
 from pathlib import Path
@@ -16,11 +18,14 @@ from .._checkpointer import ResumeError
 from .._config import ConfigError, NodeConfig, load_config
 from .._credentials import load_identity
 from .._node import Node
-from .._protocol import StatusReply, StatusRequest, node_header_codec
-from ..state import StateDir, parse_status, read_status, render_status
-from ..transport import ErrorReply, TransportConfig, TransportError, open_transport
+from ..state import render_status
+from ._node_init import register_node_init
+from ._status_client import StatusFile
+from ._status_client import fetch_status as fetch_status
 
 log = structlog.get_logger()
+
+WATCH_INTERVAL_S = 2.0  # often enough to follow training, rare enough to cost a node nothing
 
 
 def load_node(config: NodeConfig) -> Node:
@@ -71,43 +76,16 @@ def _leaves(group: BaseExceptionGroup) -> list[BaseException]:
     return out
 
 
-async def fetch_status(address: str, config: NodeConfig, deadline_s: float) -> dict:
-    """Ask the node at `address` for its status, as the node `config` describes (its identity and
-    admission: the node asked must admit it).
-
-    Raises:
-        ConfigError: the identity or admission files are wrong.
-        ValueError: no answer, or an answer that is not a status.
-    """
-    identity, admission = load_identity(config)
-
-    async def refuse(peer, header, payload):
-        return ErrorReply(code="bad_request", reason="a status client serves nothing"), b""
-
-    async with open_transport(
-        TransportConfig(listen="tcp://127.0.0.1:0"),
-        identity,
-        admission,
-        refuse,
-        codec=node_header_codec(),
-    ) as transport:
-        try:
-            reply, payload, _ = await transport.request(
-                address, StatusRequest(), deadline_s=deadline_s
-            )
-        except TransportError as exc:
-            failure = exc  # raised below, outside the transport's nursery (no exception group)
-        else:
-            failure = None
-    if failure is not None:
-        raise ValueError(f"{address}: {failure}")
-    if not isinstance(reply, StatusReply):
-        raise ValueError(f"{address}: answered {type(reply).__name__}, not a status")
-    return parse_status(bytes(payload), address)
-
-
 def status(args: argparse.Namespace) -> int:
+    if args.watch and args.json:
+        print("geotrain status: --watch shows a view, --json prints one document; choose one",
+              file=sys.stderr)  # fmt: skip
+        return 2
+    if args.interval is not None and not args.watch:
+        print("geotrain status: --interval is the refresh of --watch", file=sys.stderr)
+        return 2
     try:
+        config = None
         if args.node.startswith("tcp://"):
             if args.config is None:
                 raise ValueError(
@@ -115,15 +93,29 @@ def status(args: argparse.Namespace) -> int:
                     "(an identity the node admits)"
                 )
             config = load_config(args.config)
+        if args.watch:
+            from ._status_watch import run_watch  # rich is imported only by the watch
+
+            return run_watch(args.node, args.interval or WATCH_INTERVAL_S, config, args.timeout)
+        if config is not None:
             data = trio.run(fetch_status, args.node, config, args.timeout)
         else:
-            path = Path(args.node)
-            data = read_status(StateDir(path).status if path.is_dir() else path)
+            data, _ = StatusFile(Path(args.node)).read()
     except ValueError as exc:  # ConfigError is a ValueError
         print(f"geotrain status: {exc}", file=sys.stderr)
         return 1
     print(json.dumps(data, indent=1) if args.json else render_status(data))
     return 0
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected seconds > 0")
+    return value
 
 
 def register_node(sub: argparse._SubParsersAction) -> None:
@@ -135,6 +127,7 @@ def register_node(sub: argparse._SubParsersAction) -> None:
         "--set", action="append", metavar="SECTION.KEY=VALUE", help="override a config value"
     )
     run.set_defaults(handler=node_run)
+    register_node_init(node_sub)
 
 
 def register_status(sub: argparse._SubParsersAction) -> None:
@@ -149,6 +142,23 @@ def register_status(sub: argparse._SubParsersAction) -> None:
         type=Path,
         help="with a tcp:// address: a node config whose identity the node admits",
     )
-    p.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for an answer")
+    p.add_argument(
+        "--timeout",
+        type=float,
+        default=10.0,
+        help="seconds to wait for an answer (with --watch: at each refresh)",
+    )
     p.add_argument("--json", action="store_true", help="print the raw status JSON")
+    p.add_argument(
+        "--watch",
+        action="store_true",
+        help="keep showing the status, refreshed in place (one snapshot per interval when "
+        "stdout is not a terminal); problems are shown and retried; Ctrl-C quits",
+    )
+    p.add_argument(
+        "--interval",
+        type=_seconds,
+        metavar="S",
+        help=f"with --watch: seconds between refreshes (default {WATCH_INTERVAL_S:g})",
+    )
     p.set_defaults(handler=status)

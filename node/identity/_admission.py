@@ -122,8 +122,14 @@ class MembershipCertificate:
         issued, expires = struct.unpack_from(">qq", data, at + PUBLIC_KEY_BYTES)
         return cls(swarm_id, bytes(key), issued, expires, bytes(data[-SIGNATURE_BYTES:]))
 
-    def save(self, path: str | os.PathLike[str]) -> None:
-        """Write as JSON (readable fields plus the base64 wire form); refuses to overwrite."""
+    def save(self, path: str | os.PathLike[str], *, renew: bool = False) -> None:
+        """Write as JSON (readable fields plus the base64 wire form); refuses to overwrite,
+        unless `renew`: then `path` must hold a certificate of the same peer and swarm, which is
+        replaced in one rename (a node watching the file reads the old or the new one whole).
+
+        Raises:
+            KeyFileError: the file exists (renew: does not, or holds something else).
+        """
         doc = {
             "format": CERT_FORMAT,
             "swarm_id": self.swarm_id,
@@ -132,7 +138,19 @@ class MembershipCertificate:
             "expires_at": self.expires_at,
             "certificate": base64.b64encode(self.to_bytes()).decode("ascii"),
         }
-        write_private_file(pathlib.Path(path), (json.dumps(doc, indent=2) + "\n").encode())
+        data, target = (json.dumps(doc, indent=2) + "\n").encode(), pathlib.Path(path)
+        if not renew:
+            write_private_file(target, data)
+            return
+        if not target.exists():
+            raise KeyFileError(f"{target}: no certificate there to renew (leave out --renew)")
+        old = MembershipCertificate.load(target)  # KeyFileError: not a certificate
+        if (old.peer_id, old.swarm_id) != (self.peer_id, self.swarm_id):
+            raise KeyFileError(f"{target}: holds the certificate of peer {old.peer_id} in "
+                               f"swarm {old.swarm_id}, not this one's: refusing to replace it")
+        temp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+        write_private_file(temp, data)
+        os.replace(temp, target)
 
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> MembershipCertificate:

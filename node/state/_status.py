@@ -54,6 +54,19 @@ class NodeStatus:
     memory_estimate_mb: float | None = None  # what the node estimated it needs at start
     algorithm_stats: dict[str, float | int] = field(default_factory=dict)  # per-algorithm counters
     certificate_expires_at: float | None = None  # POSIX seconds; None: no certificate (or unknown)
+    # [privacy]: epsilon spent and its budget (None: no privacy); exhausted: training on this
+    # node's data has stopped (it only mixes)
+    privacy_epsilon: float | None = None
+    privacy_budget: float | None = None
+    privacy_exhausted: bool = False
+    rejected_by_reason: dict[str, int] = field(default_factory=dict)  # rejected_updates, split
+    # seconds in the node's own training steps, and their share of wall time since the first
+    # step (compute utilization); None for a loop of the user's own (geotrain.join)
+    train_s: float | None = None
+    # training samples this process took (None for a loop of the user's own: not seen)
+    samples: int | None = None
+    utilization: float | None = None
+    steps_over_step_time: int = 0  # compute emulation: steps whose compute overran the pinned time
 
     def to_json(self) -> dict[str, Any]:
         data = asdict(self)
@@ -122,6 +135,15 @@ def _certificate_line(expires_at: Any) -> list[str]:
     return [f"certificate expires {when} (in {left / 3600:.1f} h){soon}"]
 
 
+def _privacy_line(data: dict[str, Any]) -> list[str]:
+    spent = data.get("privacy_epsilon")
+    if not isinstance(spent, int | float):
+        return []
+    done = ("  BUDGET SPENT: no more training on this node's data, it keeps mixing"
+            if data.get("privacy_exhausted") else "")  # fmt: skip
+    return [f"privacy   epsilon {spent:.3f} of {_fmt(data.get('privacy_budget'))}{done}"]
+
+
 def render_status(data: dict[str, Any]) -> str:
     """A human-readable status: the node's numbers, then one row per known peer."""
     lines = [
@@ -135,6 +157,7 @@ def render_status(data: dict[str, Any]) -> str:
         f"  exchanges ok {data['exchanges_ok']} failed {data['exchanges_failed']}"
         f"  rejected updates {data['rejected_updates']}  up {data['elapsed_s']:.0f}s",
         *_certificate_line(data.get("certificate_expires_at")),
+        *_privacy_line(data),
         "",
         f"{'peer':<14}{'state':<9}{'address':<28}{'rtt ms':>8}{'Mbit/s':>9}  {'codec':<16}"
         f"{'ok':>5}{'failed':>7}",

@@ -4,10 +4,15 @@ from ._builtin import BUILTIN_TASKS as BUILTIN_TASKS
 from ._device import resolve_device as resolve_device
 from ._loop import LoopClosed as LoopClosed
 from ._loop import LoopTrainer as LoopTrainer
+from ._privacy import PrivacyError as PrivacyError
+from ._privacy import PrivacyStatistics as PrivacyStatistics
+from ._privacy import make_private as make_private
+from ._recipe import Recipe as Recipe
 from ._tasks import PARTITIONS as PARTITIONS
 from ._tasks import Task as Task
 from ._tasks import TaskContext as TaskContext
 from ._tasks import TaskFunction as TaskFunction
+from ._tasks import batch_samples as batch_samples
 from ._tasks import endless_batches as endless_batches
 from ._tasks import resolve_task as resolve_task
 from ._tasks import shard_indices as shard_indices

@@ -4,15 +4,15 @@ from __future__ import annotations
 
 import gzip
 import math
-import sysconfig
 from collections.abc import Iterator
 from importlib import resources
-from pathlib import Path
 
 import numpy as np
 import torch
 from torch import nn
 
+from ._corpus import stdlib_corpus
+from ._gpt import gpt
 from ._tasks import Task, TaskContext, TaskFunction, endless_batches, shard_indices
 
 DIGITS_ROWS, DIGITS_COLS = 1797, 65  # label + 8x8 pixels, see data/DIGITS-LICENSE.txt
@@ -73,6 +73,7 @@ def digits_mlp(ctx: TaskContext) -> Task:
         metric="accuracy",
         default_target=0.9,
         lr=0.05,
+        train_size=len(mine),
     )
 
 
@@ -131,23 +132,6 @@ class CharTransformer(nn.Module):
         h = self.embed(tokens) + self.position[:t]  # (batch, t, d_model)
         h = self.blocks(h, mask=self.causal[:t, :t], is_causal=True)
         return self.head(h)
-
-
-def stdlib_corpus(max_bytes: int, directory: str | None = None) -> bytes:
-    """Up to `max_bytes` of text: the .py files under `directory` (default: Python's own stdlib)."""
-    root = Path(directory) if directory else Path(sysconfig.get_paths()["stdlib"])
-    if not root.is_dir():
-        raise ValueError(f"task.params.corpus={str(root)!r}: not a directory")
-    chunks, total = [], 0
-    for path in sorted(root.rglob("*.py")):
-        if "site-packages" in path.parts or total >= max_bytes:
-            continue
-        data = path.read_bytes()[: max_bytes - total]
-        chunks.append(data)
-        total += len(data)
-    if total < 10_000:
-        raise ValueError(f"task.params.corpus={str(root)!r}: fewer than 10,000 bytes of .py text")
-    return b"".join(chunks)
 
 
 def charlm(ctx: TaskContext) -> Task:
@@ -244,4 +228,5 @@ BUILTIN_TASKS: dict[str, TaskFunction] = {
     "synthetic-linreg": synthetic_linreg,
     "charlm": charlm,
     "wide-linear": wide_linear,
+    "gpt": gpt,
 }

@@ -45,6 +45,8 @@ class LoopTrainer:
         metric: the metric's name; higher_is_better: its direction.
     """
 
+    overran_steps = 0  # compute emulation pads the daemon's steps only, never the user's loop
+
     def __init__(
         self,
         model: torch.nn.Module,
@@ -67,6 +69,7 @@ class LoopTrainer:
         self.optimizer: torch.optim.Optimizer | None = None
         self.scheduler: Any = None
         self._optimizer_state: tuple[dict, dict] | None = None  # from a checkpoint, until wrap
+        self._last_end: float | None = None  # perf_counter at the end of the last step
 
     # -- what the node reads ----------------------------------------------------------------
     def params(self) -> dict[str, torch.Tensor]:
@@ -122,16 +125,29 @@ class LoopTrainer:
         return (ends[-1] - ends[0]) / (len(ends) - 1)
 
     def evaluate(self) -> float:
-        """The user's metric (model in eval mode), or the last loss when none was given."""
+        """The user's metric (model in eval mode), or the last loss when none was given. It runs
+        at the user's next step, between two of their steps (as a mix does): switching the model
+        to eval mode while their forward pass runs would change it (dropout, batch norm).
+        Blocks until then; called from the node's worker threads.
+
+        Once the user's loop is closed (also while this waited for a next step that never
+        came) it evaluates at once.
+        """
         if self._evaluate is None:
             return self.last_loss
-        with self._lock:
+
+        def run(_params: dict[str, torch.Tensor]) -> float:
             was_training = self.model.training
             self.model.eval()
             try:
-                return float(self._evaluate(self.model))
+                return float(self._evaluate(self.model))  # type: ignore[misc]
             finally:
                 self.model.train(was_training)
+
+        try:
+            return self.apply(run)
+        except LoopClosed:  # the loop ended before its next step: nothing runs beside us now
+            return self.apply(run)
 
     @contextlib.contextmanager
     def locked(self) -> Iterator[None]:
@@ -211,7 +227,12 @@ class LoopTrainer:
             self._run_pending()
             step = self.step
         self._step_ends.append(time.monotonic())
-        return result, StepResult(step, self.last_loss, time.perf_counter() - started)
+        ended = time.perf_counter()
+        # a step's seconds are the user's whole iteration (data, forward, backward, step), from
+        # the end of their previous step: what the algorithms pace rounds and deadlines by
+        since = started if self._last_end is None else self._last_end
+        self._last_end = ended
+        return result, StepResult(step, self.last_loss, ended - since)
 
     def _run_pending(self) -> None:
         while self._pending:
@@ -224,14 +245,13 @@ class LoopTrainer:
             pending.done.set()
 
     def close(self) -> None:
-        """No more steps: the changes that wait are dropped (their exchanges fail) and later
-        ones run at once; `stepped` refuses from now on."""
+        """No more steps: the changes that wait run now (the loop stopped, nothing runs beside
+        them: a mix or an evaluation that arrived lands in the final checkpoint instead of
+        failing the node's exchange and its shutdown), later ones at once; `stepped` refuses
+        from now on. Called from the user's thread."""
         with self._lock:
             self._closed = True
-            while self._pending:
-                pending = self._pending.popleft()
-                pending.error = LoopClosed("the swarm was closed")
-                pending.done.set()
+            self._run_pending()
 
 
 def _jsonable(value: Any) -> Any:

@@ -11,6 +11,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from ._recipe import Recipe
+
 PARTITIONS = ("iid", "dirichlet")
 TaskParams = Mapping[str, int | float | str | bool]
 
@@ -72,7 +74,13 @@ class Task:
         metric: the metric's name, e.g. "accuracy".
         higher_is_better: direction of the metric.
         default_target: a value worth reaching, used when the user states none.
-        lr: a learning rate known to work for this task with plain SGD + momentum.
+        lr: a learning rate known to work for this task with its recipe.
+        recipe: how the task is best trained (optimizer, warmup and decay, clipping); the
+            default is SGD with momentum 0.9 at `lr`, constant, unclipped. The daemon uses it for
+            every `training.*` setting the user leaves unset, and the testbed's baselines use it
+            whole, so every system trains the task the same way.
+        train_size: how many training examples this node's shard holds (None: unknown, e.g. an
+            endless generator); differential privacy's sampling rate is batch size / train_size.
     """
 
     model: torch.nn.Module
@@ -83,6 +91,8 @@ class Task:
     higher_is_better: bool = True
     default_target: float | None = None
     lr: float = 0.05
+    train_size: int | None = None  # examples in this node's shard ([privacy]'s sample rate)
+    recipe: Recipe = field(default_factory=Recipe)  # default: SGD + momentum, as tasks always had
 
     def reached(self, value: float, target: float) -> bool:
         return value >= target if self.higher_is_better else value <= target
@@ -123,6 +133,15 @@ def endless_batches(
         for start in range(0, len(x), batch_size):
             pick = order[start : start + batch_size]
             yield x[pick], y[pick]
+
+
+def batch_samples(batch: Any) -> int:
+    """Samples in one batch: the first dimension of its first tensor (a tensor, or a tuple or
+    list whose first item is one); 1 when that tensor has no dimension, 0 when there is none."""
+    first = batch[0] if isinstance(batch, tuple | list) and batch else batch
+    if not isinstance(first, torch.Tensor):
+        return 0
+    return int(first.shape[0]) if first.dim() > 0 else 1
 
 
 def resolve_task(name: str) -> TaskFunction:

@@ -12,29 +12,21 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TypeVar
 
+import structlog
 import torch
 
 from geotrain.gossip import check_update, pairwise_mix
 
 from ..state import optimizer_from_checkpoint, optimizer_to_checkpoint
-from ._tasks import Task
+from ._privacy import PrivateTraining, mixing_only_step
+from ._recipe import OPTIMIZERS as OPTIMIZERS
+from ._recipe import SCHEDULES as SCHEDULES
+from ._recipe import schedule_factor as schedule_factor
+from ._tasks import Task, batch_samples
 
-OPTIMIZERS = ("sgd", "adam", "adamw")
+log = structlog.get_logger()
+
 PRECISIONS = ("fp32", "bf16")
-SCHEDULES = ("constant", "cosine", "linear")
-
-
-def schedule_factor(step: int, warmup: int, total: int, kind: str) -> float:
-    """The learning-rate multiplier at `step`: linear warmup over `warmup` steps, then constant,
-    cosine or linear decay to 0 at `total` steps (constant past it)."""
-    if warmup and step < warmup:
-        return (step + 1) / warmup
-    if kind == "constant" or total <= warmup:
-        return 1.0
-    progress = min(1.0, (step - warmup) / max(1, total - warmup))
-    if kind == "cosine":
-        return 0.5 * (1.0 + math.cos(math.pi * progress))
-    return 1.0 - progress
 T = TypeVar("T")
 
 
@@ -43,24 +35,30 @@ class StepResult:
     step: int
     loss: float
     seconds: float  # wall time of the step, including any emulated slowdown
+    samples: int = 0  # training samples the step took (0: not known, as in a user's own loop)
 
 
 class Trainer:
     """A task's model and optimizer, stepped from a worker thread.
 
     Args:
-        task: what to train.
-        optimizer: "sgd" (with momentum) or "adam".
+        task: what to train; its `recipe` says how, for every setting below left None.
+        optimizer: "sgd" (with momentum), "adam" or "adamw"; None: the task's recipe.
         lr: learning rate; None takes the task's.
-        momentum: SGD momentum.
+        momentum: SGD momentum; None: the task's recipe (0.9 unless it says otherwise).
         slowdown: emulate a slower machine: after each step, wait (slowdown - 1) x its compute
             time (the testbed's stragglers). 1.0 = full speed.
         precision: "fp32", or "bf16" to run the forward pass and loss under torch.autocast in
             bfloat16 (weights, gradients and optimizer state stay float32).
-        weight_decay: for adamw (decoupled) and sgd; warmup_steps, schedule, total_steps: the
-            learning rate's warmup and decay (see schedule_factor).
-        clip_grad_norm: scale the gradients down to at most this total norm (None: no clipping).
+        weight_decay: for adamw (decoupled), adam and sgd; warmup_steps, schedule, total_steps,
+            min_lr_ratio: the learning rate's warmup and decay (see schedule_factor); each None
+            takes the task's recipe.
+        clip_grad_norm: scale the gradients down to at most this total norm (0: no clipping;
+            None: the task's recipe, which for most tasks is no clipping).
         accumulate: batches whose gradients are summed (averaged) into one optimizer step.
+        step_time_s: compute emulation: pad every step to this many seconds (times `slowdown`),
+            so a step takes what the emulated machine would, whatever the cores here do; a step
+            whose compute alone took longer is counted in `overran_steps`. 0: off.
         sleep: the function used for that wait (tests pass a fake).
     """
 
@@ -68,65 +66,82 @@ class Trainer:
         self,
         task: Task,
         *,
-        optimizer: str = "sgd",
+        optimizer: str | None = None,
         lr: float | None = None,
-        momentum: float = 0.9,
+        momentum: float | None = None,
         slowdown: float = 1.0,
         precision: str = "fp32",
-        weight_decay: float = 0.0,
-        warmup_steps: int = 0,
-        schedule: str = "constant",
-        total_steps: int = 0,
+        weight_decay: float | None = None,
+        warmup_steps: int | None = None,
+        schedule: str | None = None,
+        total_steps: int | None = None,
+        min_lr_ratio: float | None = None,
         clip_grad_norm: float | None = None,
         accumulate: int = 1,
+        step_time_s: float = 0.0,
         sleep: Callable[[float], None] = time.sleep,
     ) -> None:
-        if optimizer not in OPTIMIZERS:
-            raise ValueError(f"optimizer={optimizer!r}: expected one of {OPTIMIZERS}")
         if precision not in PRECISIONS:
             raise ValueError(f"precision={precision!r}: expected one of {PRECISIONS}")
         if slowdown < 1.0:
             raise ValueError(f"slowdown={slowdown}: expected >= 1.0")
-        if schedule not in SCHEDULES:
-            raise ValueError(f"schedule={schedule!r}: expected one of {SCHEDULES}")
-        if accumulate < 1 or warmup_steps < 0 or total_steps < 0 or weight_decay < 0:
-            raise ValueError("accumulate >= 1, warmup_steps, total_steps, weight_decay >= 0")
+        if not (math.isfinite(step_time_s) and step_time_s >= 0):
+            raise ValueError(f"step_time_s={step_time_s}: expected a number >= 0")
+        if accumulate < 1:
+            raise ValueError(f"accumulate={accumulate}: expected >= 1")
+        # the user's settings over the task's recipe: a setting given here always wins
+        self.recipe = task.recipe.with_settings(
+            optimizer=optimizer, momentum=momentum, weight_decay=weight_decay,
+            warmup_steps=warmup_steps, schedule=schedule, total_steps=total_steps,
+            min_lr_ratio=min_lr_ratio, clip_grad_norm=clip_grad_norm,
+        )  # fmt: skip
         self.task = task
         self.model = task.model
-        rate = task.lr if lr is None else lr
-        params = list(self.model.parameters())
-        if optimizer == "sgd":
-            opt = torch.optim.SGD(params, lr=rate, momentum=momentum, weight_decay=weight_decay)
-        elif optimizer == "adam":
-            opt = torch.optim.Adam(params, lr=rate, weight_decay=weight_decay)
-        else:
-            opt = torch.optim.AdamW(params, lr=rate, weight_decay=weight_decay)
-        self.optimizer: torch.optim.Optimizer = opt
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            opt, lambda s: schedule_factor(s, warmup_steps, total_steps, schedule)
+        self.lr = task.lr if lr is None else lr
+        self.optimizer: torch.optim.Optimizer = self.recipe.build_optimizer(
+            list(self.model.parameters()), self.lr
         )
-        self.clip_grad_norm = clip_grad_norm
+        self.scheduler = self.recipe.build_scheduler(self.optimizer)
+        self.clip_grad_norm = self.recipe.clip_grad_norm if self.recipe.clips else None
         self.accumulate = accumulate
         self.slowdown = slowdown
+        self.step_time_s = step_time_s
+        self.overran_steps = 0  # compute emulation: steps whose compute exceeded the pinned time
         self.precision = precision
         self._sleep = sleep
         self._lock = threading.RLock()  # re-entrant: `locked()` callers use the methods too
         self.step = 0
         self.last_loss = math.nan
         self._step_ends: deque[float] = deque(maxlen=50)  # monotonic end times of recent steps
+        # [privacy]: Opacus' per-sample clipping and noise (set by make_private), or None
+        self.private: PrivateTraining | None = None
+        self._said_spent = [False]
 
     def params(self) -> dict[str, torch.Tensor]:
         """The live parameters by name (do not modify outside the trainer's methods)."""
         return {name: p.data for name, p in self.model.named_parameters()}
 
     def train_step(self) -> StepResult:
-        """One optimizer step on the next batch. Blocking: run it in a worker thread."""
+        """One optimizer step on the next batch. Blocking: run it in a worker thread.
+
+        With [privacy] the step is Opacus' (per-sample clipping, noise) and accounted; once the
+        budget is spent it is mixing-only: no batch is read and no gradient taken.
+        """
         started = time.perf_counter()
+        if self.private is not None and self.private.would_exceed():
+            seconds = mixing_only_step(self, started, self._said_spent, log)
+            with self._lock:
+                self.step += 1
+                step = self.step
+            self._step_ends.append(time.monotonic())
+            return StepResult(step, self.last_loss, seconds)
+        optimizer = self.optimizer if self.private is None else self.private.optimizer
         with self._lock:
-            self.optimizer.zero_grad(set_to_none=True)
-            total = 0.0
+            optimizer.zero_grad(set_to_none=True)
+            total, samples = 0.0, 0
             for _ in range(self.accumulate):
                 batch = next(self.task.batches)
+                samples += batch_samples(batch)
                 if self.precision == "bf16":
                     with torch.autocast(self.task_device.type, dtype=torch.bfloat16):
                         loss = self.task.loss(self.model, batch)
@@ -136,16 +151,24 @@ class Trainer:
                 total += float(loss.detach())
             if self.clip_grad_norm is not None:
                 torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.clip_grad_norm)
-            self.optimizer.step()
+            optimizer.step()
+            if self.private is not None:
+                self.private.stepped()
             self.scheduler.step()
             self.step += 1
             self.last_loss = total / self.accumulate
             step = self.step
         compute = time.perf_counter() - started
-        if self.slowdown > 1.0:
+        if self.step_time_s > 0:
+            pinned = self.step_time_s * self.slowdown
+            if compute > pinned:
+                self.overran_steps += 1
+            else:
+                self._sleep(pinned - compute)
+        elif self.slowdown > 1.0:
             self._sleep((self.slowdown - 1.0) * compute)
         self._step_ends.append(time.monotonic())
-        return StepResult(step, self.last_loss, time.perf_counter() - started)
+        return StepResult(step, self.last_loss, time.perf_counter() - started, samples)
 
     def step_interval_s(self) -> float | None:
         """Mean seconds from one step's end to the next's over the last 50 steps (what the loop
@@ -232,7 +255,10 @@ class Trainer:
             if copy:
                 tensors = {k: v.clone() for k, v in tensors.items()}
             scheduler = {k: v for k, v in self.scheduler.state_dict().items() if k != "lr_lambdas"}
-            return tensors, {"optimizer": opt_meta, "scheduler": scheduler, "step": self.step}
+            meta = {"optimizer": opt_meta, "scheduler": scheduler, "step": self.step}
+            if self.private is not None:  # the budget spent so far travels with the model
+                meta["privacy"] = self.private.state()
+            return tensors, meta
 
     @contextlib.contextmanager
     def locked(self) -> Iterator[None]:
@@ -250,4 +276,6 @@ class Trainer:
             optimizer_from_checkpoint(self.optimizer, opt_tensors, meta["optimizer"])
             if isinstance(meta.get("scheduler"), dict):  # (checkpoints before schedules had none)
                 self.scheduler.load_state_dict({**meta["scheduler"], "lr_lambdas": [None]})
+            if self.private is not None and isinstance(meta.get("privacy"), dict):
+                self.private.load_state(meta["privacy"])
             self.step = step

@@ -3,6 +3,8 @@
 # frame or handshake closes its own pipe only and is counted and logged.
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pynng
 import structlog
 import trio
@@ -52,9 +54,11 @@ class _InboundSession:
 class _Inbound:
     """Serves the listening socket: handshakes, frames and the request handler."""
 
-    def __init__(self, sock, config, creds, codec, handler, counters, token) -> None:
+    def __init__(self, sock, config, creds, codec, handler, counters, token,
+                 on_disconnect: Callable[[str], None] | None = None) -> None:  # fmt: skip
         self.sock, self.config, self.creds, self.codec = sock, config, creds, codec
         self.handler, self.counters, self.token = handler, counters, token
+        self.on_disconnect = on_disconnect  # an authenticated peer's connection to us closed
         self.sessions: dict[int, _InboundSession] = {}
 
     # -- pipe callbacks: run on nng's threads, only hand a note to the trio loop --
@@ -66,9 +70,22 @@ class _Inbound:
 
     def note_remove(self, pipe: pynng.Pipe) -> None:
         try:
-            self.token.run_sync_soon(self.sessions.pop, pipe.id, None)
+            self.token.run_sync_soon(self._removed, pipe.id)
         except trio.RunFinishedError:
             pass
+
+    def _removed(self, pipe_id: int) -> None:
+        session = self.sessions.pop(pipe_id, None)
+        if session is None or session.peer is None or self.on_disconnect is None:
+            return
+        peer_id = session.peer.peer_id
+        if any(s.peer is not None and s.peer.peer_id == peer_id for s in self.sessions.values()):
+            return  # the peer is still connected (a `geotrain status` run as its identity, say)
+        try:  # run_sync_soon: an exception here would take the whole trio loop down
+            self.on_disconnect(peer_id)
+        except Exception as exc:
+            log.error("disconnect_callback_failed", error=f"{type(exc).__name__}: {exc}",
+                      exc_info=True)  # fmt: skip
 
     def _connected(self, pipe: pynng.Pipe) -> _InboundSession | None:
         if pipe.id not in self.sessions:

@@ -22,6 +22,8 @@ import pynng
 import structlog
 import trio
 
+from geotrain.gossip import is_client_address
+
 from ..identity import Admission, Identity
 from ._backoff import DialBackoff
 from ._inbound import _Inbound
@@ -96,11 +98,14 @@ class Transport:
             not raised: the peer answered.
 
         Raises:
-            LocalTransportError, PeerUnreachable, HandshakeError, RequestTimeout,
-            RemoteTransportError (all TransportError).
+            LocalTransportError, PeerUnreachable (also for a client-mode peer's address, which
+            is never dialled), HandshakeError, RequestTimeout, RemoteTransportError (all
+            TransportError).
         """
         if self._closed:
             raise PeerUnreachable("transport is closed")
+        if is_client_address(address):  # a client-mode peer (behind NAT) is reached only by its
+            raise PeerUnreachable(f"{address} is a client-mode peer: nobody dials it")  # requests
         try:
             header_bytes = self.codec.encode(header)
         except TypeError as exc:
@@ -304,6 +309,7 @@ async def open_transport(
     *,
     codec: HeaderCodec | None = None,
     clock: Callable[[], float] = time.time,
+    on_disconnect: Callable[[str], None] | None = None,
 ) -> AsyncIterator[Transport]:
     """Listen on `config.listen` and serve requests until the block exits.
 
@@ -314,6 +320,9 @@ async def open_transport(
             payload (a memoryview valid during the call); returns (reply header, reply payload).
         codec: header types in use (the default registry of node._messages if None).
         clock: wall clock for certificate expiry (POSIX seconds).
+        on_disconnect: called (in the trio loop, must not block) with a peer's ID when a
+            connection that peer opened to us and authenticated on closes: the peer died, went
+            away or was cut off; what it was sending us will not come.
 
     Raises:
         TransportError: the address cannot be listened on.
@@ -331,7 +340,8 @@ async def open_transport(
         recv_max_size=config.recv_max_size, send_timeout=timeout_ms, recv_timeout=timeout_ms
     ) as sock:
         inbound = _Inbound(
-            sock, config, creds, codec, handler, counters, trio.lowlevel.current_trio_token()
+            sock, config, creds, codec, handler, counters, trio.lowlevel.current_trio_token(),
+            on_disconnect,
         )
         sock.add_post_pipe_connect_cb(inbound.note_connect)
         sock.add_post_pipe_remove_cb(inbound.note_remove)

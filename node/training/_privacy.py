@@ -1,0 +1,267 @@
+# Differential privacy of a node's training ([privacy]), through Opacus: per-sample gradient
+# clipping and Gaussian noise (its GradSampleModule hooks and DPOptimizer) and its accountant.
+# Invariants: only this module imports opacus, and only when [privacy] is set (the optional
+# `geotrain[privacy]` extra); the model keeps its own parameter names (the hooks sit on its
+# layers, nothing is renamed), so private and plain peers exchange and checkpoint alike; epsilon
+# is the accountant's, never computed here; once the spent epsilon reaches the budget no
+# gradient of this node's data is taken again: its steps become mixing-only (no batch is read,
+# the step counter advances so that exchanges go on at the same pace) and it says so once.
+#
+# Guarantee and its limits: (epsilon, delta)-DP of each training sample of this node against
+# anyone who sees every model this node sends, by post-processing (mixing peers' models in does
+# not spend budget). The accountant assumes Poisson sampling at rate batch_size / shard_size;
+# the tasks' batches are shuffled fixed-size batches, the usual approximation (Opacus' own
+# default data loader makes the same one unless asked for Poisson sampling).
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from ._tasks import batch_samples
+
+if TYPE_CHECKING:
+    from ._trainer import Trainer
+
+ACCOUNTANTS = ("rdp", "prv")
+
+
+class PrivacyError(ValueError):
+    """[privacy] cannot be applied to this model or task; the message says why (Opacus's own
+    words for a model it cannot handle)."""
+
+
+@dataclass(frozen=True)
+class PrivacyStatistics:
+    epsilon_spent: float
+    epsilon_budget: float
+    delta: float
+    noise_multiplier: float
+    private_steps: int
+    exhausted: bool
+
+
+class PrivateTraining:
+    """Opacus on a Trainer's model and optimizer: what `Trainer.train_step` uses when set.
+
+    Args:
+        model: the trainer's module (hooks are added to its layers).
+        optimizer: the trainer's optimizer (wrapped; the original keeps its state for
+            checkpoints).
+        epsilon, delta: the budget.
+        max_grad_norm: each sample's gradient is clipped to this L2 norm.
+        noise_multiplier: the noise's std over max_grad_norm; None: the one that spends exactly
+            `epsilon` in `planned_steps` steps (Opacus' get_noise_multiplier).
+        planned_steps: for that computation (training.max_steps).
+        sample_rate: batch_size / shard_size.
+        batch_size: the expected batch size (the noise is scaled by it).
+        accountant: "rdp" or "prv".
+
+    Raises:
+        PrivacyError: Opacus cannot handle the model (its error), or a setting is impossible.
+    """
+
+    def __init__(
+        self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, epsilon: float,
+        delta: float, max_grad_norm: float, noise_multiplier: float | None, planned_steps: int,
+        sample_rate: float, batch_size: int, accountant: str = "rdp",
+    ) -> None:  # fmt: skip
+        from opacus import GradSampleModule
+        from opacus.accountants import create_accountant
+        from opacus.accountants.utils import get_noise_multiplier
+        from opacus.optimizers import DPOptimizer
+        from opacus.validators import ModuleValidator
+
+        if not 0 < sample_rate <= 1:
+            raise PrivacyError(f"sample rate {sample_rate}: expected 0 < batch / shard size <= 1")
+        try:
+            ModuleValidator.validate(model, strict=True)
+        except Exception as exc:  # opacus.validators.errors.UnsupportedModuleError
+            raise PrivacyError(f"Opacus cannot make this model private: {exc}") from exc
+        if noise_multiplier is None:
+            if planned_steps < 1:
+                raise PrivacyError("no noise multiplier and no planned steps to derive it from")
+            noise_multiplier = get_noise_multiplier(
+                target_epsilon=epsilon, target_delta=delta, sample_rate=sample_rate,
+                steps=planned_steps, accountant=accountant,
+            )  # fmt: skip
+        self.epsilon_budget, self.delta = epsilon, delta
+        self.noise_multiplier, self.sample_rate = float(noise_multiplier), sample_rate
+        self.hooks = GradSampleModule(model)  # per-sample gradients of the module's own layers
+        self.optimizer = DPOptimizer(
+            optimizer, noise_multiplier=self.noise_multiplier, max_grad_norm=max_grad_norm,
+            expected_batch_size=batch_size,
+        )  # fmt: skip
+        self.accountant = create_accountant(accountant)
+        self.steps = 0
+        self.exhausted = False
+        self._planned = planned_steps
+        self._spent: tuple[int, float] = (0, 0.0)  # (accounted steps, epsilon) of the last query
+        self._allowed = self._steps_allowed()  # private steps the budget allows from here
+
+    def _epsilon_after(self, more: int) -> float:
+        """Epsilon the accountant gives for its history plus `more` steps at this mechanism."""
+        probe = type(self.accountant)()
+        probe.history = [*self.accountant.history]
+        if more:
+            probe.history.append((self.noise_multiplier, self.sample_rate, more))
+        return probe.get_epsilon(self.delta) if probe.history else 0.0
+
+    def _steps_allowed(self) -> int:
+        """The most further steps whose epsilon stays within the budget: epsilon only grows
+        with the steps, so an exponential then a binary search (a few dozen accountant queries,
+        once, instead of one per step: a query costs 20-250 ms, a small model's step a few)."""
+        def within(k: int) -> bool:
+            try:
+                return self._epsilon_after(k) <= self.epsilon_budget
+            except (ValueError, OverflowError, RuntimeError):  # an accountant out of its range
+                return False
+
+        lo, hi = 0, max(1, self._planned)
+        if within(hi):
+            lo, hi = hi, 2 * hi
+            while within(hi) and hi < 1 << 40:
+                lo, hi = hi, 2 * hi
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if within(mid) else (lo, mid)
+        return lo if within(lo) else 0
+
+    def epsilon(self) -> float:
+        """Epsilon spent so far at this delta (the accountant's figure, asked once per step
+        count)."""
+        taken = sum(k for _, _, k in self.accountant.history)
+        if self._spent[0] != taken:
+            self._spent = (taken, self._epsilon_after(0))
+        return self._spent[1]
+
+    def would_exceed(self) -> bool:
+        """Whether one more private step would spend more than the budget (then none is taken)."""
+        if not self.exhausted and self._allowed <= 0:
+            self.exhausted = True
+        return self.exhausted
+
+    def stepped(self) -> None:
+        """Account for one private step just taken."""
+        self.accountant.step(noise_multiplier=self.noise_multiplier, sample_rate=self.sample_rate)
+        self.steps += 1
+        self._allowed -= 1
+
+    def state(self) -> dict:
+        """The accountant's history, JSON-able, for a checkpoint: a restarted node goes on
+        spending the same budget instead of starting a new one."""
+        history = [[float(n), float(q), int(k)] for n, q, k in self.accountant.history]
+        return {"history": history, "steps": self.steps, "exhausted": self.exhausted}
+
+    def load_state(self, state: dict) -> None:
+        """Restore what `state` returned (from a checkpoint)."""
+        self.accountant.history = [(float(n), float(q), int(k)) for n, q, k in state["history"]]
+        self.steps = int(state.get("steps", 0))
+        self.exhausted = bool(state.get("exhausted", False))
+        self._spent = (0, 0.0)
+        self._allowed = self._steps_allowed()
+
+    def statistics(self) -> PrivacyStatistics:
+        return PrivacyStatistics(self.epsilon(), self.epsilon_budget, self.delta,
+                                 self.noise_multiplier, self.steps, self.exhausted)  # fmt: skip
+
+
+def make_private(
+    trainer: Trainer, *, epsilon: float, delta: float = 1e-5, max_grad_norm: float = 1.0,
+    noise_multiplier: float | None = None, planned_steps: int = 0, accountant: str = "rdp",
+    sample_rate: float | None = None,
+) -> PrivateTraining:  # fmt: skip
+    """Make `trainer`'s steps differentially private (in place) and return the mechanism.
+
+    The sample rate is the task's batch size over its shard size (Task.train_size), unless
+    given.
+
+    Raises:
+        PrivacyError: Opacus cannot handle the model; the task does not say its shard size and
+            no sample_rate is given; accumulate > 1; or no noise multiplier can be derived.
+        ImportError: opacus is not installed (pip install 'geotrain[privacy]').
+    """
+    if trainer.accumulate != 1:
+        raise PrivacyError("training.accumulate > 1 is not supported with [privacy]")
+    batch = next(trainer.task.batches)
+    batch_size = _batch_size(batch)
+    trainer.task.batches = _prepend(batch, trainer.task.batches)
+    if sample_rate is None:
+        size = getattr(trainer.task, "train_size", None)
+        if not size:
+            raise PrivacyError("the task does not state its shard size (Task.train_size): set "
+                               "privacy.sample_rate (batch size / training samples)")  # fmt: skip
+        sample_rate = min(1.0, batch_size / size)
+    private = PrivateTraining(
+        trainer.model, trainer.optimizer, epsilon=epsilon, delta=delta,
+        max_grad_norm=max_grad_norm, noise_multiplier=noise_multiplier,
+        planned_steps=planned_steps, sample_rate=sample_rate, batch_size=batch_size,
+        accountant=accountant,
+    )  # fmt: skip
+    _check_per_sample_gradients(trainer, batch, batch_size)
+    trainer.private = private
+    return private
+
+
+def _check_per_sample_gradients(trainer: Trainer, batch: Any, batch_size: int) -> None:
+    """One forward and backward pass on the first batch (nothing stepped, nothing spent: the
+    gradients are dropped): every trained parameter must get one gradient per sample of the
+    batch, or Opacus fails at the first step with a stacking error. A model that folds the
+    batch into another dimension before a layer (x.view(B * T, d) into a Linear) is refused here
+    with the parameters' names instead.
+
+    Raises:
+        PrivacyError: some parameters get no per-sample gradient, or one of another batch size.
+    """
+    model = trainer.model
+    try:
+        trainer.task.loss(model, batch).backward()
+        wrong = []
+        for name, param in model.named_parameters():
+            if not param.requires_grad:
+                continue
+            sample = getattr(param, "grad_sample", None)
+            if sample is None or sample.shape[0] != batch_size:
+                wrong.append(f"{name} ({'none' if sample is None else sample.shape[0]})")
+    finally:
+        for param in model.parameters():
+            param.grad = None
+            if hasattr(param, "grad_sample"):
+                param.grad_sample = None
+    if wrong:
+        raise PrivacyError(
+            f"Opacus cannot take per-sample gradients of this model: a batch of {batch_size} "
+            f"gave these parameters another number of per-sample gradients: "
+            f"{', '.join(wrong[:6])}{' ...' if len(wrong) > 6 else ''} (the model must keep "
+            "the batch as the first dimension into every layer)"
+        )
+
+
+def _batch_size(batch: Any) -> int:
+    first = batch[0] if isinstance(batch, tuple | list) else batch
+    if not isinstance(first, torch.Tensor) or first.dim() == 0:
+        raise PrivacyError("[privacy] needs batches whose first tensor is (batch, ...)")
+    return batch_samples(batch)
+
+
+def _prepend(first: Any, rest):
+    yield first
+    yield from rest
+
+
+def mixing_only_step(trainer: Trainer, started: float, said: list[bool], log: Any) -> float:
+    """What a step is once the budget is spent: no batch, no gradient; wait about as long as a
+    step took (so exchanges keep their pace) and say so once. Returns the seconds waited."""
+    if not said[0]:
+        said[0] = True
+        stats = trainer.private.statistics()  # type: ignore[union-attr]
+        log.warning("privacy_budget_spent", epsilon=round(stats.epsilon_spent, 4),
+                    budget=stats.epsilon_budget, delta=stats.delta, steps=stats.private_steps,
+                    detail="no more training on this node's data; it keeps mixing")  # fmt: skip
+    interval = trainer.step_interval_s() or 0.01
+    wait = min(1.0, interval) if math.isfinite(interval) else 0.01
+    time.sleep(wait)
+    return time.perf_counter() - started

@@ -1,0 +1,67 @@
+"""The node's membership service and client-mode peers: nothing is ever sent to a client's
+address; what a client is owed waits in its mailbox and goes back in the Delivered that answers
+its next message, the answer to that message first, within one header's room."""
+
+from __future__ import annotations
+
+import random
+
+from geotrain.gossip import LinkTable, PartnerSelector, Ping, Send, client_address
+from geotrain.node._membership_service import MembershipService
+from geotrain.node._protocol import MAX_CARRIED, Delivered, unwrap_gossip, wrap_gossip
+from geotrain.node.transport import PeerInfo
+
+CLIENT = "gtclient"
+
+
+class NoNetwork:
+    """A transport that must not be used: any request fails the test."""
+
+    requests: list[str]
+
+    def __init__(self) -> None:
+        self.requests = []
+
+    async def request(self, address, header, payload=b"", *, deadline_s, expect_peer=None):
+        self.requests.append(address)
+        raise AssertionError(f"dialled {address}")
+
+
+def ping_from_client(seq: int):
+    return wrap_gossip(Ping(seq, client_address(CLIENT)))
+
+
+def service(transport) -> MembershipService:
+    rng = random.Random(0)
+    return MembershipService(
+        "gtreach0", "tcp://r0:1", (), 1.0, transport, LinkTable(),
+        PartnerSelector("uniform", "gtreach0", rng=rng), rng,
+    )  # fmt: skip
+
+
+async def test_messages_for_a_client_wait_for_its_next_message_and_come_back_with_the_answer():
+    network = NoNetwork()
+    svc = service(network)
+    for seq in range(1, MAX_CARRIED + 5):  # more than fit: the newest MAX_CARRIED are kept
+        await svc._deliver(Send(client_address(CLIENT), CLIENT, Ping(seq, "tcp://r0:1")))
+    assert network.requests == []  # nobody dials a client
+    peer = PeerInfo(CLIENT, b"", "tcp://127.0.0.1:5", "inbound")
+    reply, _ = await svc.handle(peer, ping_from_client(99), memoryview(b""))
+    assert isinstance(reply, Delivered)
+    carried = [unwrap_gossip(m) for m in reply.messages]
+    assert len(carried) == MAX_CARRIED
+    assert type(carried[0]).__name__ == "Ack" and carried[0].seq == 99  # its answer first
+    assert [m.seq for m in carried[1:]] == list(range(5, MAX_CARRIED + 4))  # then its mail
+    assert network.requests == []
+    # what did not fit waits for the client's next message; then the mailbox is empty
+    reply, _ = await svc.handle(peer, ping_from_client(100), memoryview(b""))
+    assert [unwrap_gossip(m).seq for m in reply.messages] == [100, MAX_CARRIED + 4]
+    reply, _ = await svc.handle(peer, ping_from_client(101), memoryview(b""))
+    assert [unwrap_gossip(m).seq for m in reply.messages] == [101]
+
+
+async def test_a_reachable_peer_gets_an_empty_delivered():
+    svc = service(NoNetwork())
+    peer = PeerInfo("gtreach1", b"", "tcp://r1:1", "inbound")
+    reply, _ = await svc.handle(peer, wrap_gossip(Ping(7, "tcp://r1:1")), memoryview(b""))
+    assert reply == Delivered()  # its Ack travels as a request of its own, as before

@@ -1,0 +1,236 @@
+"""Differential privacy ([privacy], Opacus): epsilon grows with the steps, training on the node's
+data stops at the budget (mixing-only steps after it), a model Opacus cannot handle is refused at
+start with its own words, the config's checks, status and metrics."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import trio
+from torch import nn
+
+import geotrain
+from geotrain.node import ConfigError, Identity, TaskContext, Trainer, resolve_task
+from geotrain.node._config import config_from_toml
+from geotrain.node.identity import Admission
+from geotrain.node.training import PrivacyError, Task, make_private
+
+pytest.importorskip("opacus")
+
+
+def _digits(shard: int = 0, shards: int = 8) -> Trainer:
+    return Trainer(resolve_task("digits-mlp")(TaskContext(shard_index=shard, num_shards=shards)))
+
+
+def _params(trainer: Trainer) -> dict[str, torch.Tensor]:
+    return trainer.snapshot()
+
+
+def test_epsilon_grows_with_every_step_and_training_stops_at_the_budget():
+    trainer = _digits()
+    private = make_private(trainer, epsilon=2.0, delta=1e-5, max_grad_norm=1.0,
+                           noise_multiplier=2.0)  # fmt: skip
+    assert private.sample_rate == pytest.approx(32 / trainer.task.train_size)
+    spent = [0.0]
+    while not private.exhausted:
+        before = _params(trainer)
+        trainer.train_step()
+        if private.exhausted:
+            break
+        assert private.epsilon() > spent[-1]  # every private step costs something
+        assert not all(torch.equal(before[k], v) for k, v in _params(trainer).items())
+        spent.append(private.epsilon())
+        assert len(spent) < 1000, "the budget should be spent long before this"
+    assert len(spent) > 5  # (2.0 lasts about 15 steps at this noise and sample rate)
+    assert spent[-1] <= 2.0 < spent[-1] + (spent[-1] - spent[-2]) * 2  # stopped at the budget
+    steps = private.steps
+    assert steps == len(spent) - 1 and trainer.step == steps + 1
+    # after the budget: no batch is read, no gradient taken, the step counter goes on
+    batches = trainer.task.batches
+    frozen = _params(trainer)
+    for _ in range(3):
+        trainer.train_step()
+    assert all(torch.equal(frozen[k], v) for k, v in _params(trainer).items())
+    assert private.steps == steps and trainer.step == steps + 4
+    assert trainer.task.batches is batches and private.statistics().exhausted
+
+
+def test_the_budget_stops_training_at_exactly_the_accountants_last_step_within_it(monkeypatch):
+    from opacus.accountants import RDPAccountant
+
+    trainer = _digits()
+    private = make_private(trainer, epsilon=2.0, noise_multiplier=2.0)
+    # the accountant alone, step by step: the last step count whose epsilon is within 2.0
+    alone, within = RDPAccountant(), 0
+    while True:
+        alone.step(noise_multiplier=2.0, sample_rate=private.sample_rate)
+        if alone.get_epsilon(1e-5) > 2.0:
+            break
+        within += 1
+    # a private step asks the accountant nothing (a query costs more than a small step)
+    asked = []
+    real = RDPAccountant.get_epsilon
+    monkeypatch.setattr(RDPAccountant, "get_epsilon",
+                        lambda self, delta, **kw: asked.append(1) or real(self, delta, **kw))
+    for _ in range(within):
+        trainer.train_step()
+    assert asked == [] and private.steps == within and not private.exhausted
+    for _ in range(3):  # the budget is spent: mixing-only steps, said once (with the epsilon)
+        trainer.train_step()
+    assert private.steps == within and private.exhausted and len(asked) == 1
+    check = RDPAccountant()
+    check.history = [(2.0, private.sample_rate, within)]
+    assert private.epsilon() == pytest.approx(real(check, 1e-5)) and private.epsilon() <= 2.0
+
+
+def folding_mlp(ctx: TaskContext) -> Task:
+    """A model that folds its batch into the feature dimension before a layer: Opacus gets no
+    per-sample gradient of that layer."""
+
+    class Fold(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inner, self.outer = nn.Linear(4, 4), nn.Linear(4, 2)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            b = x.shape[0]
+            h = self.inner(x.reshape(b * 2, 2).repeat(1, 2))  # (2b, 4): the batch folded in
+            return self.outer(h.reshape(b, 2, 4).sum(1))
+
+    x, y = torch.randn(64, 4), torch.randint(0, 2, (64,))
+
+    def batches():
+        while True:
+            yield x[:16], y[:16]
+
+    return Task(model=Fold(), batches=batches(), metric="accuracy", train_size=64,
+                loss=lambda m, b: nn.functional.cross_entropy(m(b[0]), b[1]),
+                evaluate=lambda m: 0.0)  # fmt: skip
+
+
+def test_a_model_without_per_sample_gradients_is_refused_at_start_naming_the_layer():
+    trainer = Trainer(folding_mlp(TaskContext()))
+    before = _params(trainer)
+    with pytest.raises(PrivacyError, match=r"inner.weight \(32\), inner.bias \(32\)"):
+        make_private(trainer, epsilon=1.0, noise_multiplier=1.0)
+    assert all(torch.equal(before[k], v) for k, v in _params(trainer).items())
+    assert all(p.grad is None for p in trainer.model.parameters())  # the dry pass left nothing
+
+
+def test_the_gpt_task_trains_privately():
+    task = resolve_task("gpt")(TaskContext(shard_index=0, num_shards=4, params={"size": "1m"}))
+    trainer = Trainer(task)
+    private = make_private(trainer, epsilon=8.0, noise_multiplier=1.0, sample_rate=0.01)
+    before = _params(trainer)
+    trainer.train_step()
+    assert private.steps == 1 and 0 < private.epsilon() <= 8.0
+    assert not all(torch.equal(before[k], v) for k, v in _params(trainer).items())
+
+
+def test_a_restart_from_a_checkpoint_goes_on_spending_the_same_budget():
+    import json
+
+    trainer = _digits()
+    private = make_private(trainer, epsilon=5.0, noise_multiplier=2.0)
+    for _ in range(4):
+        trainer.train_step()
+    tensors, meta = trainer.state_tensors()
+    meta = json.loads(json.dumps(meta))  # as a checkpoint stores it
+    restarted = _digits()
+    again = make_private(restarted, epsilon=5.0, noise_multiplier=2.0)
+    restarted.restore(tensors, meta, meta["step"])
+    assert again.epsilon() == pytest.approx(private.epsilon()) and again.steps == 4
+    restarted.train_step()
+    assert again.epsilon() > private.epsilon()
+
+
+def test_without_a_noise_multiplier_the_budget_is_spread_over_the_planned_steps():
+    trainer = _digits()
+    private = make_private(trainer, epsilon=3.0, planned_steps=40)
+    for _ in range(40):
+        trainer.train_step()
+    assert private.steps == 40 and not private.exhausted
+    assert 2.5 < private.epsilon() <= 3.0
+
+
+def batchnorm_mlp(ctx: TaskContext) -> Task:
+    """A task whose model Opacus refuses (BatchNorm mixes the samples of a batch)."""
+    model = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Linear(8, 2))
+    x, y = torch.randn(64, 4), torch.randint(0, 2, (64,))
+
+    def batches():
+        while True:
+            yield x[:16], y[:16]
+
+    return Task(model=model, batches=batches(), metric="accuracy", train_size=64,
+                loss=lambda m, b: nn.functional.cross_entropy(m(b[0]), b[1]),
+                evaluate=lambda m: 0.0)  # fmt: skip
+
+
+def test_a_model_opacus_cannot_handle_is_refused_in_its_words(tmp_path):
+    trainer = Trainer(batchnorm_mlp(TaskContext()))
+    with pytest.raises(PrivacyError, match="BatchNorm cannot support training with differential"):
+        make_private(trainer, epsilon=1.0, noise_multiplier=1.0)
+    cfg = config_from_toml(
+        '[identity]\nopen_swarm = true\n[training]\ntask = "test_privacy:batchnorm_mlp"\n'
+        "[privacy]\nepsilon = 1.0\nnoise_multiplier = 1.0\n",
+        base=tmp_path, overrides=[f'state.dir="{tmp_path / "n"}"'],
+    )  # fmt: skip
+
+    async def start() -> None:
+        admission = Admission.open_swarm("geotrain")
+        async with geotrain.open_node(cfg, identity=Identity.generate(), admission=admission):
+            pass
+
+    with pytest.raises(ConfigError, match=r"privacy: Opacus cannot make this model private: .*"
+                                          "BatchNorm"):  # fmt: skip
+        trio.run(start)
+
+
+def test_privacy_settings_are_checked_and_name_the_field():
+    base, ident = Path("."), "[identity]\nopen_swarm = true\n"
+    assert not config_from_toml(ident, base=base).privacy.enabled
+    with pytest.raises(ConfigError, match=r"privacy.noise_multiplier = None: expected a value, or "
+                                          r"training.max_steps > 0"):  # fmt: skip
+        config_from_toml(ident + "[privacy]\nepsilon = 3.0\n", base=base)
+    with pytest.raises(ConfigError, match=r"privacy.delta = 2.0: expected 0 < delta < 1"):
+        config_from_toml(ident + "[privacy]\nepsilon = 3.0\ndelta = 2.0\n", base=base)
+    with pytest.raises(ConfigError, match=r"training.clip_grad_norm = 1.0: expected unset with"):
+        config_from_toml(ident + "[training]\nclip_grad_norm = 1.0\nmax_steps = 10\n"
+                         "[privacy]\nepsilon = 3.0\n", base=base)  # fmt: skip
+    ok = config_from_toml(ident + "[training]\nmax_steps = 100\n[privacy]\nepsilon = 8\n",
+                          base=base)  # fmt: skip
+    assert ok.privacy.epsilon == 8.0 and ok.privacy.delta == 1e-5
+
+
+async def test_status_and_metrics_show_the_spent_epsilon_and_the_node_says_when_it_stops(
+    tmp_path, capsys
+):
+    from prometheus_client import generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    cfg = config_from_toml(
+        '[identity]\nopen_swarm = true\n[training]\ntask = "digits-mlp"\nmax_steps = 20\n'
+        "num_shards = 8\n[privacy]\nepsilon = 1.5\nnoise_multiplier = 2.0\n"
+        '[metrics]\nlisten = "127.0.0.1:0"\n[state]\nstatus_every_s = 0.1\n',
+        base=tmp_path, overrides=[f'state.dir="{tmp_path / "n"}"'],
+    )  # fmt: skip
+    admission = Admission.open_swarm("geotrain")
+    async with geotrain.open_node(cfg, identity=Identity.generate(), admission=admission) as node:
+        with trio.fail_after(120):
+            await node.wait_stopped()
+        status = node.status()
+        text = (await trio.to_thread.run_sync(generate_latest, node.metrics.registry)).decode()
+    assert status.privacy_budget == 1.5 and status.privacy_exhausted
+    from geotrain.node.state import render_status
+
+    shown = render_status(status.to_json())  # what `geotrain status` prints
+    assert f"privacy   epsilon {status.privacy_epsilon:.3f} of 1.5  BUDGET SPENT" in shown
+    assert 1.0 < status.privacy_epsilon <= 1.5
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    spent = families["geotrain_privacy_epsilon_spent"].samples[0].value
+    assert spent == pytest.approx(status.privacy_epsilon)
+    out = capsys.readouterr().out
+    assert "privacy_budget_spent" in out and "privacy_epsilon" in out
