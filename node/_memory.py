@@ -83,8 +83,22 @@ def check_budget(config: NodeConfig, estimate: MemoryEstimate) -> None:
 
 
 def peak_rss_mb() -> float:
-    """This process's peak resident memory so far, in MB (Linux reports KiB)."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e6
+    """This process's peak resident memory so far, in MB.
+
+    On Linux it is VmHWM, the high-water mark of this process's own memory since it started its
+    program. Not getrusage's ru_maxrss: that one keeps the peak of the process that launched us
+    across fork and exec (measured: a node started by a 2.9 GB parent reported 2.9 GB at once),
+    so a node started from a big test runner, testbed or notebook would report their memory.
+    """
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024 / 1e6  # kB
+    except (OSError, ValueError, IndexError):
+        pass
+    scale = 1 if sys.platform == "darwin" else 1024  # macOS reports bytes, Linux KiB
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale / 1e6
 
 
 M_MMAP_THRESHOLD, M_ARENA_MAX = -3, -8  # glibc's mallopt parameters

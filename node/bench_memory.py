@@ -27,15 +27,15 @@ from .bench_algorithms import stop
 from .testing import LocalSwarm
 
 PLAIN = """
-import json, resource, sys, torch
+import json, sys, torch
 torch.set_num_threads(1)
 from geotrain.node import TaskContext, Trainer, resolve_task
 task = resolve_task("wide-linear")(TaskContext(params={{"millions": {millions}}}))
 trainer = Trainer(task)
 for _ in range({steps}):
     trainer.train_step()
-peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e6
-print(json.dumps({{"peak_rss_mb": peak}}))
+from geotrain.node._memory import peak_rss_mb
+print(json.dumps({{"peak_rss_mb": peak_rss_mb()}}))
 """
 
 
