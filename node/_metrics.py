@@ -110,7 +110,10 @@ class NodeCollector:
         for name, value in s.algorithm_stats.items():
             if isinstance(value, int | float) and not isinstance(value, bool):
                 metric = re.sub(r"[^a-zA-Z0-9_]", "_", f"geotrain_{s.algorithm}_{name}")
-                yield _gauge(metric, f"{s.algorithm}: {name}", value)
+                if name in s.algorithm_gauges:
+                    yield _gauge(metric, f"{s.algorithm}: {name}", value)
+                else:  # a count that only grows: exposed as <metric>_total
+                    yield CounterMetricFamily(metric, f"{s.algorithm}: {name}", value=value)
 
 
 def _gauge(name: str, documentation: str, value: float) -> GaugeMetricFamily:

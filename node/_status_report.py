@@ -127,6 +127,7 @@ class StatusReporter:
             samples=s.progress.samples,
             utilization=s.progress.utilization(now),
             algorithm_stats=s.algorithm.status_counters(),
+            algorithm_gauges=tuple(sorted(s.algorithm.status_gauges())),
             **_privacy(s.trainer),
             pid=os.getpid(),
             running=self._running(),

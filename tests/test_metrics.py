@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import socket
 import urllib.request
 from pathlib import Path
@@ -216,3 +217,31 @@ def test_named_peers_keep_their_labels_and_the_others_counter_only_grows():
     labels.update((_peer(0, 51), _peer(2, 30), _peer(4, 95)))
     named, other = labels.update((_peer(0, 51), _peer(2, 30), _peer(3, 4), _peer(4, 95)))
     assert other == (115, 2)
+
+
+def test_algorithm_counts_are_counters_and_levels_are_gauges():
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from geotrain.node._metrics import NodeCollector
+    from geotrain.node.algorithms.selsync import SelsyncStatistics
+    from geotrain.node.state._status import NodeStatus
+
+    stats = SelsyncStatistics(steps=40, communicated_steps=10, comm_fraction=0.25,
+                              last_relative_change=0.002)  # fmt: skip
+    gauges = {f.name for f in dataclasses.fields(stats) if f.metadata.get("gauge")}
+    status = NodeStatus(
+        peer_id="me", address="tcp://10.0.0.99:7000", algorithm="selsync", task="t",
+        metric_name="accuracy", elapsed_s=1.0, step=40, steps_per_s=1.0, loss=None, metric=None,
+        metric_step=None, bytes_in=0, bytes_out=0, exchanges_ok=3, exchanges_failed=0,
+        rejected_updates=0, pid=1, algorithm_stats=dataclasses.asdict(stats),
+        algorithm_gauges=tuple(sorted(gauges)),
+    )  # fmt: skip
+    registry = CollectorRegistry()
+    registry.register(NodeCollector(lambda: status))
+    families = {f.name: f for f in text_string_to_metric_families(generate_latest(registry).decode())}
+    assert families["geotrain_selsync_steps"].type == "counter"
+    assert families["geotrain_selsync_communicated_steps"].samples[0].name.endswith("_total")
+    assert families["geotrain_selsync_communicated_steps"].samples[0].value == 10
+    assert families["geotrain_selsync_comm_fraction"].type == "gauge"
+    assert families["geotrain_selsync_comm_fraction"].samples[0].value == 0.25
+    assert families["geotrain_selsync_last_relative_change"].type == "gauge"

@@ -369,5 +369,7 @@ def test_watch_without_a_status_explains_and_retries(where, tmp_path):
         first = read_until(proc.stdout.fileno(), lambda out: out.count(b"retrying every") >= 2)
         code, rest, err = interrupt(proc, proc.stdout.fileno())
     out = (first + rest).decode()
-    assert code == 0 and "Traceback" not in err + out, err
+    # it never read a status: exit status 1, and the last problem on stderr
+    assert code == 1 and "Traceback" not in err + out, err
+    assert f"never read a status: {expected}" in err
     assert out.count(expected) >= 2 and "waiting for a first status" in out

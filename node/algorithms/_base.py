@@ -243,7 +243,9 @@ class Algorithm:
         """Restore what `state` returned."""
 
     def statistics(self) -> object | None:
-        """This algorithm's own counters (a frozen dataclass) for status, or None."""
+        """This algorithm's own counters (a frozen dataclass) for status, or None. Its numeric
+        fields are counters that only grow (Prometheus: `geotrain_<algorithm>_<name>_total`),
+        except those declared `field(metadata={"gauge": True})`: levels that go up and down."""
         return None
 
     def status_counters(self) -> dict[str, float | int]:
@@ -254,6 +256,13 @@ class Algorithm:
         if self.ctx.robust is not None and self.ctx.robust.active:
             out.update(dataclasses.asdict(self.ctx.robust.statistics()))
         return out
+
+    def status_gauges(self) -> frozenset[str]:
+        """The names in `status_counters` that are levels (gauges), not counts."""
+        out = {f.name for f in _gauge_fields(self.statistics())}
+        if self.ctx.robust is not None and self.ctx.robust.active:
+            out.update(f.name for f in _gauge_fields(self.ctx.robust.statistics()))
+        return frozenset(out)
 
     def model_replaced(self) -> None:
         """The model was replaced wholesale (state sync): restart what depends on it."""
@@ -292,3 +301,9 @@ class AlgorithmSpec:
 
     def default_settings(self) -> Any:
         return self.settings() if self.settings is not None else None
+
+
+def _gauge_fields(stats: object | None) -> list[dataclasses.Field]:
+    if stats is None or not dataclasses.is_dataclass(stats):
+        return []
+    return [f for f in dataclasses.fields(stats) if f.metadata.get("gauge")]

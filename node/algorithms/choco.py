@@ -7,7 +7,7 @@
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import structlog
 import torch
@@ -68,7 +68,7 @@ class ChocoSettings:
 @dataclass(frozen=True)
 class ChocoStatistics:
     resyncs: int
-    tracked_peers: int
+    tracked_peers: int = field(metadata={"gauge": True})  # a level, not a count (metrics: a gauge)
 
 
 def model_digest(params: Tensors) -> int:

@@ -10,7 +10,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import structlog
 import torch
@@ -153,7 +153,7 @@ class DilocoStatistics:
     peer_deltas_used: int
     partners_missing: int
     consensus_mixes: int = 0  # partners' outer parameters averaged in
-    inner_steps: int = 0  # this round's inner steps (comm_fraction adapts them)
+    inner_steps: int = field(default=0, metadata={"gauge": True})  # this round's inner steps (comm_fraction adapts them)
 
 
 class Diloco(Algorithm):

@@ -4,7 +4,7 @@
 # passes the threshold and none is running; the exchange itself is adpsgd's, unchanged.
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from geotrain.gossip import relative_change
 
@@ -43,8 +43,8 @@ class SelsyncSettings:
 class SelsyncStatistics:
     steps: int
     communicated_steps: int
-    comm_fraction: float  # communicated_steps / steps
-    last_relative_change: float
+    comm_fraction: float = field(metadata={"gauge": True})  # communicated_steps / steps
+    last_relative_change: float = field(metadata={"gauge": True})
 
 
 class Selsync(Algorithm):

@@ -3,8 +3,8 @@
 # is not one. Invariants: the watch only reads, it never writes to the node or its state
 # directory; a failed read is shown in the view and retried at the next interval, never raised;
 # each trend keeps at most TREND_SAMPLES samples, one per new step (loss) or new evaluation
-# (metric); SIGINT/SIGTERM end the watch with exit status 0. This is the one module that imports
-# rich.
+# (metric); SIGINT/SIGTERM end the watch: exit status 0 when its last read succeeded, 1 (the
+# last problem on stderr) when it failed. This is the one module that imports rich.
 from __future__ import annotations
 
 import json
@@ -355,7 +355,9 @@ async def _run(source: StatusSource, view: WatchView, console: Console) -> bool:
 def run_watch(node: str, interval_s: float, config: NodeConfig | None, deadline_s: float) -> int:
     """`geotrain status --watch --node NODE`: watch a state directory (`config` None) or the node
     at a tcp:// address (asked as the identity `config` names, each read waiting at most
-    `deadline_s`). Returns the exit status, 0: the watch ends only when asked to.
+    `deadline_s`). The watch ends only when asked to (a signal, a closed stdout). Returns the
+    exit status: 0 when its last read succeeded, 1 when it failed (said on stderr), so that
+    `timeout 60 geotrain status --watch ...` in a script tells whether the node was there.
 
     Raises:
         ConfigError: the client identity in `config` is wrong, the one failure that retrying
@@ -375,4 +377,12 @@ def run_watch(node: str, interval_s: float, config: NodeConfig | None, deadline_
         return 0
     if broken:  # keep Python's final flush of stdout from complaining about the closed pipe
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-    return 0
+    return _exit_status(view)
+
+
+def _exit_status(view: WatchView) -> int:
+    if view.problem is None:
+        return 0
+    seen = "never read a status" if view.data is None else "its last read failed"
+    print(f"geotrain status: the watch of {view.source} {seen}: {view.problem}", file=sys.stderr)
+    return 1

@@ -53,6 +53,7 @@ class NodeStatus:
     peak_rss_mb: float | None = None  # the node process's peak resident memory
     memory_estimate_mb: float | None = None  # what the node estimated it needs at start
     algorithm_stats: dict[str, float | int] = field(default_factory=dict)  # per-algorithm counters
+    algorithm_gauges: tuple[str, ...] = ()  # the names in algorithm_stats that are levels
     certificate_expires_at: float | None = None  # POSIX seconds; None: no certificate (or unknown)
     # [privacy]: epsilon spent and its budget (None: no privacy); exhausted: training on this
     # node's data has stopped (it only mixes)
