@@ -57,7 +57,8 @@ class RobustStatistics:
     robust_clipped: int  # updates whose difference was longer than tau and scaled down
     robust_trimmed_rounds: int  # dpsgd rounds mixed by trimmed mean
     robust_trim_fallbacks: int  # rounds with too few neighbours for trim, clipped instead
-    robust_tau: float = field(metadata={"gauge": True})  # the latest clipping radius (0.0 before any)
+    # the latest clipping radius (0.0 before any)
+    robust_tau: float = field(metadata={"gauge": True})
 
 
 class ClipRadius:

@@ -238,7 +238,8 @@ def test_algorithm_counts_are_counters_and_levels_are_gauges():
     )  # fmt: skip
     registry = CollectorRegistry()
     registry.register(NodeCollector(lambda: status))
-    families = {f.name: f for f in text_string_to_metric_families(generate_latest(registry).decode())}
+    text = generate_latest(registry).decode()
+    families = {f.name: f for f in text_string_to_metric_families(text)}
     assert families["geotrain_selsync_steps"].type == "counter"
     assert families["geotrain_selsync_communicated_steps"].samples[0].name.endswith("_total")
     assert families["geotrain_selsync_communicated_steps"].samples[0].value == 10

@@ -153,7 +153,8 @@ class DilocoStatistics:
     peer_deltas_used: int
     partners_missing: int
     consensus_mixes: int = 0  # partners' outer parameters averaged in
-    inner_steps: int = field(default=0, metadata={"gauge": True})  # this round's inner steps (comm_fraction adapts them)
+    # this round's inner steps (comm_fraction adapts them)
+    inner_steps: int = field(default=0, metadata={"gauge": True})
 
 
 class Diloco(Algorithm):
