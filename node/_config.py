@@ -85,6 +85,11 @@ class NetworkConfig:
     chunk_mb: a model travels as chunks of this many MiB of float32 (8: big enough that a round
         trip carries plenty, small enough to pipeline encode, send, decode and mix); below
         max_message_mb.
+    peer_chunk_mb: the largest chunk a peer's stream may use with us (None: our own chunk_mb).
+        What we hold for a peer's stream grows with its chunks, and the memory estimate counts
+        this size, so a peer cannot make us hold more than we planned for; a peer whose chunks
+        are larger is refused with the reason. Raise it (up to max_message_mb - 1) only where
+        the swarm's nodes use different chunk_mb.
     handshake_timeout_s: a peer that has not finished the handshake by then is dropped.
     reachable: false for a machine that nobody can dial (behind NAT or a firewall that drops
         inbound connections): the node runs in client mode. It dials the bootstrap peers and keeps
@@ -99,6 +104,7 @@ class NetworkConfig:
     bootstrap: tuple[str, ...] = ()
     max_message_mb: int = 256
     chunk_mb: float = 8.0
+    peer_chunk_mb: float | None = None
     handshake_timeout_s: float = 10.0
     reachable: bool = True
 
@@ -109,9 +115,10 @@ class NetworkConfig:
 
     @property
     def max_chunk_numel(self) -> int:
-        """The most elements a peer may put in one chunk: what fits in one message (1 MiB is
-        left for the headers of the chunk's slices)."""
-        return max(1, (self.max_message_mb - 1) * 2**20 // 4)
+        """The most elements a peer may put in one chunk: peer_chunk_mb (by default our own
+        chunk_mb), which fits in one message (1 MiB is left for the chunk's slice headers)."""
+        mb = self.chunk_mb if self.peer_chunk_mb is None else self.peer_chunk_mb
+        return max(1, int(mb * 2**20) // 4)
 
     def __post_init__(self) -> None:
         for name, addr in [("network.listen", self.listen), ("network.advertise", self.advertise)]:
@@ -131,6 +138,14 @@ class NetworkConfig:
             self.chunk_mb,
             f"> 0 and at most network.max_message_mb - 1 ({self.max_message_mb - 1})",
         )
+        if self.peer_chunk_mb is not None:
+            _check(
+                self.chunk_mb <= self.peer_chunk_mb <= self.max_message_mb - 1,
+                "network.peer_chunk_mb",
+                self.peer_chunk_mb,
+                f"at least network.chunk_mb ({self.chunk_mb:g}) and at most "
+                f"network.max_message_mb - 1 ({self.max_message_mb - 1})",
+            )
         _check(
             self.handshake_timeout_s > 0,
             "network.handshake_timeout_s",

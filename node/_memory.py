@@ -59,7 +59,8 @@ def estimate_memory(
     model_bytes = sum(p.numel() * p.element_size() for p in trainer.params().values())
     optimizer = optimizer or config.training.optimizer or "sgd"
     extra = spec.memory(config.gossip) if spec.memory is not None else None
-    chunk_bytes = min(model_bytes, config.network.chunk_numel * 4)
+    # a peer's chunks may be up to network.peer_chunk_mb (at least our own chunk_mb)
+    chunk_bytes = min(model_bytes, config.network.max_chunk_numel * 4)
     buffers = CHUNKS_IN_FLIGHT * BUFFERS_PER_CHUNK * chunk_bytes
     return MemoryEstimate(
         model_bytes / 1e9, 2.0 + OPTIMIZER_COPIES.get(optimizer, 2.0), spec.name, extra,

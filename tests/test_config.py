@@ -155,11 +155,34 @@ def test_the_config_writer_round_trips(tmp_path):
         ("state.keep=0", "state.keep"),
         ("network.chunk_mb=0", "network.chunk_mb"),
         ("network.chunk_mb=300", "network.chunk_mb"),  # above max_message_mb (256)
+        ("network.peer_chunk_mb=4", "network.peer_chunk_mb"),  # below our own chunk_mb (8)
+        ("network.peer_chunk_mb=300", "network.peer_chunk_mb"),
     ],
 )
 def test_shared_settings_are_validated_naming_the_field(override, field):
     with pytest.raises(ConfigError, match=f"{field} = "):
         config_from_toml(OPEN, base=Path(), overrides=[override])
+
+
+def test_a_peer_may_stream_chunks_no_larger_than_the_memory_estimate_counts():
+    from types import SimpleNamespace
+
+    import torch
+
+    from geotrain.node._memory import estimate_memory
+    from geotrain.node.algorithms import algorithm_specs
+
+    # a 400 MB model (on the meta device: no memory), as the estimate sees it
+    trainer = SimpleNamespace(params=lambda: {"w": torch.empty(10**8, device="meta")})
+    spec = algorithm_specs()["adpsgd"]
+    default = config_from_toml(OPEN, base=Path())
+    # by default a peer's chunks are at most our own: not the 255 MB one message could carry
+    assert default.network.max_chunk_numel == default.network.chunk_numel == 2 * 2**20
+    wider = config_from_toml(OPEN, base=Path(), overrides=["network.peer_chunk_mb=32"])
+    assert wider.network.max_chunk_numel == 8 * 2**20
+    # the chunks in flight are counted at the size a peer may use
+    ours = estimate_memory(default, trainer, spec).buffers_gb
+    assert estimate_memory(wider, trainer, spec).buffers_gb == pytest.approx(4 * ours)
 
 
 def test_a_settings_object_of_another_algorithm_is_refused():

@@ -129,6 +129,7 @@ async def in_window(
         raise failure[0]
 
 
+PEER_CHUNK_HINT = "the asked node's network.peer_chunk_mb"
 MODELS_DIFFER = "models differ"  # how a refusal for another model's plan begins
 
 
@@ -140,7 +141,7 @@ def plan_refusal(
     else (None, why not): chunks of 1..`most` elements, at most MAX_CHUNKS of them, the same
     digest (and chunk count when given), an index inside."""
     if not 1 <= chunk_numel <= most:
-        return None, f"chunks of {chunk_numel} elements: expected 1..{most}"
+        return None, f"chunks of {chunk_numel} elements: expected 1..{most} ({PEER_CHUNK_HINT})"
     try:
         plan = cached_plan(cache, trainer, chunk_numel)
     except ValueError as exc:  # cut too finely

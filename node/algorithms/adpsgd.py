@@ -25,6 +25,7 @@ from ._registry import register_algorithm
 from ._stream import (
     CHUNKS_IN_FLIGHT,
     MAX_CHUNKS,
+    PEER_CHUNK_HINT,
     ChunkPlan,
     PairwiseMix,
     SliceFeedback,
@@ -387,7 +388,8 @@ class Adpsgd(Algorithm):
         if not ctx.acceptable(header.codec):
             return ErrorReply(code="bad_request", reason=f"codec {header.codec!r} refused"), b""
         if not 1 <= header.chunk_numel <= ctx.max_chunk_numel or header.chunks > MAX_CHUNKS:
-            reason = f"chunks of {header.chunk_numel} elements: expected 1..{ctx.max_chunk_numel}"
+            reason = (f"chunks of {header.chunk_numel} elements: expected "
+                      f"1..{ctx.max_chunk_numel} ({PEER_CHUNK_HINT})")
             return ErrorReply(code="bad_request", reason=reason), b""
         try:
             plan = self.plan(header.chunk_numel)
