@@ -41,6 +41,11 @@ from ._protocol import (
 )
 from .transport import ErrorReply, Header, PeerInfo, Ping, Pong, Transport, TransportError
 
+# A reachable node that has dialled out to peers but has been dialled by nobody after this long
+# (and after several probe periods) says it probably cannot be dialled: behind NAT or a firewall
+# that drops inbound connections, it never becomes anyone's member and waits or trains alone.
+NOT_DIALLED_AFTER_S = 15.0
+NOT_DIALLED_PROBE_PERIODS = 5
 PROBE_BYTES = 256 * 1024  # above the link table's smallest goodput sample, small on any link
 log = structlog.get_logger()
 
@@ -74,6 +79,7 @@ class MembershipService:
             peer_id, address, self.config, rng, incarnation=int(time.time())
         )
         self._bootstrap = tuple(bootstrap)
+        self._address = address
         self._transport = transport
         self._links = links
         self._selector = selector
@@ -107,6 +113,8 @@ class MembershipService:
             self._nursery = nursery
             sends = self.membership.join(self._bootstrap, trio.current_time())
             nursery.start_soon(self._probe_loop)
+            if self._bootstrap and not is_client_address(self._address):
+                nursery.start_soon(self._watch_dialled)
             task_status.started()
             while True:
                 for send in sends:
@@ -126,6 +134,21 @@ class MembershipService:
             if event.kind in ("dead", "left"):
                 self._mailbox.pop(event.peer_id, None)
             log.info(f"peer_{event.kind}", peer=event.peer_id[:12], incarnation=event.incarnation)
+
+    async def _watch_dialled(self) -> None:
+        """Say so, once, when peers answer our connections but none has dialled ours."""
+        await trio.sleep(max(NOT_DIALLED_AFTER_S, NOT_DIALLED_PROBE_PERIODS
+                             * self.config.probe_interval_s))  # fmt: skip
+        stats = self._transport.statistics()
+        outbound = stats.handshakes_ok - stats.inbound_handshakes_ok
+        if outbound and not stats.inbound_handshakes_ok:
+            log.warning(
+                "not_dialled", address=self._address, outbound_connections=outbound,
+                hint="peers accepted this node's connections but none could dial it back at its "
+                "advertised address: if this machine is behind NAT or a firewall that drops "
+                "inbound connections, set network.reachable = false (client mode); otherwise "
+                "check network.advertise and that the port is open",
+            )  # fmt: skip
 
     async def _deliver(self, send: Send) -> None:
         if is_client_address(send.address):  # nobody dials a client: it collects its mail

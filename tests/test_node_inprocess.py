@@ -170,3 +170,47 @@ async def test_a_config_that_cannot_fit_its_memory_limit_is_refused_with_the_fig
         status = node.status()
         assert status.memory_estimate_mb == pytest.approx(948, abs=1)
         assert status.peak_rss_mb > 0.04 * 1000  # it did hold the model
+
+
+# -- a node nobody can dial back (behind NAT, configured as reachable) says so ---------------------
+
+
+class _Recorder:
+    """Stands in for a module's structlog logger: keeps (level, event, fields)."""
+
+    def __init__(self) -> None:
+        self.events: list[tuple[str, str, dict]] = []
+
+    def __getattr__(self, level: str):
+        return lambda event, **fields: self.events.append((level, event, fields))
+
+
+async def test_a_node_that_peers_cannot_dial_back_says_so(tmp_path, monkeypatch):
+    import socket
+
+    from geotrain.node import _membership_service
+
+    recorder = _Recorder()
+    monkeypatch.setattr(_membership_service, "log", recorder)
+    monkeypatch.setattr(_membership_service, "NOT_DIALLED_AFTER_S", 1.0)  # 5 probe periods: 1 s
+    with socket.socket() as s:  # an advertised address where nothing listens, as behind NAT
+        s.bind(("127.0.0.1", 0))
+        nowhere = f"tcp://127.0.0.1:{s.getsockname()[1]}"
+    admission = Admission.open_swarm("geotrain")
+    async with geotrain.open_node(config(tmp_path, "a"), identity=Identity.generate(),
+                                  admission=admission) as a:  # fmt: skip
+        join = f'network.bootstrap=["{a.address}"]'
+        hidden = config(tmp_path, "hidden", join, f'network.advertise="{nowhere}"')
+        fine = config(tmp_path, "fine", join)
+        async with (
+            geotrain.open_node(hidden, identity=Identity.generate(), admission=admission),
+            geotrain.open_node(fine, identity=Identity.generate(), admission=admission) as f,
+        ):
+            fine_address = f.address
+            await trio.sleep(3.0)
+    warned = [fields for level, event, fields in recorder.events if event == "not_dialled"]
+    # the node a could not dial back warned once, naming its address and what to set; the node
+    # that was dialled back, and the bootstrap node (it dialled nobody first), did not
+    assert [w["address"] for w in warned] == [nowhere], recorder.events
+    assert "network.reachable = false" in warned[0]["hint"]
+    assert fine_address != nowhere

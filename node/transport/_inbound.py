@@ -186,6 +186,7 @@ class _Inbound:
         session.channel, session.peer = _Channel(hs.split(), self.config), peer
         session.handshake = None
         self.counters.handshakes_ok += 1
+        self.counters.inbound_handshakes_ok += 1
         log.info("handshake_ok", peer=peer.short_id, direction="inbound")
         return reply
 

@@ -138,6 +138,7 @@ class TransportStatistics:
     handshakes_failed: Mapping[str, int]
     frames_rejected: Mapping[str, int]
     peer_bytes: Mapping[str, tuple[int, int]]  # peer ID -> (bytes in, bytes out)
+    inbound_handshakes_ok: int = 0  # of handshakes_ok, those of connections peers dialled to us
 
 
 Handler = Callable[[PeerInfo, Header, memoryview], Awaitable[tuple[Header, bytes]]]
@@ -146,7 +147,7 @@ Handler = Callable[[PeerInfo, Header, memoryview], Awaitable[tuple[Header, bytes
 class _Counters:
     def __init__(self) -> None:
         self.bytes_in = self.bytes_out = self.requests_sent = self.requests_served = 0
-        self.handshakes_ok = 0
+        self.handshakes_ok = self.inbound_handshakes_ok = 0
         self.handshakes_failed: Counter[str] = Counter()
         self.frames_rejected: Counter[str] = Counter()
         self.peer_in: Counter[str] = Counter()
@@ -170,4 +171,5 @@ class _Counters:
             MappingProxyType(dict(self.handshakes_failed)),
             MappingProxyType(dict(self.frames_rejected)),
             MappingProxyType({p: (self.peer_in[p], self.peer_out[p]) for p in peers}),
+            self.inbound_handshakes_ok,
         )
