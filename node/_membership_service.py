@@ -87,6 +87,7 @@ class MembershipService:
         self._nursery: trio.Nursery | None = None
         self.rejected: Counter[str] = Counter()  # membership messages refused, by kind
         self._mailbox: dict[str, deque[Gossip]] = {}  # client peer -> messages waiting for it
+        self._not_dialled_warned = False
 
     # -- the view the rest of the node reads ----------------------------------------------------
     def live_peers(self) -> tuple[str, ...]:
@@ -98,6 +99,10 @@ class MembershipService:
     def dialable_peers(self) -> tuple[str, ...]:
         """live_peers() less the client-mode peers: those a request can be sent to."""
         return self.membership.dialable_peers()
+
+    def not_dialled_back(self) -> bool:
+        """Whether this node warned `not_dialled` and still nobody has dialled it (status)."""
+        return self._not_dialled_warned and not self._transport.statistics().inbound_handshakes_ok
 
     def live_count(self) -> int:
         """Peers believed alive, client-mode peers known second-hand included."""
@@ -142,6 +147,7 @@ class MembershipService:
         stats = self._transport.statistics()
         outbound = stats.handshakes_ok - stats.inbound_handshakes_ok
         if outbound and not stats.inbound_handshakes_ok:
+            self._not_dialled_warned = True
             log.warning(
                 "not_dialled", address=self._address, outbound_connections=outbound,
                 hint="peers accepted this node's connections but none could dial it back at its "

@@ -99,6 +99,9 @@ class NodeCollector:
                          s.privacy_epsilon)  # fmt: skip
             yield _gauge("geotrain_privacy_epsilon_budget", "Differential privacy: the budget",
                          s.privacy_budget or 0.0)  # fmt: skip
+        yield _gauge("geotrain_not_dialled_back", "1: peers accept this node's connections but "
+                     "none could dial it back (behind NAT? set network.reachable = false)",
+                     float(s.not_dialled))  # fmt: skip
         if s.certificate_expires_at is not None:
             yield _gauge("geotrain_certificate_expiry_timestamp_seconds",
                          "When this node's membership certificate expires (POSIX seconds)",

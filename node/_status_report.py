@@ -135,6 +135,7 @@ class StatusReporter:
             peak_rss_mb=peak_rss_mb(),
             memory_estimate_mb=s.memory_estimate_mb,
             certificate_expires_at=s.transport.certificate_expires_at,
+            not_dialled=s.membership.not_dialled_back(),
         )
 
     async def write(self) -> None:

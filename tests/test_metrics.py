@@ -234,7 +234,7 @@ def test_algorithm_counts_are_counters_and_levels_are_gauges():
         metric_name="accuracy", elapsed_s=1.0, step=40, steps_per_s=1.0, loss=None, metric=None,
         metric_step=None, bytes_in=0, bytes_out=0, exchanges_ok=3, exchanges_failed=0,
         rejected_updates=0, pid=1, algorithm_stats=dataclasses.asdict(stats),
-        algorithm_gauges=tuple(sorted(gauges)),
+        algorithm_gauges=tuple(sorted(gauges)), not_dialled=True,
     )  # fmt: skip
     registry = CollectorRegistry()
     registry.register(NodeCollector(lambda: status))
@@ -246,3 +246,4 @@ def test_algorithm_counts_are_counters_and_levels_are_gauges():
     assert families["geotrain_selsync_comm_fraction"].type == "gauge"
     assert families["geotrain_selsync_comm_fraction"].samples[0].value == 0.25
     assert families["geotrain_selsync_last_relative_change"].type == "gauge"
+    assert families["geotrain_not_dialled_back"].samples[0].value == 1.0  # behind NAT, reachable

@@ -13,6 +13,7 @@ import geotrain
 from geotrain.node import Identity, config_from_toml
 from geotrain.node.algorithms import Algorithm, AlgorithmSpec, algorithm_specs, register_algorithm
 from geotrain.node.identity import Admission
+from geotrain.node.state import render_status
 from geotrain.node.transport import U63, Header
 
 CONFIG = """
@@ -203,11 +204,16 @@ async def test_a_node_that_peers_cannot_dial_back_says_so(tmp_path, monkeypatch)
         hidden = config(tmp_path, "hidden", join, f'network.advertise="{nowhere}"')
         fine = config(tmp_path, "fine", join)
         async with (
-            geotrain.open_node(hidden, identity=Identity.generate(), admission=admission),
+            geotrain.open_node(hidden, identity=Identity.generate(), admission=admission) as h,
             geotrain.open_node(fine, identity=Identity.generate(), admission=admission) as f,
         ):
             fine_address = f.address
             await trio.sleep(3.0)
+            # status says it too (and `geotrain status` prints what to set); the others do not
+            assert h.status().not_dialled and not f.status().not_dialled
+            assert not a.status().not_dialled
+            shown = render_status(h.status().to_json())
+            assert "no peer could dial" in shown and "network.reachable = false" in shown
     warned = [fields for level, event, fields in recorder.events if event == "not_dialled"]
     # the node a could not dial back warned once, naming its address and what to set; the node
     # that was dialled back, and the bootstrap node (it dialled nobody first), did not

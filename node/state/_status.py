@@ -67,6 +67,9 @@ class NodeStatus:
     # training samples this process took (None for a loop of the user's own: not seen)
     samples: int | None = None
     utilization: float | None = None
+    # peers accepted this node's connections but none dialled it back (behind NAT, configured
+    # reachable): the node warned `not_dialled`
+    not_dialled: bool = False
     steps_over_step_time: int = 0  # compute emulation: steps whose compute overran the pinned time
 
     def to_json(self) -> dict[str, Any]:
@@ -145,6 +148,13 @@ def _privacy_line(data: dict[str, Any]) -> list[str]:
     return [f"privacy   epsilon {spent:.3f} of {_fmt(data.get('privacy_budget'))}{done}"]
 
 
+def _not_dialled_line(data: dict[str, Any]) -> list[str]:
+    if not data.get("not_dialled"):
+        return []
+    return [f"reach     no peer could dial {data['address']}: behind NAT or a firewall? "
+            "set network.reachable = false (client mode)"]
+
+
 def render_status(data: dict[str, Any]) -> str:
     """A human-readable status: the node's numbers, then one row per known peer."""
     lines = [
@@ -159,6 +169,7 @@ def render_status(data: dict[str, Any]) -> str:
         f"  rejected updates {data['rejected_updates']}  up {data['elapsed_s']:.0f}s",
         *_certificate_line(data.get("certificate_expires_at")),
         *_privacy_line(data),
+        *_not_dialled_line(data),
         "",
         f"{'peer':<14}{'state':<9}{'address':<28}{'rtt ms':>8}{'Mbit/s':>9}  {'codec':<16}"
         f"{'ok':>5}{'failed':>7}",
