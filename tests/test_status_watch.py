@@ -162,6 +162,9 @@ def test_the_view_of_a_real_node_shows_its_numbers_peers_and_trends(real_node):
     metric_line = next(line for line in text.splitlines() if line.startswith("mse"))
     assert len(SPARK.findall(loss_line)[0]) == len(view.trend.loss) >= 5  # history + this read
     assert len(SPARK.findall(metric_line)[0]) == len(view.trend.metric) >= 2
+    assert not re.search(r"(?m)^reach\s", text)  # it was dialled back: nothing to say
+    view.update({**s.to_json(), "not_dialled": True}, age_s=3.0)
+    assert re.search(r"(?m)^reach\s+no peer could dial this address", render(view))
 
 
 def test_trends_start_from_the_end_of_the_node_history(real_node, tmp_path):

@@ -164,6 +164,9 @@ def _numbers(d: dict[str, Any], trend: Trend, bars: str) -> Table:
     state = Text("running", "green") if running else Text("stopped", "yellow")
     table.add_row("node", Text.assemble(str(d["peer_id"]), "  ", state))
     table.add_row("address", f"{d['address']}  pid {d.get('pid', '-')}")
+    if d.get("not_dialled"):
+        table.add_row("reach", Text("no peer could dial this address: behind NAT or a firewall? "
+                                    "set network.reachable = false", "yellow"))  # fmt: skip
     table.add_row("training", f"{d['task']} / {d['algorithm']}")
     busy = d.get("utilization")
     in_steps = f", {busy:.0%} of the time in steps" if isinstance(busy, int | float) else ""
