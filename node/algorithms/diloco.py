@@ -417,14 +417,18 @@ class Diloco(Algorithm):
             log.info("consensus_skipped", partner=peer[:12], reason=str(exc))
             return
         except (RejectedUpdate, compress.DecodeError, ValueError) as exc:
-            self.counters.record_rejected(peer, spec, exc)
-            ctx.peers.unreliable(peer, ctx.now())
-            log.warning("update_rejected", peer=peer[:12], reason=str(exc))
+            self._rejected_from(peer, spec, exc)
             return
         now = ctx.now()
         ctx.peers.transferred(peer, moved[0], now - started, now)
         if self.round == made:  # (nothing replaced our model meanwhile)
             self.consensus[peer] = (max(their_round), theirs.tensors)
+
+    def _rejected_from(self, peer: str, spec: str, exc: Exception) -> None:
+        """A partner's answer failed a check: count it, choose the partner less, say why."""
+        self.counters.record_rejected(peer, spec, exc)
+        self.ctx.peers.unreliable(peer, self.ctx.now())
+        log.warning("update_rejected", peer=peer[:12], reason=str(exc))
 
     async def _offer(self, peer, round_, spec, deadline, replies) -> None:
         """Send our update to `peer` chunk by chunk and take its latest one from the replies."""
@@ -466,9 +470,7 @@ class Diloco(Algorithm):
             return
         except (RejectedUpdate, compress.DecodeError, ValueError) as exc:
             self._rejected_now.add(peer)
-            self.counters.record_rejected(peer, spec, exc)
-            ctx.peers.unreliable(peer, ctx.now())
-            log.warning("update_rejected", peer=peer[:12], reason=str(exc))
+            self._rejected_from(peer, spec, exc)
             return
         now = ctx.now()
         ctx.peers.transferred(peer, moved[0], now - started, now)
