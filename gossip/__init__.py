@@ -43,7 +43,16 @@ from ._simulator import SimConfig as SimConfig
 from ._simulator import compare_policies as compare_policies
 from ._simulator import simulate as simulate
 
-_AVERAGING = ("RejectedUpdate", "check_update", "distance_squared", "pairwise_mix", "params_norm")
+_AVERAGING = (
+    "RejectedUpdate",
+    "add_difference",
+    "all_finite",
+    "check_update",
+    "distance",
+    "distance_squared",
+    "pairwise_mix",
+    "params_norm",
+)
 _ALGORITHMS = (
     "NesterovOuter",
     "RoundAttendance",

@@ -10,7 +10,7 @@ from collections.abc import Iterable, Mapping, MutableMapping
 
 import torch
 
-from ._averaging import distance_squared, params_norm
+from ._averaging import add_difference, distance, distance_squared, params_norm
 from ._robust import ClipRadius, clip_scale
 
 Params = Mapping[str, torch.Tensor]
@@ -54,12 +54,10 @@ def neighbourhood_mix(
         The largest L2 distance ||x_j - sent|| among the neighbours (0.0 with none).
     """
     largest = 0.0
-    with torch.no_grad():
-        for peer, remote in remotes.items():
-            diffs = {n: remote[n].to(live[n].dtype) - sent[n] for n in live}
-            largest = max(largest, params_norm(diffs))
-            for name, tensor in live.items():
-                tensor.add_(diffs[name], alpha=weights[peer])
+    for peer, remote in remotes.items():  # (a slice at a time: no model-sized temporary)
+        largest = max(largest, distance(remote, sent))
+        for name, tensor in live.items():
+            add_difference(tensor, remote[name], sent[name], weights[peer])
     return largest
 
 
@@ -95,13 +93,11 @@ def choco_consensus(
     """
     if not 0.0 < gamma <= 1.0:
         raise ValueError(f"gamma={gamma}: expected 0 < gamma <= 1")
-    diffs = {n: peer_estimate[n] - own_estimate[n] for n in live}
-    distance = params_norm(diffs)
-    scale = 1.0 if radius is None else clip_scale(distance, radius.radius(distance))
-    with torch.no_grad():
-        for name, tensor in live.items():
-            tensor.add_(diffs[name], alpha=gamma * weight * scale)
-    return distance
+    gap = distance(peer_estimate, own_estimate)  # (a slice at a time: no model-sized temporary)
+    scale = 1.0 if radius is None else clip_scale(gap, radius.radius(gap))
+    for name, tensor in live.items():
+        add_difference(tensor, peer_estimate[name], own_estimate[name], gamma * weight * scale)
+    return gap
 
 
 def pseudo_gradient(start: Params, live: Params) -> dict[str, torch.Tensor]:
@@ -114,7 +110,14 @@ def average(deltas: Iterable[Params]) -> dict[str, torch.Tensor]:
     deltas = list(deltas)
     if not deltas:
         raise ValueError("average: nothing to average")
-    return {n: torch.stack([d[n] for d in deltas]).mean(dim=0) for n in deltas[0]}
+    out = {n: t.detach().clone() for n, t in deltas[0].items()}  # (no stack of every input)
+    with torch.no_grad():
+        for other in deltas[1:]:
+            for n, t in out.items():
+                t.add_(other[n])
+        for t in out.values():
+            t.div_(len(deltas))
+    return out
 
 
 class NesterovOuter:
@@ -142,7 +145,8 @@ class NesterovOuter:
                 buf = self.buffers.get(name)
                 buf = g.clone() if buf is None else buf.mul_(self.momentum).add_(g)
                 self.buffers[name] = buf
-                tensor.sub_(g + self.momentum * buf, alpha=self.lr)
+                tensor.sub_(g, alpha=self.lr)  # (two in-place steps: no temporary)
+                tensor.sub_(buf, alpha=self.lr * self.momentum)
 
 
 def relative_change(live: Params, reference: Params) -> float:

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ._averaging import SLICE, params_norm
+from ._averaging import SLICE, add_difference, distance
 
 Params = Mapping[str, torch.Tensor]
 
@@ -150,14 +150,12 @@ def clipped_neighbourhood_mix(
         The largest raw L2 distance ||x_j - sent|| among the neighbours (0.0 with none).
     """
     largest = 0.0
-    with torch.no_grad():
-        for peer, remote in remotes.items():
-            diffs = {n: remote[n].to(live[n].dtype) - sent[n] for n in live}
-            distance = params_norm(diffs)
-            largest = max(largest, distance)
-            scale = clip_scale(distance, radius.radius(distance))
-            for name, tensor in live.items():
-                tensor.add_(diffs[name], alpha=weights[peer] * scale)
+    for peer, remote in remotes.items():  # (a slice at a time: no model-sized temporary)
+        gap = distance(remote, sent)
+        largest = max(largest, gap)
+        scale = clip_scale(gap, radius.radius(gap))
+        for name, tensor in live.items():
+            add_difference(tensor, remote[name], sent[name], weights[peer] * scale)
     return largest
 
 
@@ -200,31 +198,49 @@ def trimmed_mean_mix(
     return b
 
 
-def robust_average(own: Params, others: list[Params], rule: str, radius: ClipRadius) -> dict:
+def robust_average(
+    own: Params, others: list[Params], rule: str, radius: ClipRadius, out: Params | None = None
+) -> Params:
     """The mean of `own` and `others` (DiLoCo's pseudo-gradients) under robust rule `rule`:
     "none" a plain mean; "clip" each other's difference to `own` clipped to the radius first
     (self-centred: x_j' = own + clip_tau(x_j - own)); "trim" a coordinate-wise trimmed mean when
     there are enough values (trim_count), clipping otherwise (counted in `radius`).
 
+    Args:
+        out: where to write the mean (no new model-sized tensors): may be one of `others`,
+            which is then overwritten; None: new tensors. Not used by a trimmed mean.
+
     Returns:
-        A new tensor per name; the inputs are not changed.
+        The mean per name (`out` when given); `own` is never changed.
     """
     if rule == "trim" and trim_count(len(others) + 1):
         radius.trimmed_rounds += 1
         radius.mixed += 1
-        out = {n: t.detach().clone() for n, t in own.items()}
-        trimmed_mean_mix(out, own, dict(enumerate(others)))  # type: ignore[arg-type]
-        return out
+        total = {n: t.detach().clone() for n, t in own.items()}
+        trimmed_mean_mix(total, own, dict(enumerate(others)))  # type: ignore[arg-type]
+        return total
     if rule == "trim" and others:
         radius.trim_fallbacks += 1
-    total = {n: t.detach().clone() for n, t in own.items()}
+    # mean = own + sum_j s_j (x_j - own) / (k + 1), s_j the clip factor (1 without clipping),
+    # worked out a slice at a time after every factor is known
+    scales = []
+    for other in others:
+        if rule == "none":
+            scales.append(1.0)
+        else:
+            gap = distance(other, own)
+            scales.append(clip_scale(gap, radius.radius(gap)))
+    result = out if out is not None else {n: torch.empty_like(t) for n, t in own.items()}
+    share = 1.0 / (len(others) + 1)
     with torch.no_grad():
-        for other in others:
-            diffs = {n: other[n].to(total[n].dtype) - own[n] for n in own}
-            distance = params_norm(diffs)
-            scale = 1.0 if rule == "none" else clip_scale(distance, radius.radius(distance))
-            for n, t in total.items():
-                t.add_(own[n] + scale * diffs[n])
-        for t in total.values():
-            t.div_(len(others) + 1)
-    return total
+        for n, mine in own.items():
+            target, base = result[n].view(-1), mine.detach().reshape(-1)
+            sources = [other[n].detach().reshape(-1) for other in others]
+            for start in range(0, base.numel(), SLICE):
+                stop = start + SLICE
+                part = base[start:stop].to(target.dtype)  # (a copy: target may alias a source)
+                acc = part.clone()
+                for source, scale in zip(sources, scales, strict=True):
+                    acc.add_(source[start:stop].to(target.dtype) - part, alpha=scale * share)
+                target[start:stop].copy_(acc)
+    return result

@@ -47,6 +47,11 @@ async def test_the_outer_step_uses_the_partners_update_and_survives_a_checkpoint
         assert all(torch.allclose(a.start[k], expected[k], atol=1e-6) for k in expected)
         assert same(model(a), a.start)
         assert a.counters.statistics().ok == 2  # b's offer answered, our offer answered
+        # a told b it held b's round 1: b answered a's offer with nothing, not that update again
+        # (each way: one update and the same headers; b's update twice would be one more)
+        update = a.ctx.peers.payload_nbytes("none")
+        b_to_a, a_to_b = net.bytes_sent[("p1", "p0")], net.bytes_sent[("p0", "p1")]
+        assert abs(b_to_a - a_to_b) < update / 2
         tensors, meta = a.state()
         momentum = {k: v.clone() for k, v in a.outer.buffers.items()}
         start = {k: v.clone() for k, v in a.start.items()}

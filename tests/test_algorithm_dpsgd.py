@@ -145,22 +145,37 @@ async def test_a_round_ends_at_its_deadline_when_a_neighbour_is_cut_off(autojump
         assert a.counters.statistics().peers["p2"].failed == 1
 
 
-async def test_a_responder_serves_the_round_asked_for_while_it_has_it(autojump_clock):
-    async with runtimes(2, **DPSGD) as (net, (a, b)):
+async def test_a_responder_keeps_last_rounds_model_only_while_a_neighbour_fetches_it(
+    autojump_clock,
+):
+    # one round's model is held between rounds (memory): the last one goes when the next is
+    # snapshotted, unless a neighbour is half-way through fetching it; then it is served to the end
+    async with runtimes(2, **{**DPSGD, "chunk_numel": 8}) as (net, (a, b)):  # 5 chunks
         b.ctx.peers.live_peers = lambda: ()  # b publishes its rounds without asking anyone
         await b.after_step(step(b, 1))
         round_1 = model(b)
-        b.ctx.trainer.train_step()
-        await b.after_step(step(b, 2))
         asker = PeerInfo("p0", b"", "mem://p0", "inbound")
-        request = asking(b, round=1, wait_s=1.0)
-        reply, data = await b.handle(asker, request, memoryview(b""))
-        assert isinstance(reply, RoundReply) and reply.round == 1
-        plan = b.plan(b.ctx.chunk_numel)
-        assert len(plan) == 1
-        got = decode_chunk(data, "none", plan, 0, torch.device("cpu"))
+        plan = b.plan(8)
+        reply, first = await b.handle(asker, asking(b, round=1, wait_s=1.0), memoryview(b""))
+        assert isinstance(reply, RoundReply) and reply.round == 1 and reply.chunks == 5
+        b.ctx.trainer.train_step()
+        await b.after_step(step(b, 2))  # p0 has chunk 0 of 5 of round 1: round 1 stays
+        got = [first]
+        for index in range(1, 5):
+            reply, data = await b.handle(asker, asking(b, round=1, index=index), memoryview(b""))
+            assert isinstance(reply, RoundReply) and reply.round == 1
+            got.append(data)
+        values = [t for i, d in enumerate(got) for t in decode_chunk(d, "none", plan, i,
+                                                                     torch.device("cpu"))]
         expected = torch.cat([round_1[k].reshape(-1) for k in sorted(round_1)])
-        assert torch.equal(torch.cat(got), expected)
+        assert torch.equal(torch.cat(values), expected)
+        b.ctx.trainer.train_step()
+        await b.after_step(step(b, 3))  # nobody is fetching round 2: it goes
+        assert sorted(b._models) == [3]
+        reply, _ = await b.handle(asker, asking(b, round=2, wait_s=1.0), memoryview(b""))
+        assert isinstance(reply, RoundReply) and reply.round == 3  # the newer one it has
+        reply, _ = await b.handle(asker, asking(b, round=2, index=1), memoryview(b""))
+        assert isinstance(reply, ErrorReply) and "gone" in reply.reason
         wrong = asking(b, round=1, wait_s=1.0, algorithm="choco")
         reply, _ = await b.handle(asker, wrong, memoryview(b""))
         assert isinstance(reply, ErrorReply) and "runs dpsgd" in reply.reason

@@ -5,6 +5,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
 from geotrain.node._memory import peak_rss_mb
 
 # A parent that holds 1.2 GB (touched), frees it, then starts a child that reports its peak:
@@ -32,3 +34,56 @@ def test_the_peak_grows_with_what_this_process_holds():
     held = b"\x01" * 200_000_000
     assert peak_rss_mb() >= before and peak_rss_mb() > 200, (before, peak_rss_mb())
     del held
+
+
+# Every rule that checks or mixes a model works a slice at a time: on a 100 MB tensor none may
+# peak more than a few slices above what the process held before it (a whole-tensor temporary,
+# such as torch.isfinite(x).all() at 1.7x the tensor or x - y at 1x, fails this). The child
+# resets its high-water mark (/proc/self/clear_refs) before each rule.
+MIXES = """
+import json, re, torch
+torch.set_num_threads(1)
+from geotrain import gossip
+from geotrain.node._memory import tune_allocator
+tune_allocator()
+def rss():
+    s = open("/proc/self/status").read()
+    return [int(re.search(k + r":\\s+(\\d+)", s).group(1)) / 1024 for k in ("VmRSS", "VmHWM")]
+n = 5000
+own, a, b = ({"w": torch.randn(n, n)} for _ in range(3))
+sent = {"w": own["w"].clone()}
+out = {}
+def rule(name, fn):
+    open("/proc/self/clear_refs", "w").write("5")
+    before = rss()[0]
+    fn()
+    out[name] = rss()[1] - before
+radius = gossip.ClipRadius("clip")
+rule("check_update", lambda: gossip.check_update(own, a, max_norm_ratio=10.0))
+rule("pairwise_mix", lambda: gossip.pairwise_mix(own, sent, a, clip=1.0))
+rule("neighbourhood_mix", lambda: gossip.neighbourhood_mix(own, sent, {"a": a, "b": b},
+                                                           {"a": 0.3, "b": 0.3}))
+rule("clipped_neighbourhood_mix", lambda: gossip.clipped_neighbourhood_mix(
+    own, sent, {"a": a, "b": b}, {"a": 0.3, "b": 0.3}, radius))
+rule("choco_consensus", lambda: gossip.choco_consensus(own, sent, a, gamma=0.5, radius=radius))
+rule("robust_average", lambda: gossip.robust_average(own, [a, b], "clip", radius, out=a))
+outer = gossip.NesterovOuter(0.7, 0.9)
+outer.step(sent, b)  # (the first step makes the momentum buffer)
+rule("NesterovOuter.step", lambda: outer.step(sent, b))
+print(json.dumps(out))
+"""
+
+
+def test_checks_and_mixes_hold_no_model_sized_temporary():
+    import json
+
+    try:
+        open("/proc/self/clear_refs", "w").close()
+    except OSError:
+        pytest.skip("this kernel does not let a process reset its memory high-water mark")
+    done = subprocess.run([sys.executable, "-c", MIXES], capture_output=True, text=True,
+                          check=True, timeout=300)  # fmt: skip
+    peaks = json.loads(done.stdout.strip().splitlines()[-1])
+    tensor_mb = 5000 * 5000 * 4 / 2**20  # 95 MiB
+    too_big = {rule: round(mb) for rule, mb in peaks.items() if mb > 0.25 * tensor_mb}
+    assert not too_big, f"peak MiB above the {tensor_mb:.0f} MiB model's quarter: {too_big}"

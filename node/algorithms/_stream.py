@@ -18,7 +18,7 @@ import torch
 import trio
 
 from geotrain import compress
-from geotrain.gossip import ClipRadius, RejectedUpdate, clip_scale
+from geotrain.gossip import ClipRadius, RejectedUpdate, all_finite, clip_scale
 
 from ..training import Trainer
 from ._base import Tensors
@@ -278,7 +278,7 @@ def decode_chunk(
     for s, (_, t) in zip(expected, pairs, strict=True):
         if t.numel() != s.numel:
             raise RejectedUpdate("shape", f"chunk {index}: {s.label} has {t.numel()} elements")
-        if not t.is_floating_point() or not bool(torch.isfinite(t).all()):
+        if not t.is_floating_point() or not all_finite(t):
             raise RejectedUpdate("nonfinite", f"chunk {index}: {s.label} holds NaN or inf")
         out.append(t.reshape(-1).float())
     return out

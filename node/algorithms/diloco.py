@@ -21,7 +21,6 @@ from geotrain.gossip import (
     ClipRadius,
     NesterovOuter,
     RejectedUpdate,
-    average,
     check_update,
     clipped_neighbourhood_mix,
     fresh_deltas,
@@ -68,7 +67,11 @@ class _ChunkOffer(Header, frozen=True):
 
 class DeltaOffer(_ChunkOffer, frozen=True, tag="delta_offer"):
     """The payload is chunk `index` of the sender's pseudo-gradient of outer round `round`;
-    answered with the same chunk of the responder's latest pseudo-gradient."""
+    answered with the same chunk of the responder's latest pseudo-gradient, or with nothing
+    (round 0) when that is not newer than round `have`, the sender's newest of the responder's
+    updates (held or used): nobody sends an update twice."""
+
+    have: U63 = 0
 
 
 class DeltaReply(Header, frozen=True, tag="delta_reply"):
@@ -180,7 +183,8 @@ class Diloco(Algorithm):
         self.outer = NesterovOuter(cfg.outer_lr, cfg.outer_momentum)
         self.start = ctx.trainer.snapshot()  # the parameters this outer round started from
         self.round = 0  # outer rounds completed
-        # our latest update: (round, its chunks encoded with `codec`, codec), and its values
+        # our latest update: (round, its chunks encoded with `codec`, codec), and its values;
+        # codec none keeps no chunks (each is the values' bytes, encoded when asked)
         self.latest: tuple[int, list[bytes], str] = (0, [], "")
         self.latest_delta: Tensors | None = None
         self.inbox: dict[str, tuple[int, Tensors]] = {}
@@ -189,6 +193,7 @@ class Diloco(Algorithm):
         self._plans: dict[int, ChunkPlan] = {}
         self.feedback = SliceFeedback(torch.float16)
         self._rejected_now: set[str] = set()  # partners whose update this round was refused
+        self._replied: dict[str, int] = {}  # partner -> the round of its update this round end
         self.outer_steps = self.peer_deltas_used = self.missing = self.consensus_mixes = 0
         # consensus: partners' outer parameters to average in at our next outer step (with the
         # outer steps they had made); one offer of a peer's held while it arrives
@@ -250,15 +255,37 @@ class Diloco(Algorithm):
         return cached_plan(self._plans, self.ctx.trainer, chunk_numel)
 
     def _round_end(self, spec: str) -> tuple[Tensors, list[bytes]]:
-        """Our update of this round, and its chunks encoded once (error feedback applies once)."""
+        """Our update of this round, and its chunks encoded once (error feedback applies once;
+        codec none: no chunks kept, see `_chunk`)."""
         self._round_end_step = self.ctx.trainer.step
         delta = self.ctx.trainer.update(lambda live: pseudo_gradient(self.start, live))
+        if spec == "none":
+            return delta, []
         plan = self.plan(self.ctx.chunk_numel)
-        feedback = None if spec == "none" else self.feedback
         shapes = dict(plan.shapes)
-        chunks = [encode_chunk(model_chunk(delta, plan, i), spec, feedback, seed=self.round + i,
-                               shapes=shapes) for i in range(len(plan))]  # fmt: skip
+        chunks = [encode_chunk(model_chunk(delta, plan, i), spec, self.feedback,
+                               seed=self.round + i, shapes=shapes)
+                  for i in range(len(plan))]  # fmt: skip
         return delta, chunks
+
+    async def _chunk(self, plan: ChunkPlan, index: int, codec: str) -> bytes:
+        """Chunk `index` of our latest update, cut by `plan` in `codec`: the one encoded at the
+        round end when it is that one, else encoded from the values now (no error feedback)."""
+        _, chunks, spec = self.latest
+        if chunks and spec == codec and plan.chunk_numel == self.ctx.chunk_numel:
+            return chunks[index]
+        delta = self.latest_delta
+        assert delta is not None
+        return await self.ctx.to_thread(
+            lambda: encode_chunk(model_chunk(delta, plan, index), codec))
+
+    def _held_round(self, peer: str, *, arriving: bool = True) -> int:
+        """The newest round of `peer`'s updates we hold, have used or (`arriving`) are being
+        sent (0: none)."""
+        incoming = self._incoming.get(peer) if arriving else None
+        return max(self.used.get(peer, 0), self.inbox.get(peer, (0, None))[0],
+                   incoming[1] if incoming is not None else 0,
+                   self._replied.get(peer, 0))  # fmt: skip
 
     def _round_ends(self, result: StepResult) -> bool:
         """Whether `result`'s step ends an outer round (every inner_steps steps, or adaptive)."""
@@ -289,12 +316,15 @@ class Diloco(Algorithm):
         live = sorted(ctx.peers.dialable_peers())  # a client-mode peer offers, is not offered to
         partners = sorted(ctx.rng.sample(live, min(len(live), ctx.settings.fanout)))
         spec = self._spec(partners)
+        # the last round's update goes before this one is made (one update held, not two); an
+        # offer meanwhile is answered with none
+        self.latest, self.latest_delta = (0, [], ""), None
         delta, chunks = await ctx.to_thread(self._round_end, spec)
         self.latest, self.latest_delta = (round_, chunks, spec), delta
         replies: dict[str, tuple[int, Tensors | None]] = {}  # who answered (with its update)
         if partners:
             now = ctx.now()
-            nbytes = sum(len(c) for c in chunks)
+            nbytes = sum(len(c) for c in chunks) or ctx.peers.payload_nbytes(spec)
             deadline = max(ctx.peers.round_deadline(p, 2 * nbytes, now) for p in partners)
             with trio.move_on_after(deadline):
                 async with trio.open_nursery() as nursery:
@@ -325,6 +355,7 @@ class Diloco(Algorithm):
             max_staleness=self.ctx.settings.max_staleness,
         )
         others = [offered[p][1] for p in use]
+        self._replied.clear()
         rule, radius = self.ctx.gossip.robust, self.ctx.robust
         assert radius is not None
 
@@ -339,9 +370,9 @@ class Diloco(Algorithm):
             if drift:
                 for name, tensor in live.items():
                     tensor.sub_(self.start[name]).add_(delta[name])
-            # gossip.robust: peers' pseudo-gradients clipped around ours, or trimmed
-            mean = average([delta, *others]) if rule == "none" else robust_average(
-                delta, others, rule, radius)  # fmt: skip
+            # gossip.robust: peers' pseudo-gradients clipped around ours, or trimmed; the mean
+            # is written over the first peer's update (dropped after this step: no new copy)
+            mean = robust_average(delta, others, rule, radius, out=others[0]) if others else delta
             if mixes:  # the outer step moves every start alike: average first, then step
                 sent = self.start if len(mixes) == 1 else {
                     n: t.clone() for n, t in self.start.items()}  # fmt: skip
@@ -437,21 +468,23 @@ class Diloco(Algorithm):
         if address is None:
             return
         plan = self.plan(ctx.chunk_numel)
-        chunks = self.latest[1]
         xid = ctx.rng.getrandbits(63)
+        have = self._held_round(peer)  # (it answers none when it has nothing newer for us)
         theirs = ModelAssembly(plan, spec, ctx.trainer.task_device)
         their_round: list[int] = []
         started, moved = ctx.now(), [0]
 
         async def one(index: int) -> None:
             header = DeltaOffer(codec=spec, round=round_, xid=xid, plan=plan.digest,
-                                chunk_numel=plan.chunk_numel, chunks=len(plan), index=index)
+                                chunk_numel=plan.chunk_numel, chunks=len(plan), index=index,
+                                have=have)  # fmt: skip
+            ours = await self._chunk(plan, index, spec)
             reply, data, _ = await ctx.network.request(
-                address, header, chunks[index], deadline_s=deadline, expect_peer=peer
+                address, header, ours, deadline_s=deadline, expect_peer=peer
             )  # fmt: skip
             if not isinstance(reply, DeltaReply):
                 raise _Refused(getattr(reply, "reason", "") or type(reply).__name__)
-            moved[0] += len(chunks[index]) + len(data)
+            moved[0] += len(ours) + len(data)
             if their_round and reply.round != their_round[0]:
                 raise _Refused("its update changed during the offer")
             their_round.append(reply.round)
@@ -475,6 +508,8 @@ class Diloco(Algorithm):
         now = ctx.now()
         ctx.peers.transferred(peer, moved[0], now - started, now)
         replies[peer] = (their_round[0] if their_round else 0, delta)
+        if delta is not None:
+            self._replied[peer] = their_round[0]
         self.counters.record_ok(peer, spec)
 
     async def handle(self, peer: PeerInfo, header: Header, payload: memoryview) -> Reply:
@@ -496,16 +531,10 @@ class Diloco(Algorithm):
             self.counters.record_rejected(peer.peer_id, header.codec, exc)
             log.warning("update_rejected", peer=peer.short_id, reason=str(exc))
             return ErrorReply(code="bad_request", reason=f"update rejected: {exc}"[:500]), b""
-        round_, chunks, spec = self.latest
-        if not chunks or self.latest_delta is None:
+        round_ = self.latest[0]
+        if self.latest_delta is None or round_ <= header.have:  # none, or none it lacks
             return DeltaReply(round=0), b""
-        if spec == header.codec and plan.chunk_numel == ctx.chunk_numel:
-            return DeltaReply(round=round_), chunks[header.index]
-        delta = self.latest_delta  # another codec or cut: encode this chunk for it (no feedback)
-        data = await ctx.to_thread(
-            lambda: encode_chunk(model_chunk(delta, plan, header.index), header.codec)
-        )
-        return DeltaReply(round=round_), data
+        return DeltaReply(round=round_), await self._chunk(plan, header.index, header.codec)
 
     async def _answer_outer(self, peer: PeerInfo, header: OuterOffer, payload: memoryview) -> Reply:
         """One chunk of a partner's outer parameters for ours; kept for our next outer step when
@@ -552,6 +581,9 @@ class Diloco(Algorithm):
         """Add one chunk of `peer`'s offer; a complete, checked update goes to the inbox."""
         ctx = self.ctx
         current = self._incoming.get(peer)
+        fresh = current is None or current[0] != header.xid
+        if fresh and header.round <= self._held_round(peer, arriving=False):
+            return  # an update of it we hold or used already: not taken twice
         if current is None and peer not in self.inbox and len(self.inbox) + len(
             self._incoming
         ) >= ctx.settings.fanout:  # as many updates held as the memory budget counts

@@ -131,6 +131,8 @@ class Dpsgd(Algorithm):
         super().__init__(ctx)
         self.round = -1  # the newest round published
         self._models: dict[int, tuple[Tensors, int]] = {}  # round -> (model, degree)
+        # round -> neighbour -> (chunks of it sent, of how many, when the last went)
+        self._serving: dict[int, dict[str, tuple[int, int, float]]] = {}
         self._published = trio.Event()
         self._attendance = RoundAttendance()
         self._step_s = 0.0
@@ -170,10 +172,29 @@ class Dpsgd(Algorithm):
             live = sorted(self.ctx.rng.sample(live, degree))
         return self._attendance.eligible(live, round_)
 
+    def _release(self, round_: int) -> None:
+        """Drop the published models older than `round_` before its snapshot is taken, but the
+        newest while a neighbour is still fetching it (chunks sent within ROUND_WAIT_CAP_S, not
+        all of them yet): one model held between rounds, two only for a slow fetch."""
+        now, newest = self.ctx.now(), max(self._models, default=None)
+        for old in [r for r in self._models if r < round_]:
+            streams = self._serving.get(old, {}).values()
+            fetching = any(sent < total and now - last < ROUND_WAIT_CAP_S
+                           for sent, total, last in streams)  # fmt: skip
+            if old != newest or not fetching:
+                del self._models[old]
+        self._serving = {r: v for r, v in self._serving.items() if r in self._models}
+
+    def _served(self, peer: str, round_: int, chunks: int) -> None:
+        streams = self._serving.setdefault(round_, {})
+        sent = streams.get(peer, (0, chunks, 0.0))[0]
+        streams[peer] = (sent + 1, chunks, self.ctx.now())
+
     def _publish(self, round_: int, model: Tensors, degree: int) -> None:
         self._models[round_] = (model, degree)
         for old in [r for r in self._models if r <= round_ - KEEP_ROUNDS]:
             del self._models[old]
+            self._serving.pop(old, None)
         self.round = round_
         self._published.set()
         self._published = trio.Event()
@@ -187,6 +208,7 @@ class Dpsgd(Algorithm):
             return
         round_ = result.step // every
         neighbours = self._neighbours(round_)
+        self._release(round_)
         sent = await self.ctx.to_thread(self.ctx.trainer.snapshot)
         self._publish(round_, sent, len(neighbours) + self._pushers)
         if neighbours or self._pushed:
@@ -385,6 +407,7 @@ class Dpsgd(Algorithm):
         data = await ctx.to_thread(  # (our degree counts the clients that send us their model)
             lambda: encode_chunk(model_chunk(model, plan, header.index), header.codec, seed=round_)
         )
+        self._served(peer.peer_id, round_, len(plan))
         return RoundReply(round=round_, degree=degree, chunks=len(plan)), data
 
 
@@ -425,7 +448,8 @@ ALGORITHM = register_algorithm(
         settings=DpsgdSettings,
         messages=(RoundRequest, RoundReply),
         summary="synchronous rounds with up to `degree` neighbours, stragglers left out",
-        # the models of the last KEEP_ROUNDS rounds, and each neighbour's model during a round
+        # the round's model and the last one while a neighbour fetches it (at most KEEP_ROUNDS),
+        # and each neighbour's model during a round
         memory=lambda g: KEEP_ROUNDS + g.settings.degree,
     )
 )

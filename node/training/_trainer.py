@@ -152,6 +152,9 @@ class Trainer:
             if self.clip_grad_norm is not None:
                 torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.clip_grad_norm)
             optimizer.step()
+            # the gradients' memory goes back now, not at the next step: exchanges and mixes
+            # between steps then fit where they were (one model copy less at the peak)
+            optimizer.zero_grad(set_to_none=True)
             if self.private is not None:
                 self.private.stepped()
             self.scheduler.step()
