@@ -107,6 +107,63 @@ async def test_an_update_is_used_once_and_never_when_too_stale(autojump_clock):
         assert a.statistics().peer_deltas_used == 1
 
 
+async def test_an_offer_answered_across_the_partners_round_end_still_delivers(autojump_clock):
+    # b's round ends while it answers a's offer: the chunks a got are of two updates, so a keeps
+    # none of them, but its own update reached b whole, and nobody counts a failure
+    async with runtimes(2, **{**DILOCO, "chunk_numel": 8}) as (net, (a, b)):  # 5 chunks
+        b.ctx.peers.live_peers = lambda: ()  # b's rounds end without offering
+        b.ctx.trainer.train_step()
+        await b.after_step(step(b, 2))
+        assert b.latest[0] == 1
+        net.set_delay("p0", "p1", 0.05)  # chunks 0-3 arrive at 0.05 s, chunk 4 at 0.10 s
+        a.ctx.trainer.train_step()
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(a.after_step, step(a, 2))
+            await trio.sleep(0.07)
+            b.ctx.trainer.train_step()
+            await b.after_step(step(b, 4))  # b's round 2 ends between a's chunks
+        assert b.latest[0] == 2
+        stats = a.statistics()
+        assert (stats.outer_steps, stats.peer_deltas_used, stats.partners_missing) == (1, 0, 0)
+        assert a.counters.statistics().peers["p1"].ok == 1
+        assert a.counters.statistics().failed == 0
+        assert b.inbox["p0"][0] == 1  # a's update of its round 1 is b's to use
+
+
+async def test_a_new_offer_replacing_one_still_arriving_is_kept(autojump_clock):
+    # the last chunk of an abandoned offer, finishing after the sender began a new one, must
+    # not take the new one's place away (it used to delete it, and the new offer's end failed)
+    async with runtimes(2, **{**DILOCO, "chunk_numel": 8}) as (net, (a, b)):
+        plan = b.plan(8)
+        delta = {k: torch.full_like(v, 0.01) for k, v in b.ctx.trainer.params().items()}
+        p0 = PeerInfo("p0", b"", "mem://p0", "inbound")
+
+        def offer(index: int, xid: int) -> DeltaOffer:
+            return DeltaOffer(codec="none", round=1, xid=xid, plan=plan.digest, chunk_numel=8,
+                              chunks=len(plan), index=index)  # fmt: skip
+
+        chunks = [encode_chunk(model_chunk(delta, plan, i), "none") for i in range(len(plan))]
+        for i in range(len(plan) - 1):
+            await b.handle(p0, offer(i, xid=1), memoryview(chunks[i]))
+        old = b._incoming["p0"]
+        to_thread = b.ctx.to_thread
+
+        async def meanwhile(fn, *args):  # while the old offer's last chunk is being decoded,
+            b.ctx.to_thread = to_thread  # the sender's new offer begins
+            reply, _ = await b.handle(p0, offer(0, xid=2), memoryview(chunks[0]))
+            assert isinstance(reply, DeltaReply) and b._incoming["p0"] is not old
+            return await to_thread(fn, *args)
+
+        b.ctx.to_thread = meanwhile
+        reply, _ = await b.handle(p0, offer(len(plan) - 1, xid=1), memoryview(chunks[-1]))
+        assert isinstance(reply, DeltaReply) and b.inbox["p0"][0] == 1  # the old one completed
+        assert b._incoming["p0"][0] == 2  # the new one is still held
+        for i in range(1, len(plan)):
+            reply, _ = await b.handle(p0, offer(i, xid=2), memoryview(chunks[i]))
+            assert isinstance(reply, DeltaReply)
+        assert b.inbox["p0"][0] == 1 and not b._incoming
+
+
 async def test_a_closed_connection_frees_the_slot_of_an_unfinished_offer(autojump_clock):
     settings = {"diloco": DilocoSettings(inner_steps=2, fanout=1)}
     async with runtimes(2, **{**DILOCO, "chunk_numel": 8, "algorithm_settings": settings}) as (

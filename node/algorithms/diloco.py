@@ -472,7 +472,7 @@ class Diloco(Algorithm):
         have = self._held_round(peer)  # (it answers none when it has nothing newer for us)
         theirs = ModelAssembly(plan, spec, ctx.trainer.task_device)
         their_round: list[int] = []
-        started, moved = ctx.now(), [0]
+        started, moved, changed = ctx.now(), [0], [False]
 
         async def one(index: int) -> None:
             header = DeltaOffer(codec=spec, round=round_, xid=xid, plan=plan.digest,
@@ -486,15 +486,22 @@ class Diloco(Algorithm):
                 raise _Refused(getattr(reply, "reason", "") or type(reply).__name__)
             moved[0] += len(ours) + len(data)
             if their_round and reply.round != their_round[0]:
-                raise _Refused("its update changed during the offer")
+                # its update changed while it answered (its round ended): ours still gets there
+                # whole; of its answer nothing is kept (chunks of two updates make none)
+                changed[0] = True
             their_round.append(reply.round)
-            if reply.round > 0:
+            if reply.round > 0 and not changed[0]:
                 await ctx.to_thread(theirs.add, index, data)
 
         try:
             await in_window(range(len(plan)), one)
             delta = None
-            if their_round and their_round[0] > 0:
+            if changed[0]:
+                their_round, theirs.tensors = [0], {}
+                log.info("update_changed", partner=peer[:12],
+                         detail="its round ended during our offer: ours was delivered, its "
+                         "update comes with its own offer")  # fmt: skip
+            elif their_round and their_round[0] > 0:
                 delta = theirs.tensors
                 await ctx.to_thread(lambda: check_update(
                     ctx.trainer.params(), delta, max_norm_ratio=ctx.gossip.max_norm_ratio))
@@ -594,7 +601,8 @@ class Diloco(Algorithm):
         assembly = current[2]
         if not await ctx.to_thread(assembly.add, header.index, payload):
             return
-        del self._incoming[peer]
+        if self._incoming.get(peer, (None,))[0] == header.xid:  # (a newer offer may replace it)
+            del self._incoming[peer]
         delta = assembly.tensors
         await ctx.to_thread(lambda: check_update(
             ctx.trainer.params(), delta, max_norm_ratio=ctx.gossip.max_norm_ratio))
