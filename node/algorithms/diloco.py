@@ -618,9 +618,11 @@ ALGORITHM = register_algorithm(
         settings=DilocoSettings,
         messages=(DeltaOffer, DeltaReply, OuterOffer, OuterReply),
         summary="local SGD: inner_steps local steps, then an outer step on averaged updates",
-        # round start, outer momentum, error feedback, our update (and its payload), and up to
-        # fanout updates from peers offered to us plus fanout replies; with consensus, a
-        # partner's outer parameters we asked for and one we answer
-        memory=lambda g: 5.0 + 2 * g.settings.fanout + (2 if g.settings.consensus_every else 0),
+        # round start, outer momentum and our update; with a lossy codec its encoded chunks and
+        # half-precision error feedback; up to fanout updates from peers offered to us plus
+        # fanout replies; with consensus, a partner's outer parameters we asked for and one we
+        # answer
+        memory=lambda g: (3.0 + (g.codec != "none") + 2 * g.settings.fanout
+                          + (2 if g.settings.consensus_every else 0)),
     )
 )
