@@ -29,12 +29,37 @@ class ChocoLink:
     mine: dict[str, torch.Tensor] = field(default_factory=dict)
     theirs: dict[str, torch.Tensor] = field(default_factory=dict)
     busy: bool = False
+    # a streamed exchange the neighbour runs on this link: (its id, chunks begun, when it began,
+    # chunks done); None when none runs. Chunks change the estimates as they come, so one left
+    # unfinished means the two ends' copies may differ: the link then restarts (see `partial`).
+    stream: tuple[int, set[int], float, set[int]] | None = None
+    partial: bool = False  # some chunk of an unfinished exchange changed the estimates
 
     def reset(self, base: Params) -> None:
         """Back to the common initial model, count 0 (both ends do this on a resync)."""
         self.seq = 0
         self.mine = {n: t.clone() for n, t in base.items()}
         self.theirs = {n: t.clone() for n, t in base.items()}
+        self.stream, self.partial = None, False
+
+    def add_slices(self, q_mine: Iterable[tuple[str, int, torch.Tensor]],
+                   q_theirs: Iterable[tuple[str, int, torch.Tensor]]) -> None:  # fmt: skip
+        """Add one chunk of both decoded q's to the estimates: (tensor name, first flat index,
+        values) each. The exchange stays `partial` until `finish`."""
+        self.partial = True
+        with torch.no_grad():
+            for target, parts in ((self.mine, q_mine), (self.theirs, q_theirs)):
+                for name, start, values in parts:
+                    flat = target[name].view(-1)
+                    flat[start : start + values.numel()].add_(values.to(flat.dtype))
+
+    def finish(self, live: dict[str, torch.Tensor], gamma: float,
+               radius: ClipRadius | None = None) -> float:  # fmt: skip
+        """Every chunk of the exchange is in: count it and take the consensus step (as
+        `apply`). Returns the step's distance."""
+        self.seq += 1
+        self.stream, self.partial = None, False
+        return choco_consensus(live, self.mine, self.theirs, gamma=gamma, radius=radius)
 
     def judge(self, seq: int) -> Verdict:
         """Responder side: may an exchange that the peer counts as `seq` run on this link now?

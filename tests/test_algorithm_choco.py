@@ -10,6 +10,7 @@ import torch
 import trio
 from _runtimes import model, poison, runtimes, same
 
+from geotrain.node.algorithms._stream import encode_chunk, model_chunk
 from geotrain.node.algorithms.choco import ChocoExchange, ChocoReply, ChocoSettings
 from geotrain.node.transport import ErrorReply, PeerInfo
 
@@ -18,6 +19,14 @@ CHOCO = {
     "codec": "topk:0.1",
     "algorithm_settings": {"choco": ChocoSettings(gamma=0.5)},
 }
+
+
+def exchange(algo, **fields) -> ChocoExchange:
+    """Chunk 0 of an exchange with `algo`, cut as `algo` cuts its model."""
+    plan = algo.plan(algo.ctx.chunk_numel)
+    base = {"codec": "topk:0.1", "seq": 0, "base": algo.base_digest, "xid": 1,
+            "plan": plan.digest, "chunk_numel": plan.chunk_numel, "chunks": len(plan)}  # fmt: skip
+    return ChocoExchange(**{**base, **fields})
 
 
 def equal_links(x, y) -> bool:
@@ -55,11 +64,12 @@ async def test_links_stay_equal_a_lost_reply_resyncs_both_ends_and_state_survive
         assert restored.links["p1"].seq == 1 and equal_links(restored.links["p1"], b_link)
 
 
-async def test_one_exchange_is_a_consensus_step_of_gamma(autojump_clock):
+@pytest.mark.parametrize("chunk_numel", [None, 8])  # one chunk; or 5 chunks of 33 parameters
+async def test_one_exchange_is_a_consensus_step_of_gamma(autojump_clock, chunk_numel):
     # With a lossless codec the estimates become the models themselves after one exchange, so
     # each side moves exactly gamma/2 of the way to the other: x_a += gamma/2 (x_b - x_a).
     exact = {**CHOCO, "codec": "none", "max_norm_ratio": 100.0}
-    async with runtimes(2, **exact) as (net, (a, b)):
+    async with runtimes(2, chunk_numel=chunk_numel, **exact) as (net, (a, b)):
         for _ in range(5):
             a.ctx.trainer.train_step()
         xa, xb = model(a), model(b)
@@ -74,7 +84,7 @@ async def test_a_busy_link_declines_and_a_reply_of_the_wrong_count_is_not_used(a
     async with runtimes(2, **CHOCO) as (net, (a, b)):
         b._link("p0").busy = True
         before = model(b)
-        header = ChocoExchange(codec="topk:0.1", seq=0, base=b.base_digest)
+        header = exchange(b)
         reply, _ = await b.handle(PeerInfo("p0", b"", "mem://p0", "inbound"), header,
                                   memoryview(b""))  # fmt: skip
         assert isinstance(reply, ErrorReply) and reply.code == "busy" and same(model(b), before)
@@ -102,9 +112,9 @@ async def test_a_partner_that_never_answers_costs_one_deadline(autojump_clock):
     async with runtimes(2, **CHOCO) as (net, (a, b)):
         net.cut("p0", "p1")
         before = model(a)
-        payload_len = len(a._compress(a.links.link("p1", ["p1"]), "topk:0.1")[0])
         started = trio.current_time()
-        expected = a.ctx.peers.exchange_deadline("p1", payload_len, started)
+        nbytes = a.ctx.peers.payload_nbytes("topk:0.1")
+        expected = a.ctx.peers.exchange_deadline("p1", nbytes, started)
         await a._exchange("p1")
         assert trio.current_time() - started == pytest.approx(expected)
         assert same(model(a), before) and a.counters.statistics().failed == 1
@@ -125,3 +135,51 @@ async def test_a_bad_request_is_refused_and_changes_nothing(autojump_clock, head
         reply, _ = await b.handle(peer, header, memoryview(b""))
         assert isinstance(reply, ErrorReply) and reply.code == "bad_request" and why in reply.reason
         assert same(model(b), before)
+
+
+async def test_a_stream_broken_half_way_restarts_the_link_on_both_ends(autojump_clock):
+    # chunks change the estimates as they come: an exchange cut after some of them leaves both
+    # models as they were (no consensus step) and the next exchange restarts the link, after
+    # which the two ends' copies agree again
+    torch.manual_seed(0)
+    async with runtimes(2, chunk_numel=8, **CHOCO) as (net, (a, b)):  # 5 chunks
+        for _ in range(2):
+            a.ctx.trainer.train_step()
+            await a._exchange("p1")
+        assert equal_links(a.links["p1"], b.links["p0"]) and a.links["p1"].seq == 2
+        a.ctx.trainer.train_step()
+        before_a, before_b = model(a), model(b)
+        # chunks 0-3 arrive at 0.05 s (their answers at once), chunk 4 is on the way at 0.07 s
+        net.set_delay("p0", "p1", 0.05, both_ways=False)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(a._exchange, "p1")
+            await trio.sleep(0.07)
+            net.cut("p0", "p1")
+        assert same(model(a), before_a) and same(model(b), before_b)
+        assert a.counters.statistics().failed == 1
+        assert a.links["p1"].seq == 0  # a restarted its side at once
+        assert b.links["p0"].stream is not None  # b holds the unfinished exchange ...
+        net.heal("p0", "p1")
+        net.set_delay("p0", "p1", 0.0, both_ways=False)
+        await a._exchange("p1")  # ... until a's next one: b restarts too and says so
+        assert b.links["p0"].stream is None and b.links["p0"].seq == 0 and b.resyncs == 1
+        await a._exchange("p1")
+        assert a.links["p1"].seq == b.links["p0"].seq == 1
+        assert equal_links(a.links["p1"], b.links["p0"])
+
+
+async def test_a_lost_connection_frees_the_link_of_an_unfinished_exchange(autojump_clock):
+    async with runtimes(2, chunk_numel=8, **CHOCO) as (net, (a, b)):
+        peer = PeerInfo("p0", b"", "mem://p0", "inbound")
+        reply, _ = await b.handle(peer, exchange(b, xid=7), memoryview(b""))
+        assert isinstance(reply, ErrorReply)  # (an empty payload is no chunk) ...
+        assert b.links["p0"].stream is None and not b.links["p0"].busy  # ... and changes nothing
+        plan = b.plan(8)
+        q = {k: torch.zeros_like(v) for k, v in b.ctx.trainer.params().items()}
+        chunk = encode_chunk(model_chunk(q, plan, 0), "topk:0.1")
+        reply, _ = await b.handle(peer, exchange(b, xid=7), memoryview(chunk))
+        assert isinstance(reply, ChocoReply) and b.links["p0"].busy  # 1 of 5 chunks in
+        resyncs = b.resyncs
+        b.peer_disconnected("p0")
+        assert b.links["p0"].stream is None and not b.links["p0"].busy
+        assert b.links["p0"].seq == 0 and b.resyncs == resyncs + 1

@@ -1,9 +1,11 @@
-# choco: CHOCO-SGD over pairwise exchanges. Invariants: the per-link estimates and counts are
-# gossip's ChocoLinks (sans-I/O); both ends apply exactly the decoded q that went over the wire;
-# estimates start at the swarm's common initial model (same training.seed; its digest travels in
-# every request); a link is used by one exchange at a time (a second one gets "busy"); counts
-# that differ mean an exchange was lost half-way: the responder answers ChocoResync and both ends
-# restart that link.
+# choco: CHOCO-SGD over pairwise exchanges, streamed in chunks. Invariants: the per-link estimates
+# and counts are gossip's ChocoLinks (sans-I/O); both ends apply exactly the decoded q that went
+# over the wire; estimates start at the swarm's common initial model (same training.seed; its
+# digest travels in every request); a link is used by one exchange at a time (a second one gets
+# "busy"); q is made, sent and added to the estimates a chunk at a time (no whole-model
+# difference or payload is ever held), and the consensus step is taken once every chunk is in;
+# an exchange left unfinished on either end (or counts that differ) restarts that link on both
+# ends: the responder answers ChocoResync.
 from __future__ import annotations
 
 import hashlib
@@ -11,30 +13,41 @@ from dataclasses import dataclass, field
 
 import structlog
 import torch
+import trio
 
 from geotrain import compress
-from geotrain.gossip import ChocoLink, ChocoLinks, RejectedUpdate, choco_difference
+from geotrain.gossip import ChocoLink, ChocoLinks, RejectedUpdate, params_norm
 
 from .._config import check_field
 from ..training import StepResult
 from ..transport import U63, CodecSpec, ErrorReply, Header, PeerInfo, TransportError
 from ._base import Algorithm, AlgorithmContext, AlgorithmSpec, Reply, Tensors
 from ._registry import register_algorithm
+from ._stream import ChunkPlan, cached_plan, decode_chunk, encode_chunk, in_window, plan_refusal
 
 log = structlog.get_logger()
+STALE_STREAM_S = 120.0  # a neighbour's exchange silent this long is given up (the link restarts)
 
 
 class ChocoExchange(Header, frozen=True, tag="choco_exchange"):
-    """The payload is q = C(x - x_hat) for the sender's estimate kept for this link.
+    """The payload is chunk `index` of q = C(x - x_hat) for the sender's estimate kept for this
+    link, of exchange `xid`, cut by the plan with digest `plan` (`chunks` chunks of at most
+    `chunk_numel` elements); answered with the same chunk of the responder's q.
 
     `seq` counts the exchanges completed on this link as the sender saw them; a responder whose
-    count differs answers ChocoResync and both ends restart the link's estimates at the initial
-    model, which both hold (same training.seed: `base` must match).
+    count differs, or that holds another exchange of this link unfinished, answers ChocoResync
+    and both ends restart the link's estimates at the initial model, which both hold (same
+    training.seed: `base` must match).
     """
 
     codec: CodecSpec
     seq: U63
     base: U63  # digest of the initial model the estimates start from (same seed everywhere)
+    xid: U63 = 0
+    plan: U63 = 0
+    chunk_numel: U63 = 1
+    chunks: U63 = 1
+    index: U63 = 0
 
 
 class ChocoReply(Header, frozen=True, tag="choco_reply"):
@@ -103,6 +116,7 @@ class Choco(Algorithm):
         self._running = False
         self._seed = 0
         self.resyncs = 0
+        self._plans: dict[int, ChunkPlan] = {}
 
     def statistics(self) -> ChocoStatistics:
         return ChocoStatistics(self.resyncs, len(self.links))
@@ -121,25 +135,65 @@ class Choco(Algorithm):
     def _link(self, peer: str) -> ChocoLink:
         return self.links.link(peer, self.ctx.peers.live_peers())
 
-    # -- the tensor work (worker threads) -------------------------------------------------------
-    def _compress(self, link: ChocoLink, spec: str) -> tuple[bytes, Tensors]:
-        """q = C(x - x_hat) as bytes, and decoded exactly as the peer will see it."""
-        self._seed += 1
-        diff = self.ctx.trainer.update(lambda live: choco_difference(live, link.mine))
-        payload = self.ctx.encode(diff, spec, seed=self._seed)
-        return payload, self.ctx.decode(payload, spec)
+    def plan(self, chunk_numel: int) -> ChunkPlan:
+        """The chunk plan of our model for chunks of `chunk_numel` elements (a few cached)."""
+        return cached_plan(self._plans, self.ctx.trainer, chunk_numel)
 
-    def _apply(self, link: ChocoLink, q_mine: Tensors, q_theirs: Tensors) -> float:
+    def peer_disconnected(self, peer_id: str) -> None:
+        """An exchange `peer_id` was running with us will not be finished: restart the link."""
+        link = self.links[peer_id] if peer_id in self.links else None
+        if link is not None and link.stream is not None:
+            self._restart(link, peer_id, "connection lost during its exchange")
+
+    def _restart(self, link: ChocoLink, peer: str, why: str) -> None:
+        link.reset(self.links.base)
+        link.busy = False
+        self.resyncs += 1
+        log.info("choco_resync", peer=peer[:12], reason=why)
+
+    # -- the tensor work (worker threads) -------------------------------------------------------
+    def _our_chunk(self, link: ChocoLink, plan: ChunkPlan, index: int, spec: str,
+                   seed: int) -> tuple[bytes, list[tuple[str, int, torch.Tensor]]]:  # fmt: skip
+        """Chunk `index` of q = C(x - x_hat) as bytes, and decoded exactly as the peer will see
+        it: (name, first flat index, values) per slice."""
+        slices = plan.chunks[index]
+
+        def differences(live: Tensors) -> list:
+            mine = link.mine
+            return [(s, live[s.name].reshape(-1)[s.start : s.stop]
+                     - mine[s.name].reshape(-1)[s.start : s.stop]) for s in slices]  # fmt: skip
+
+        payload = encode_chunk(self.ctx.trainer.update(differences), spec, seed=seed)
+        # (our own: decoded without the checks a peer's gets, as the peer decodes it; a peer
+        # refuses it when it is not finite)
+        pairs = compress.decode_named(payload, max_numel=plan.chunk_numel_of(index),
+                                      device=self.ctx.trainer.task_device)  # fmt: skip
+        return payload, [(s.name, s.start, t.reshape(-1).float())
+                         for s, (_, t) in zip(slices, pairs, strict=True)]  # fmt: skip
+
+    def _their_chunk(self, plan: ChunkPlan, index: int, spec: str,
+                     payload: bytes | bytearray | memoryview) -> list:  # fmt: skip
+        """A peer's chunk of its q: the plan's slices, finite, and a difference, not a model:
+        its norm at most max_norm_ratio x our model's slices' + 1.
+
+        Raises:
+            RejectedUpdate, compress.DecodeError: we must not use it.
+        """
+        slices = plan.chunks[index]
+        values = decode_chunk(payload, spec, plan, index, self.ctx.trainer.task_device)
+        norm = params_norm({s.label: v for s, v in zip(slices, values, strict=True)})
+        ours = self.ctx.trainer.update(lambda live: params_norm(
+            {s.label: live[s.name].reshape(-1)[s.start : s.stop] for s in slices}))
+        ratio = self.ctx.gossip.max_norm_ratio
+        if norm > ratio * ours + 1.0:
+            raise RejectedUpdate("norm", f"chunk {index}: norm {norm:.3g} > {ratio} x local "
+                                 f"{ours:.3g} + 1")  # fmt: skip
+        return [(s.name, s.start, v) for s, v in zip(slices, values, strict=True)]
+
+    def _finish(self, link: ChocoLink) -> float:
         gamma = self.ctx.settings.gamma
         radius = self.ctx.robust if self.ctx.gossip.robust != "none" else None
-        return self.ctx.trainer.apply(
-            lambda live: link.apply(live, q_mine, q_theirs, gamma, radius)
-        )
-
-    def _decode_q(self, payload: bytes, spec: str) -> Tensors:
-        # a difference, not a model: its norm is bounded by the model's (ratio + 1), names/shapes
-        # and finiteness as for a model
-        return self.ctx.decode_checked(payload, spec)
+        return self.ctx.trainer.apply(lambda live: link.finish(live, gamma, radius))
 
     # -- initiator ------------------------------------------------------------------------------
     async def after_step(self, result: StepResult) -> None:
@@ -153,6 +207,8 @@ class Choco(Algorithm):
     async def _exchange(self, partner: str) -> None:
         try:
             link = self._link(partner)
+            if link.stream is not None and self.ctx.now() - link.stream[2] > STALE_STREAM_S:
+                self._restart(link, partner, "its exchange went silent")
             if link.busy:
                 return
             link.busy = True
@@ -167,51 +223,72 @@ class Choco(Algorithm):
         ctx = self.ctx
         started = ctx.now()
         spec = ctx.peers.choose_codec(partner, started)
-        payload, q_mine = await ctx.to_thread(self._compress, link, spec)
-        deadline = ctx.peers.exchange_deadline(partner, len(payload), started)
         address = ctx.peers.address_of(partner)
         if address is None:
             return
-        header = ChocoExchange(codec=spec, seq=link.seq, base=self.base_digest)
-        try:
+        plan = self.plan(ctx.chunk_numel)
+        deadline = ctx.peers.exchange_deadline(partner, ctx.peers.payload_nbytes(spec), started)
+        seq, xid, seed = link.seq, ctx.rng.getrandbits(63), self._seed
+        self._seed += len(plan)
+        moved, refused = [0], []  # bytes both ways; a reply that ends the exchange
+
+        async def one(index: int) -> None:
+            payload, q_mine = await ctx.to_thread(self._our_chunk, link, plan, index, spec,
+                                                  seed + index)  # fmt: skip
+            header = ChocoExchange(codec=spec, seq=seq, base=self.base_digest, xid=xid,
+                                   plan=plan.digest, chunk_numel=plan.chunk_numel,
+                                   chunks=len(plan), index=index)  # fmt: skip
             reply, data, _ = await ctx.network.request(
-                address, header, payload, deadline_s=deadline, expect_peer=partner
-            )
-        except TransportError as exc:
-            return self._failed(partner, spec, f"{type(exc).__name__}: {exc}")
+                address, header, payload, deadline_s=deadline, expect_peer=partner)
+            if not isinstance(reply, ChocoReply) or reply.seq != seq + 1:
+                refused.append(reply)
+                raise _Ended()
+            moved[0] += len(payload) + len(data)
+            q_theirs = await ctx.to_thread(self._their_chunk, plan, index, spec, data)
+            await ctx.to_thread(link.add_slices, q_mine, q_theirs)
+
+        try:
+            with trio.fail_after(deadline):
+                await in_window(range(len(plan)), one)
+        except (TransportError, trio.TooSlowError) as exc:
+            return self._failed(partner, spec, link, f"{type(exc).__name__}: {exc}")
+        except _Ended:
+            return await self._ended(partner, spec, link, refused[0])
+        except (RejectedUpdate, compress.DecodeError) as exc:
+            # the peer applied that chunk: the next exchange finds out and restarts the link
+            self.counters.record_rejected(partner, spec, exc)
+            ctx.peers.unreliable(partner, ctx.now())
+            log.warning("update_rejected", peer=partner[:12], reason=str(exc))
+            return self._failed(partner, spec, link, None)
+        distance = await ctx.to_thread(self._finish, link)
+        now = ctx.now()
+        ctx.peers.succeeded(partner, moved[0], now - started, now)
+        self.counters.record_ok(partner, spec)
+        log.debug("exchange_done", partner=partner[:12], codec=spec, bytes=moved[0],
+                  chunks=len(plan), distance=round(distance, 5))  # fmt: skip
+
+    async def _ended(self, partner: str, spec: str, link: ChocoLink, reply: Header) -> None:
+        """The partner answered a chunk with something else than its chunk."""
+        ctx = self.ctx
         if isinstance(reply, ChocoResync):
             await ctx.to_thread(link.reset, self.links.base)
             self.resyncs += 1
             log.info("choco_resync", partner=partner[:12], ours=link.seq, theirs=reply.seq)
             return
-        if isinstance(reply, ErrorReply) and reply.code == "busy":
+        if isinstance(reply, ErrorReply) and reply.code == "busy" and not link.partial:
             ctx.peers.busy(partner, ctx.now())
             return
-        if isinstance(reply, ErrorReply):
-            return self._failed(partner, spec, f"{reply.code}: {reply.reason}")
-        if not isinstance(reply, ChocoReply) or reply.seq != link.seq + 1:
-            return self._failed(partner, spec, f"unexpected {type(reply).__name__}")
-        try:
-            q_theirs = await ctx.to_thread(self._decode_q, bytes(data), spec)
-        except (RejectedUpdate, compress.DecodeError) as exc:
-            # the peer applied its side: the counts now differ and the next exchange resyncs
-            self.counters.record_rejected(partner, spec, exc)
-            ctx.peers.unreliable(partner, ctx.now())
-            log.warning("update_rejected", peer=partner[:12], reason=str(exc))
-            return
-        distance = await ctx.to_thread(self._apply, link, q_mine, q_theirs)
-        now = ctx.now()
-        ctx.peers.succeeded(partner, len(payload) + len(data), now - started, now)
-        self.counters.record_ok(partner, spec)
-        log.debug(
-            "exchange_done",
-            partner=partner[:12],
-            codec=spec,
-            bytes=len(payload),
-            distance=round(distance, 5),
-        )
+        reason = (f"{reply.code}: {reply.reason}" if isinstance(reply, ErrorReply)
+                  else f"unexpected {type(reply).__name__}")  # fmt: skip
+        self._failed(partner, spec, link, reason)
 
-    def _failed(self, partner: str, spec: str, reason: str) -> None:
+    def _failed(self, partner: str, spec: str, link: ChocoLink, reason: str | None) -> None:
+        """Count a failed exchange; one that had changed the estimates restarts the link here
+        (the partner restarts it when it sees our next exchange)."""
+        if link.partial:
+            link.reset(self.links.base)
+        if reason is None:  # (counted as rejected)
+            return
         self.ctx.peers.failed(partner, self.ctx.now())
         self.counters.record_failed(partner, spec)
         log.info("exchange_failed", partner=partner[:12], reason=reason)
@@ -225,31 +302,58 @@ class Choco(Algorithm):
         if header.base != self.base_digest:
             reason = "initial models differ: every node of a swarm needs the same training.seed"
             return ErrorReply(code="bad_request", reason=reason), b""
+        plan, why = plan_refusal(self._plans, ctx.trainer, header.chunk_numel,
+                                 ctx.max_chunk_numel, header.plan, header.chunks,
+                                 header.index)  # fmt: skip
+        if plan is None:
+            return ErrorReply(code="bad_request", reason=why[:500]), b""
         link = self._link(peer.peer_id)
-        verdict = link.judge(header.seq)
-        if verdict == "busy":
-            return ErrorReply(code="busy", reason="an exchange on this link is running"), b""
-        if verdict == "resync":
+        stream = link.stream
+        if stream is not None and stream[0] != header.xid:  # it left one unfinished: restart
             ours = link.seq
-            await ctx.to_thread(link.reset, self.links.base)
-            self.resyncs += 1
-            log.info("choco_resync", peer=peer.short_id, ours=ours, theirs=header.seq)
+            await ctx.to_thread(self._restart, link, peer.peer_id, "an exchange left unfinished")
             return ChocoResync(seq=ours), b""
-        link.busy = True
+        if stream is None:
+            if header.index != 0:
+                return ErrorReply(code="bad_request", reason=f"no exchange {header.xid}"), b""
+            verdict = link.judge(header.seq)
+            if verdict == "busy":
+                return ErrorReply(code="busy", reason="an exchange on this link is running"), b""
+            if verdict == "resync":
+                ours = link.seq
+                await ctx.to_thread(link.reset, self.links.base)
+                self.resyncs += 1
+                log.info("choco_resync", peer=peer.short_id, ours=ours, theirs=header.seq)
+                return ChocoResync(seq=ours), b""
+            link.busy = True
+            stream = link.stream = (header.xid, set(), ctx.now(), set())
+        if header.index in stream[1]:
+            return ErrorReply(code="bad_request", reason=f"chunk {header.index} twice"), b""
+        stream[1].add(header.index)
         try:
-            data = bytes(payload)
-            try:
-                q_theirs = await ctx.to_thread(self._decode_q, data, header.codec)
-            except (RejectedUpdate, compress.DecodeError) as exc:
-                self.counters.record_rejected(peer.peer_id, header.codec, exc)
-                log.warning("update_rejected", peer=peer.short_id, reason=str(exc))
-                return ErrorReply(code="bad_request", reason=f"update rejected: {exc}"[:500]), b""
-            reply, q_mine = await ctx.to_thread(self._compress, link, header.codec)
-            await ctx.to_thread(self._apply, link, q_mine, q_theirs)
-            self.counters.record_ok(peer.peer_id, header.codec)
-            return ChocoReply(seq=link.seq), reply
-        finally:
+            q_theirs = await ctx.to_thread(self._their_chunk, plan, header.index, header.codec,
+                                           payload)  # fmt: skip
+        except (RejectedUpdate, compress.DecodeError) as exc:
+            self.counters.record_rejected(peer.peer_id, header.codec, exc)
+            log.warning("update_rejected", peer=peer.short_id, reason=str(exc))
+            await ctx.to_thread(self._restart, link, peer.peer_id, "its difference was rejected")
+            return ErrorReply(code="bad_request", reason=f"update rejected: {exc}"[:500]), b""
+        reply, q_mine = await ctx.to_thread(self._our_chunk, link, plan, header.index,
+                                            header.codec, header.xid + header.index)  # fmt: skip
+        if link.stream is not stream:  # restarted meanwhile (another chunk was rejected)
+            return ErrorReply(code="bad_request", reason="the exchange was restarted"), b""
+        await ctx.to_thread(link.add_slices, q_mine, q_theirs)
+        seq = link.seq + 1
+        stream[3].add(header.index)
+        if len(stream[3]) == len(plan):
+            await ctx.to_thread(self._finish, link)
             link.busy = False
+            self.counters.record_ok(peer.peer_id, header.codec)
+        return ChocoReply(seq=seq), reply
+
+
+class _Ended(Exception):
+    """A chunk was answered with something else than the partner's chunk."""
 
 
 ALGORITHM = register_algorithm(
@@ -259,7 +363,7 @@ ALGORITHM = register_algorithm(
         settings=ChocoSettings,
         messages=(ChocoExchange, ChocoReply, ChocoResync),
         summary="CHOCO-SGD: compressed differences against per-neighbour public estimates",
-        # the initial model, two estimates per tracked neighbour, and one difference in flight
-        memory=lambda g: 2.0 + 2 * g.settings.max_peers,
+        # the initial model and two estimates per tracked neighbour (q travels in chunks)
+        memory=lambda g: 1.0 + 2 * g.settings.max_peers,
     )
 )
