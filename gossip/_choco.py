@@ -121,17 +121,20 @@ class ChocoLinks:
             del self._links[oldest]
         return link
 
-    def state_dict(self) -> tuple[dict[str, torch.Tensor], dict[str, int]]:
+    def state_dict(self, *, copy: bool = True) -> tuple[dict[str, torch.Tensor], dict[str, int]]:
         """Tensors `<peer>/mine/<name>`, `<peer>/theirs/<name>` and counts of idle links (a busy
-        one is half-way; after a restart the count check resyncs it anyway)."""
+        one is half-way; after a restart the count check resyncs it anyway). `copy=False` hands
+        out the estimates themselves (for a caller that holds off every change while it reads)."""
         tensors: dict[str, torch.Tensor] = {}
         seqs: dict[str, int] = {}
         for peer, link in list(self._links.items()):
             if link.busy:
                 continue
             seqs[peer] = link.seq
-            tensors.update({f"{peer}/mine/{n}": t.clone() for n, t in link.mine.items()})
-            tensors.update({f"{peer}/theirs/{n}": t.clone() for n, t in link.theirs.items()})
+            tensors.update({f"{peer}/mine/{n}": t.clone() if copy else t
+                            for n, t in link.mine.items()})  # fmt: skip
+            tensors.update({f"{peer}/theirs/{n}": t.clone() if copy else t
+                            for n, t in link.theirs.items()})  # fmt: skip
         return tensors, seqs
 
     def load_state_dict(self, tensors: Mapping[str, torch.Tensor], seqs: Mapping[str, int],

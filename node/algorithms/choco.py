@@ -125,7 +125,9 @@ class Choco(Algorithm):
         return self._running
 
     def state(self) -> tuple[Tensors, dict]:
-        tensors, seqs = self.links.state_dict()
+        # (no copies: a checkpoint is written under the trainer's lock, and the estimates change
+        # only under it, in _add and _finish)
+        tensors, seqs = self.links.state_dict(copy=False)
         return tensors, {"seq": seqs}
 
     def load_state(self, tensors: Tensors, meta: dict) -> None:
@@ -190,6 +192,11 @@ class Choco(Algorithm):
                                  f"{ours:.3g} + 1")  # fmt: skip
         return [(s.name, s.start, v) for s, v in zip(slices, values, strict=True)]
 
+    def _add(self, link: ChocoLink, q_mine: list, q_theirs: list) -> None:
+        """One chunk of both q's into the link's estimates, under the trainer's lock (so a
+        checkpoint, written under it, sees each estimate whole)."""
+        self.ctx.trainer.update(lambda _: link.add_slices(q_mine, q_theirs))
+
     def _finish(self, link: ChocoLink) -> float:
         gamma = self.ctx.settings.gamma
         radius = self.ctx.robust if self.ctx.gossip.robust != "none" else None
@@ -245,11 +252,12 @@ class Choco(Algorithm):
                 raise _Ended()
             moved[0] += len(payload) + len(data)
             q_theirs = await ctx.to_thread(self._their_chunk, plan, index, spec, data)
-            await ctx.to_thread(link.add_slices, q_mine, q_theirs)
+            await ctx.to_thread(self._add, link, q_mine, q_theirs)
 
         try:
             with trio.fail_after(deadline):
-                await in_window(range(len(plan)), one)
+                await one(0)  # (alone: it opens the exchange on the partner's side)
+                await in_window(range(1, len(plan)), one)
         except (TransportError, trio.TooSlowError) as exc:
             return self._failed(partner, spec, link, f"{type(exc).__name__}: {exc}")
         except _Ended:
@@ -342,7 +350,7 @@ class Choco(Algorithm):
                                             header.codec, header.xid + header.index)  # fmt: skip
         if link.stream is not stream:  # restarted meanwhile (another chunk was rejected)
             return ErrorReply(code="bad_request", reason="the exchange was restarted"), b""
-        await ctx.to_thread(link.add_slices, q_mine, q_theirs)
+        await ctx.to_thread(self._add, link, q_mine, q_theirs)
         seq = link.seq + 1
         stream[3].add(header.index)
         if len(stream[3]) == len(plan):
