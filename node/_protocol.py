@@ -55,6 +55,41 @@ class StateReply(Header, frozen=True, tag="state_reply"):
     chunks: U63  # how many chunks the plan has
 
 
+class OptimizerStateRequest(Header, frozen=True, tag="optimizer_state_request"):
+    """A joining node that fetched the model asks for its optimizer's state: with `layout`, the
+    optimizer's class and state tensors (answered OptimizerStateReply, payload an
+    OptimizerLayout in msgpack); else chunk `index` of those tensors (in name order) cut by the
+    plan `plan` of `chunk_numel` elements, in float32. A node without a fitting optimizer
+    answers an error, and the joiner trains with a fresh one."""
+
+    plan: U63 = 0
+    chunk_numel: U63 = 1
+    index: U63 = 0
+    layout: bool = False
+
+
+class OptimizerStateReply(Header, frozen=True, tag="optimizer_state_reply"):
+    chunks: U63 = 0  # how many chunks the plan has (0 for a layout)
+
+
+MAX_LAYOUT_BYTES = 4 << 20
+MAX_STATE_TENSORS = 1 << 16
+Scalar = float | int | bool
+
+
+class OptimizerLayout(msgspec.Struct, frozen=True):
+    """An optimizer's state as state sync describes it: its class, each state tensor
+    ("optim/<parameter>/<key>", shape, dtype) and the per-parameter scalars."""
+
+    cls: Annotated[str, msgspec.Meta(max_length=200)]
+    tensors: Annotated[list[tuple[Annotated[str, msgspec.Meta(max_length=300)],
+                                  Annotated[list[Annotated[int, msgspec.Meta(ge=0)]],
+                                            msgspec.Meta(max_length=16)],
+                                  Annotated[str, msgspec.Meta(max_length=40)]]],
+                       msgspec.Meta(max_length=MAX_STATE_TENSORS)]  # fmt: skip
+    scalars: dict[str, dict[str, Scalar]]
+
+
 MAX_PROBE_BYTES = 1 << 20
 
 
@@ -80,6 +115,8 @@ NODE_HEADER_TYPES: tuple[type[Header], ...] = (
     Delivered,
     StateRequest,
     StateReply,
+    OptimizerStateRequest,
+    OptimizerStateReply,
     Probe,
     ProbeReply,
     StatusRequest,

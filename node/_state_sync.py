@@ -5,11 +5,15 @@
 # chunk's size; a fetched chunk is decoded within its size and checked (the plan's slices,
 # finite) as it arrives, into a staging copy; our model is replaced only when every chunk
 # arrived, so a failed or abandoned fetch leaves it as it was; progress is logged every few
-# seconds; nothing here runs tensor work on the event loop.
+# seconds; nothing here runs tensor work on the event loop. Once the model is in, the joiner asks
+# the same peer for its optimizer's state the same way (layout first, then chunks, into a staging
+# copy); that part fails softly: a peer with another optimizer, or none yet, or a fetch that
+# breaks, leaves the joiner with a fresh optimizer, said in the log.
 from __future__ import annotations
 
 import random
 
+import msgspec
 import structlog
 import torch
 import trio
@@ -19,7 +23,14 @@ from geotrain.gossip import LinkTable, RejectedUpdate, is_client_address
 
 from ._config import ConfigError
 from ._peer_choice import MembershipView
-from ._protocol import StateReply, StateRequest
+from ._protocol import (
+    MAX_LAYOUT_BYTES,
+    OptimizerLayout,
+    OptimizerStateReply,
+    OptimizerStateRequest,
+    StateReply,
+    StateRequest,
+)
 from .algorithms import (
     CHUNKS_IN_FLIGHT,
     MODELS_DIFFER,
@@ -71,7 +82,7 @@ class StateSync:
         to_thread: runs tensor work (worker threads; `inline` in tests on a virtual clock).
     """
 
-    handles = (StateRequest,)
+    handles = (StateRequest, OptimizerStateRequest)
 
     def __init__(
         self,
@@ -107,6 +118,8 @@ class StateSync:
     async def handle(
         self, peer: PeerInfo, header: Header, payload: memoryview
     ) -> tuple[Header, bytes]:
+        if isinstance(header, OptimizerStateRequest):
+            return await self._serve_optimizer(header)
         assert isinstance(header, StateRequest)
         if header.algorithm != self._name:
             reason = f"this node runs {self._name}, not {header.algorithm}"
@@ -122,6 +135,36 @@ class StateSync:
             lambda: encode_chunk(read_chunk(self._trainer, plan, header.index), "none")
         )
         return StateReply(step=step, chunks=len(plan)), data
+
+    async def _serve_optimizer(self, header: OptimizerStateRequest) -> tuple[Header, bytes]:
+        """Our optimizer's layout, or one chunk of its state tensors read now (no copy kept)."""
+        layout = await self._to_thread(self._trainer.optimizer_layout)
+        if layout is None or not layout["tensors"]:
+            return ErrorReply(code="busy", reason="no optimizer state yet"), b""
+        if header.layout:
+            data = msgspec.msgpack.encode(layout)
+            if len(data) > MAX_LAYOUT_BYTES:
+                reason = f"an optimizer layout of {len(data)} bytes (at most {MAX_LAYOUT_BYTES})"
+                return ErrorReply(code="bad_request", reason=reason), b""
+            return OptimizerStateReply(chunks=0), data
+        if not 1 <= header.chunk_numel <= self._max_chunk_numel:
+            reason = f"chunks of {header.chunk_numel} elements: expected 1..{self._max_chunk_numel}"
+            return ErrorReply(code="bad_request", reason=reason), b""
+        try:
+            plan = _optimizer_plan(layout["tensors"], header.chunk_numel)
+        except ValueError as exc:
+            return ErrorReply(code="bad_request", reason=str(exc)[:500]), b""
+        if plan.digest != header.plan or header.index >= len(plan):
+            reason = "another optimizer state (names or shapes), or a chunk outside the plan"
+            return ErrorReply(code="bad_request", reason=reason), b""
+        slices = plan.chunks[header.index]
+
+        def read(tensors: dict[str, torch.Tensor]) -> bytes:
+            return encode_chunk([(s, tensors[s.name].reshape(-1)[s.start : s.stop].float())
+                                 for s in slices], "none")  # fmt: skip
+
+        data = await self._to_thread(lambda: self._trainer.optimizer_tensors(read))
+        return OptimizerStateReply(chunks=len(plan)), data
 
     # -- fetching ---------------------------------------------------------------------------
     async def fetch(self, stop: trio.Event) -> bool:
@@ -146,6 +189,7 @@ class StateSync:
                 if step is not None:
                     log.info("state_synced", peer=peer[:12], peer_step=step)
                     await self._to_thread(self._algorithm.model_replaced)
+                    await self.fetch_optimizer(peer, address)
                     return True
                 self._check_mismatch(peers)
             await trio.sleep(0.2)
@@ -153,6 +197,72 @@ class StateSync:
         reason = "no peer answered" if tries == 0 else f"{tries} fetches failed"
         log.warning("state_sync_skipped", reason=f"{reason}; training from scratch")
         return False
+
+    async def fetch_optimizer(self, peer: str, address: str) -> bool:
+        """Take `peer`'s optimizer state into ours (our hyperparameters stay). Fails softly:
+        returns False, and says why in the log, when it could not.
+        """
+        try:
+            layout = await self._optimizer_layout_of(peer, address)
+            shapes = {name: tuple(shape) for name, shape, _ in layout.tensors}
+            plan = _optimizer_plan(layout.tensors, self._chunk_numel)
+            dtypes = {name: _float_dtype(dtype) for name, _, dtype in layout.tensors}
+            staged: dict[str, torch.Tensor] = {}
+            progress = _Progress(peer, len(plan), plan.numel * 4)
+            device = self._trainer.task_device
+
+            async def one(index: int) -> None:
+                request = OptimizerStateRequest(plan=plan.digest, chunk_numel=plan.chunk_numel,
+                                                index=index)  # fmt: skip
+                nbytes = CHUNKS_IN_FLIGHT * (4 * plan.chunk_numel_of(index) + 4096)
+                started = trio.current_time()
+                deadline = self._links.exchange_deadline(peer, nbytes, started)
+                reply, payload, _ = await self._network.request(
+                    address, request, b"", deadline_s=deadline, expect_peer=peer)
+                if not isinstance(reply, OptimizerStateReply) or reply.chunks != len(plan):
+                    raise _Failed(getattr(reply, "reason", "") or type(reply).__name__)
+                values = await self._to_thread(decode_chunk, payload, "none", plan, index, device)
+                for s, t in zip(plan.chunks[index], values, strict=True):
+                    buffer = staged.get(s.name)
+                    if buffer is None:
+                        buffer = staged[s.name] = torch.empty(shapes[s.name], device=device,
+                                                              dtype=dtypes[s.name])  # fmt: skip
+                    buffer.reshape(-1)[s.start : s.stop] = t
+                progress.add(len(payload), trio.current_time())
+
+            await in_window(range(len(plan)), one, catch=FETCH_ERRORS)
+            now = await self._to_thread(self._trainer.adopt_optimizer_state, layout.cls, staged,
+                                        layout.scalars)  # fmt: skip
+        except (*FETCH_ERRORS, ValueError) as exc:
+            log.warning("optimizer_state_skipped", peer=peer[:12], reason=str(exc)[:300],
+                        detail="the optimizer starts fresh")  # fmt: skip
+            return False
+        log.info("optimizer_state_synced" if now else "optimizer_state_fetched", peer=peer[:12],
+                 optimizer=layout.cls, tensors=len(staged), mb=round(progress.received / 1e6, 1),
+                 **({} if now else {"detail": "loaded into the optimizer at wrap"}))  # fmt: skip
+        return True
+
+    async def _optimizer_layout_of(self, peer: str, address: str) -> OptimizerLayout:
+        """`peer`'s optimizer layout, checked against ours (when ours is known already).
+
+        Raises:
+            _Failed, TransportError, ValueError: none to be had, or one that does not fit.
+        """
+        deadline = self._links.exchange_deadline(peer, 64 * 1024, trio.current_time())
+        reply, payload, _ = await self._network.request(
+            address, OptimizerStateRequest(layout=True), b"", deadline_s=deadline,
+            expect_peer=peer)  # fmt: skip
+        if not isinstance(reply, OptimizerStateReply):
+            raise _Failed(getattr(reply, "reason", "") or type(reply).__name__)
+        if len(payload) > MAX_LAYOUT_BYTES:
+            raise _Failed(f"an optimizer layout of {len(payload)} bytes")
+        try:
+            layout = msgspec.msgpack.decode(bytes(payload), type=OptimizerLayout)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            raise _Failed(f"a bad optimizer layout: {exc}") from None
+        self._trainer.optimizer_fits(layout.cls, {n: tuple(s) for n, s, _ in layout.tensors},
+                                     layout.scalars)  # fmt: skip
+        return layout
 
     def _check_mismatch(self, peers: list[str]) -> None:
         """Raise ModelMismatch once MISMATCH_PEERS peers (or all the dialable ones) refused our
@@ -219,6 +329,28 @@ class StateSync:
             self._links.record_transfer(peer, len(payload), now - started, now)
         progress.add(len(payload), now)
         return reply.step
+
+
+FLOAT_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
+                "float64": torch.float64}
+
+
+def _float_dtype(name: str) -> torch.dtype:
+    dtype = FLOAT_DTYPES.get(name)
+    if dtype is None:
+        raise ValueError(f"an optimizer state tensor of dtype {name!r} (floating point only)")
+    return dtype
+
+
+def _optimizer_plan(tensors, chunk_numel: int) -> ChunkPlan:
+    """The chunk plan of an optimizer's state tensors ((name, shape, dtype) each).
+
+    Raises:
+        ValueError: more than MAX_CHUNKS chunks, or no tensors.
+    """
+    if not tensors:
+        raise ValueError("no optimizer state tensors")
+    return ChunkPlan.build([(name, tuple(shape)) for name, shape, _ in tensors], chunk_numel)
 
 
 class _Progress:

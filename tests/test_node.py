@@ -143,6 +143,7 @@ def test_late_joiner_syncs_state_and_catches_up(swarm):
     late.proc.wait(120)
     assert late.proc.returncode == 0, late.log_text()
     assert '"state_synced"' in late.log_text()
+    assert '"optimizer_state_synced"' in late.log_text()  # its momentum buffers came too
     # After only 25 local steps on its own shard, it is where the swarm is (alone it would be at
     # about 60% after 25 steps).
     assert late.status()["metric"] >= 0.85

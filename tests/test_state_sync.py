@@ -1,5 +1,7 @@
 """State sync on the in-memory network, on a virtual clock: a joiner fetches a model in chunks, and
-a server that goes away or sends garbage mid-stream leaves the joiner's model as it was."""
+a server that goes away or sends garbage mid-stream leaves the joiner's model as it was; the
+server's optimizer state follows the model, or, when it does not fit, the joiner's optimizer
+starts fresh."""
 
 from __future__ import annotations
 
@@ -11,10 +13,12 @@ import trio
 from _runtimes import same, trainer
 
 from geotrain.gossip import LinkTable
+from geotrain.node import TaskContext, Trainer, resolve_task
 from geotrain.node._protocol import StateReply, StateRequest
 from geotrain.node._state_sync import StateSync
 from geotrain.node.algorithms import ChunkPlan, inline
 from geotrain.node.testing import StaticMembership, open_memory_network
+from geotrain.node.training import LoopTrainer
 from geotrain.node.transport import ErrorReply, PeerInfo
 
 
@@ -110,3 +114,84 @@ async def test_a_request_for_another_algorithm_or_plan_is_refused(autojump_clock
             reply, data = await s.handle(peer, request, memoryview(b""))
             assert isinstance(reply, ErrorReply) and why in reply.reason and data == b""
         torch.testing.assert_close(server.snapshot(), server.snapshot())
+
+
+def optimizer_state(t) -> dict[str, torch.Tensor]:
+    sd = t.optimizer.state_dict()["state"]
+    return {f"{i}/{k}": v for i, st in sd.items() for k, v in st.items() if torch.is_tensor(v)}
+
+
+async def test_a_joiner_takes_the_servers_optimizer_state_and_keeps_its_hyperparameters(
+    autojump_clock,
+):
+    server, joiner = trainer(0, 2), trainer(1, 2)
+    for _ in range(5):
+        server.train_step()
+    joiner.optimizer.param_groups[0]["lr"] = 0.0123  # its own setting
+    async with open_memory_network() as net:
+        sync(server, net, "server", ["joiner"])
+        s, _ = sync(joiner, net, "joiner", ["server"])
+        assert await s.fetch(trio.Event())
+        theirs, mine = optimizer_state(server), optimizer_state(joiner)
+        assert theirs and set(mine) == set(theirs)  # (momentum buffers, fetched in chunks of 8)
+        assert all(torch.equal(mine[k], theirs[k]) for k in theirs)
+        assert joiner.optimizer.param_groups[0]["lr"] == 0.0123
+        joiner.train_step()  # and it trains on with them
+
+
+def adam_trainer(index: int) -> Trainer:
+    ctx = TaskContext(shard_index=index, num_shards=2, params={})
+    return Trainer(resolve_task("synthetic-linreg")(ctx), optimizer="adam")
+
+
+@pytest.mark.parametrize("server_kind", ["other optimizer", "no steps yet", "poisoned state"])
+async def test_an_optimizer_state_that_does_not_fit_leaves_a_fresh_optimizer(
+    autojump_clock, server_kind
+):
+    server = adam_trainer(0) if server_kind != "other optimizer" else trainer(0, 2)
+    if server_kind != "no steps yet":
+        server.train_step()
+    if server_kind == "poisoned state":
+        for st in server.optimizer.state.values():
+            st["exp_avg"].fill_(float("nan"))
+    joiner = adam_trainer(1)
+    async with open_memory_network() as net:
+        sync(server, net, "server", ["joiner"])
+        s, _ = sync(joiner, net, "joiner", ["server"])
+        assert await s.fetch(trio.Event())  # the model came all the same
+        assert same(joiner.snapshot(), server.snapshot())
+        assert optimizer_state(joiner) == {}  # a fresh Adam: no state until its first step
+        joiner.train_step()
+        assert all(bool(torch.isfinite(v).all()) for v in optimizer_state(joiner).values())
+
+
+@pytest.mark.parametrize("wrapped", ["SGD", "Adam"])
+async def test_a_library_joiner_gets_the_optimizer_state_at_wrap(autojump_clock, wrapped):
+    # joined before its optimizer exists (geotrain.join, then swarm.wrap): the state waits for
+    # wrap, then goes into the user's optimizer with the user's own settings, or, when it is
+    # another optimizer, is dropped and the user's starts fresh
+    server = trainer(0, 2)
+    assert type(server.optimizer).__name__ == "SGD"
+    for _ in range(5):
+        server.train_step()
+    model = resolve_task("synthetic-linreg")(TaskContext(shard_index=1, num_shards=2)).model
+    joiner = LoopTrainer(model)
+    async with open_memory_network() as net:
+        sync(server, net, "server", ["joiner"])
+        s, _ = sync(joiner, net, "joiner", ["server"])
+        assert await s.fetch(trio.Event())
+        assert same(joiner.params(), server.params())
+    if wrapped == "SGD":
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
+    else:
+        optimizer = torch.optim.Adam(model.parameters(), lr=0.5)
+    joiner.attach(optimizer)
+    mine = {f"{i}/{k}": v for i, st in optimizer.state_dict()["state"].items()
+            for k, v in st.items() if torch.is_tensor(v)}  # fmt: skip
+    if wrapped == "SGD":
+        theirs = optimizer_state(server)
+        assert theirs and set(mine) == set(theirs)
+        assert all(torch.equal(mine[k], theirs[k]) for k in theirs)
+    else:
+        assert mine == {}
+    assert optimizer.param_groups[0]["lr"] == 0.5

@@ -19,7 +19,11 @@ _CHECKPOINT_NAMES = (
     "Checkpoint",
     "CheckpointError",
     "CheckpointStore",
+    "adopt_optimizer_state",
+    "check_optimizer_scalars",
+    "check_optimizer_state",
     "optimizer_from_checkpoint",
+    "optimizer_layout",
     "optimizer_to_checkpoint",
 )
 

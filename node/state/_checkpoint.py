@@ -7,6 +7,7 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import math
 import re
 import struct
 from dataclasses import dataclass, field
@@ -228,3 +229,70 @@ def optimizer_from_checkpoint(
     for index, scalars in meta.get("scalars", {}).items():
         state.setdefault(int(index), {}).update(scalars)
     opt.load_state_dict({"state": state, "param_groups": meta["param_groups"]})
+
+
+def optimizer_layout(opt: torch.optim.Optimizer) -> dict[str, Any]:
+    """What a joiner needs to fetch `opt`'s state from us (state sync): the optimizer's class,
+    its state tensors ("optim/<param>/<key>": shape, dtype) and their scalars. No copies."""
+    tensors, meta = optimizer_to_checkpoint(opt)
+    return {
+        "cls": type(opt).__name__,
+        "tensors": [[name, list(t.shape), str(t.dtype).removeprefix("torch.")]
+                    for name, t in sorted(tensors.items())],
+        "scalars": meta["scalars"],
+    }  # fmt: skip
+
+
+def check_optimizer_state(opt: torch.optim.Optimizer, cls: str,
+                          shapes: dict[str, tuple[int, ...]]) -> None:  # fmt: skip
+    """Whether a peer's optimizer state (its class and state tensors' shapes) fits `opt`.
+
+    Raises:
+        ValueError: another optimizer class, a parameter index `opt` does not have, or a state
+            tensor that is neither the parameter's shape nor a scalar; the message says which.
+    """
+    if cls != type(opt).__name__:
+        raise ValueError(f"the peer's optimizer is {cls}, ours {type(opt).__name__}")
+    params = [p for group in opt.param_groups for p in group["params"]]
+    for name, shape in shapes.items():
+        parts = name.split("/")
+        if len(parts) != 3 or parts[0] != "optim" or not parts[1].isdigit():
+            raise ValueError(f"state tensor {name!r}: expected optim/<parameter>/<key>")
+        index = int(parts[1])
+        if index >= len(params):
+            raise ValueError(f"state tensor {name!r}: our optimizer has {len(params)} parameters")
+        if tuple(shape) not in ((), tuple(params[index].shape)):
+            raise ValueError(f"state tensor {name!r} has shape {tuple(shape)}, its parameter "
+                             f"{tuple(params[index].shape)}")  # fmt: skip
+
+
+def check_optimizer_scalars(opt: torch.optim.Optimizer, scalars: dict[str, dict[str, Any]]) -> None:
+    """A peer's per-parameter scalars: of parameters `opt` has, finite numbers only.
+
+    Raises:
+        ValueError: the message says which.
+    """
+    count = sum(len(group["params"]) for group in opt.param_groups)
+    for index, values in scalars.items():
+        if not index.isdigit() or int(index) >= count:
+            raise ValueError(f"scalars of parameter {index!r}: our optimizer has {count}")
+        for key, value in values.items():
+            if not isinstance(value, int | float) or not math.isfinite(value):  # (bools pass)
+                raise ValueError(f"scalar {index}/{key} = {value!r}: expected a finite number")
+
+
+def adopt_optimizer_state(opt: torch.optim.Optimizer, cls: str, tensors: dict[str, torch.Tensor],
+                          scalars: dict[str, dict[str, Any]]) -> None:  # fmt: skip
+    """Load a peer's optimizer state (of class `cls`) into `opt`, keeping `opt`'s own
+    hyperparameters (learning rate, weight decay, ...: the param groups are ours).
+
+    Raises:
+        ValueError: it does not fit `opt` (see check_optimizer_state), or torch refused it.
+    """
+    check_optimizer_state(opt, cls, {n: tuple(t.shape) for n, t in tensors.items()})
+    check_optimizer_scalars(opt, scalars)
+    try:
+        optimizer_from_checkpoint(opt, tensors, {
+            "scalars": scalars, "param_groups": opt.state_dict()["param_groups"]})
+    except (KeyError, TypeError, RuntimeError) as exc:  # (torch validates before it changes)
+        raise ValueError(f"{type(opt).__name__} refused the state: {exc!r}") from None

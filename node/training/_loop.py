@@ -14,12 +14,21 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
+import structlog
 import torch
 
-from ..state import optimizer_from_checkpoint, optimizer_to_checkpoint
+from ..state import (
+    adopt_optimizer_state,
+    check_optimizer_scalars,
+    check_optimizer_state,
+    optimizer_from_checkpoint,
+    optimizer_layout,
+    optimizer_to_checkpoint,
+)
 from ._trainer import StepResult
 
 T = TypeVar("T")
+log = structlog.get_logger()
 
 
 class LoopClosed(RuntimeError):
@@ -184,6 +193,49 @@ class LoopTrainer:
                 self._optimizer_state = (opt, meta["optimizer"])
             self._scheduler_state = meta.get("scheduler")
 
+    # -- optimizer state for a joiner (state sync) ------------------------------------------
+    def optimizer_layout(self) -> dict | None:
+        """The wrapped optimizer's class and state tensors (None before `wrap`)."""
+        with self._lock:
+            return None if self.optimizer is None else optimizer_layout(self.optimizer)
+
+    def optimizer_tensors(self, fn: Callable[[dict[str, torch.Tensor]], T]) -> T:
+        """Run `fn(the wrapped optimizer's state tensors by name)` under the lock."""
+        with self._lock, torch.no_grad():
+            tensors = {} if self.optimizer is None else optimizer_to_checkpoint(self.optimizer)[0]
+            return fn(tensors)
+
+    def optimizer_fits(self, cls: str, shapes: dict[str, tuple[int, ...]], scalars: dict) -> None:
+        """Whether a peer's optimizer state (class, tensor shapes, scalars) fits ours (before
+        `wrap` ours is unknown: checked at wrap).
+
+        Raises:
+            ValueError: it does not; the message says why.
+        """
+        with self._lock:
+            if self.optimizer is None:
+                return
+            check_optimizer_state(self.optimizer, cls, shapes)
+            check_optimizer_scalars(self.optimizer, scalars)
+
+    def adopt_optimizer_state(self, cls: str, tensors: dict[str, torch.Tensor],
+                              scalars: dict) -> bool:  # fmt: skip
+        """A peer's optimizer state (state sync): loaded into the user's optimizer at `wrap`
+        (with its own hyperparameters), or now if it is wrapped already. Returns whether it is
+        in the optimizer now.
+
+        Raises:
+            ValueError: it does not fit the wrapped optimizer; nothing was changed.
+        """
+        with self._lock:
+            if self.optimizer is not None:
+                adopt_optimizer_state(self.optimizer, cls, tensors, scalars)
+                return True
+            # (param_groups None: the user's own, at wrap)
+            self._optimizer_state = (tensors, {"cls": cls, "scalars": scalars,
+                                               "param_groups": None})  # fmt: skip
+            return False
+
     # -- the user's side --------------------------------------------------------------------
     def attach(self, optimizer: torch.optim.Optimizer, scheduler: Any = None) -> None:
         """The user's optimizer (and scheduler): restore their checkpointed state into them.
@@ -198,7 +250,17 @@ class LoopTrainer:
                              "the optimizer of the model given to geotrain.join")  # fmt: skip
         with self._lock:
             if self._optimizer_state is not None:
-                optimizer_from_checkpoint(optimizer, *self._optimizer_state)
+                tensors, meta = self._optimizer_state
+                if meta.get("param_groups") is None:  # a peer's (state sync): must fit
+                    try:
+                        adopt_optimizer_state(optimizer, meta["cls"], tensors, meta["scalars"])
+                        log.info("optimizer_state_synced", tensors=len(tensors),
+                                 detail="a peer's optimizer state, loaded at wrap")  # fmt: skip
+                    except ValueError as exc:
+                        log.warning("optimizer_state_skipped", reason=str(exc),
+                                    detail="the optimizer starts fresh")  # fmt: skip
+                else:
+                    optimizer_from_checkpoint(optimizer, tensors, meta)
                 self._optimizer_state = None
             state = getattr(self, "_scheduler_state", None)
             if scheduler is not None and state is not None:

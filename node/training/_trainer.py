@@ -17,7 +17,14 @@ import torch
 
 from geotrain.gossip import check_update, pairwise_mix
 
-from ..state import optimizer_from_checkpoint, optimizer_to_checkpoint
+from ..state import (
+    adopt_optimizer_state,
+    check_optimizer_scalars,
+    check_optimizer_state,
+    optimizer_from_checkpoint,
+    optimizer_layout,
+    optimizer_to_checkpoint,
+)
 from ._privacy import PrivateTraining, mixing_only_step
 from ._recipe import OPTIMIZERS as OPTIMIZERS
 from ._recipe import SCHEDULES as SCHEDULES
@@ -229,6 +236,39 @@ class Trainer:
             with torch.no_grad():
                 for name, tensor in live.items():
                     tensor.copy_(remote[name])
+
+    # -- optimizer state for a joiner (state sync) ------------------------------------------
+    def optimizer_layout(self) -> dict | None:
+        """The optimizer's class and state tensors, for a joiner (see state.optimizer_layout)."""
+        with self._lock:
+            return optimizer_layout(self.optimizer)
+
+    def optimizer_tensors(self, fn: Callable[[dict[str, torch.Tensor]], T]) -> T:
+        """Run `fn(the optimizer's state tensors by name)` under the lock (a reader)."""
+        with self._lock, torch.no_grad():
+            return fn(optimizer_to_checkpoint(self.optimizer)[0])
+
+    def optimizer_fits(self, cls: str, shapes: dict[str, tuple[int, ...]], scalars: dict) -> None:
+        """Whether a peer's optimizer state (class, tensor shapes, scalars) fits ours.
+
+        Raises:
+            ValueError: it does not; the message says why.
+        """
+        with self._lock:
+            check_optimizer_state(self.optimizer, cls, shapes)
+            check_optimizer_scalars(self.optimizer, scalars)
+
+    def adopt_optimizer_state(self, cls: str, tensors: dict[str, torch.Tensor],
+                              scalars: dict) -> bool:  # fmt: skip
+        """A peer's optimizer state, fetched by state sync (our hyperparameters stay). Returns
+        True: it is in the optimizer now.
+
+        Raises:
+            ValueError: it does not fit our optimizer; nothing was changed.
+        """
+        with self._lock:
+            adopt_optimizer_state(self.optimizer, cls, tensors, scalars)
+            return True
 
     @property
     def task_device(self) -> torch.device:
