@@ -11,6 +11,7 @@
 # breaks, leaves the joiner with a fresh optimizer, said in the log.
 from __future__ import annotations
 
+import math
 import random
 
 import msgspec
@@ -51,6 +52,7 @@ from .transport import ErrorReply, Header, PeerInfo, TransportError
 STATE_SYNC_WAIT_S = 30.0  # how long a joiner looks for a live peer before it trains from scratch
 MAX_TRIES = 8  # fetches that failed (peer gone, bad chunks) before it trains from scratch
 PROGRESS_EVERY_S = 5.0
+MAX_STATE_COPIES = 4  # the most optimizer state a joiner takes, in model copies (Adam: 2)
 log = structlog.get_logger()
 
 
@@ -260,8 +262,19 @@ class StateSync:
             layout = msgspec.msgpack.decode(bytes(payload), type=OptimizerLayout)
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
             raise _Failed(f"a bad optimizer layout: {exc}") from None
-        self._trainer.optimizer_fits(layout.cls, {n: tuple(s) for n, s, _ in layout.tensors},
-                                     layout.scalars)  # fmt: skip
+        shapes = {n: tuple(s) for n, s, _ in layout.tensors}
+        # whatever our optimizer is (a library node's is not known before wrap), its state is
+        # of our parameters' shapes (or scalars), and a few copies of the model at most
+        params = self._trainer.params()
+        ours = {tuple(t.shape) for t in params.values()} | {()}
+        odd = sorted(n for n, shape in shapes.items() if shape not in ours)
+        if odd:
+            raise _Failed(f"optimizer state tensors of shapes no parameter has: {odd[:3]}")
+        total, model = sum(math.prod(s) for s in shapes.values()), sum(
+            t.numel() for t in params.values())  # fmt: skip
+        if total > MAX_STATE_COPIES * model + len(shapes):
+            raise _Failed(f"an optimizer state of {total:,} values for a model of {model:,}")
+        self._trainer.optimizer_fits(layout.cls, shapes, layout.scalars)
         return layout
 
     def _check_mismatch(self, peers: list[str]) -> None:

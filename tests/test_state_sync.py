@@ -144,7 +144,8 @@ def adam_trainer(index: int) -> Trainer:
     return Trainer(resolve_task("synthetic-linreg")(ctx), optimizer="adam")
 
 
-@pytest.mark.parametrize("server_kind", ["other optimizer", "no steps yet", "poisoned state"])
+@pytest.mark.parametrize("server_kind", ["other optimizer", "no steps yet", "poisoned state",
+                                         "oversized layout"])
 async def test_an_optimizer_state_that_does_not_fit_leaves_a_fresh_optimizer(
     autojump_clock, server_kind
 ):
@@ -154,6 +155,10 @@ async def test_an_optimizer_state_that_does_not_fit_leaves_a_fresh_optimizer(
     if server_kind == "poisoned state":
         for st in server.optimizer.state.values():
             st["exp_avg"].fill_(float("nan"))
+    if server_kind == "oversized layout":  # a state tensor of no parameter's shape (10^12 values)
+        layout = server.optimizer_layout()
+        server.optimizer_layout = lambda: {**layout, "tensors": [
+            *layout["tensors"], ["optim/0/huge", [10**6, 10**6], "float32"]]}
     joiner = adam_trainer(1)
     async with open_memory_network() as net:
         sync(server, net, "server", ["joiner"])
@@ -195,3 +200,23 @@ async def test_a_library_joiner_gets_the_optimizer_state_at_wrap(autojump_clock,
     else:
         assert mine == {}
     assert optimizer.param_groups[0]["lr"] == 0.5
+
+
+async def test_a_library_joiner_refuses_an_optimizer_state_no_model_of_its_could_have(
+    autojump_clock, capsys
+):
+    # before wrap its optimizer is unknown, but not its model: a state tensor of a shape no
+    # parameter has (here 10^12 values: memory it must never try to take) is refused at once
+    server = trainer(0, 2)
+    server.train_step()
+    layout = server.optimizer_layout()
+    server.optimizer_layout = lambda: {**layout, "tensors": [
+        *layout["tensors"], ["optim/0/huge", [10**6, 10**6], "float32"]]}  # fmt: skip
+    model = resolve_task("synthetic-linreg")(TaskContext(shard_index=1, num_shards=2)).model
+    joiner = LoopTrainer(model)
+    async with open_memory_network() as net:
+        sync(server, net, "server", ["joiner"])
+        s, _ = sync(joiner, net, "joiner", ["server"])
+        assert await s.fetch(trio.Event())  # the model came
+    assert joiner._optimizer_state is None  # nothing of the optimizer's waits for wrap
+    assert "shapes no parameter has" in capsys.readouterr().out  # (before any chunk is asked)
