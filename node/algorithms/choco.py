@@ -144,11 +144,12 @@ class Choco(Algorithm):
     def peer_disconnected(self, peer_id: str) -> None:
         """An exchange `peer_id` was running with us will not be finished: restart the link."""
         link = self.links[peer_id] if peer_id in self.links else None
-        if link is not None and link.stream is not None:
-            self._restart(link, peer_id, "connection lost during its exchange")
+        if link is not None and link.stream is not None:  # (in a worker: it clones the model)
+            self.ctx.start_soon(self.ctx.to_thread, self._restart, link, peer_id,
+                                "connection lost during its exchange")  # fmt: skip
 
     def _restart(self, link: ChocoLink, peer: str, why: str) -> None:
-        link.reset(self.links.base)
+        self.ctx.trainer.update(lambda _: link.reset(self.links.base))  # (see _add)
         link.busy = False
         self.resyncs += 1
         log.info("choco_resync", peer=peer[:12], reason=why)
@@ -192,10 +193,19 @@ class Choco(Algorithm):
                                  f"{ours:.3g} + 1")  # fmt: skip
         return [(s.name, s.start, v) for s, v in zip(slices, values, strict=True)]
 
-    def _add(self, link: ChocoLink, q_mine: list, q_theirs: list) -> None:
+    def _add(self, link: ChocoLink, q_mine: list, q_theirs: list, stream=None) -> bool:
         """One chunk of both q's into the link's estimates, under the trainer's lock (so a
-        checkpoint, written under it, sees each estimate whole)."""
-        self.ctx.trainer.update(lambda _: link.add_slices(q_mine, q_theirs))
+        checkpoint, written under it, sees each estimate whole, and a restart of the link,
+        also under it, never meets a chunk half-added). With `stream`: only while the link
+        still runs that exchange; returns whether the chunk was added."""
+
+        def add(_) -> bool:
+            if stream is not None and link.stream is not stream:
+                return False
+            link.add_slices(q_mine, q_theirs)
+            return True
+
+        return self.ctx.trainer.update(add)
 
     def _finish(self, link: ChocoLink) -> float:
         gamma = self.ctx.settings.gamma
@@ -348,9 +358,9 @@ class Choco(Algorithm):
             return ErrorReply(code="bad_request", reason=f"update rejected: {exc}"[:500]), b""
         reply, q_mine = await ctx.to_thread(self._our_chunk, link, plan, header.index,
                                             header.codec, header.xid + header.index)  # fmt: skip
-        if link.stream is not stream:  # restarted meanwhile (another chunk was rejected)
+        if not await ctx.to_thread(self._add, link, q_mine, q_theirs, stream):
+            # restarted meanwhile (another chunk was rejected, the connection was lost)
             return ErrorReply(code="bad_request", reason="the exchange was restarted"), b""
-        await ctx.to_thread(self._add, link, q_mine, q_theirs)
         seq = link.seq + 1
         stream[3].add(header.index)
         if len(stream[3]) == len(plan):
