@@ -107,8 +107,11 @@ async def test_late_joiners_sync_their_model_from_a_reachable_peer_never_from_a_
     lines = out.splitlines()
     synced = [line for line in lines if "state_synced" in line and "optimizer_" not in line]
     assert len(synced) == 2, out[-3000:]  # d and e
-    # (and each took its optimizer's state from the peer it took the model from)
-    assert len([line for line in lines if "optimizer_state_synced" in line]) == 2, out[-3000:]
+    # and each took its optimizer's state from the peer it took the model from, unless that
+    # peer was the other joiner, still without any (e may fetch from d before d's first step)
+    optimizer = [line for line in lines if "optimizer_state_synced" in line
+                 or ("optimizer_state_skipped" in line and "no optimizer state yet" in line)]
+    assert len(optimizer) == 2, [line for line in lines if "optimizer_state" in line]
     sources = {line.split("peer=")[1].split()[0] for line in synced}
     reachable = {a_id.peer_id[:12], d_id.peer_id[:12]}  # e may fetch from d, a reachable joiner
     assert sources <= reachable and c_id.peer_id[:12] not in sources, synced
