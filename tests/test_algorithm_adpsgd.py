@@ -86,6 +86,22 @@ async def test_a_partner_that_never_answers_costs_one_deadline_and_is_backed_off
         assert not a.ctx.peers.selector._available("p1", trio.current_time())
 
 
+async def test_a_responder_that_is_stopping_mixes_nothing_and_says_so(autojump_clock):
+    # its nursery takes no new task once the node stops: the last chunk's answer says so, and
+    # neither side mixes (it used to fail the handler with "Nursery is closed to new arrivals")
+    async with runtimes(2, **CHUNKED) as (net, (a, b)):
+        a.ctx.trainer.train_step()
+        before_a, before_b = model(a), model(b)
+
+        def closed(*_):
+            raise RuntimeError("Nursery is closed to new arrivals")
+
+        b.ctx.start_soon = closed
+        assert not await a.exchange_once()
+        assert same(model(a), before_a) and same(model(b), before_b)
+        assert not b._sessions and not a.busy()
+
+
 async def test_a_peer_gone_mid_stream_changes_neither_model(autojump_clock):
     async with runtimes(2, **CHUNKED) as (net, (a, b)):
         net.set_delay("p0", "p1", 0.05)

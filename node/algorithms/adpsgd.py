@@ -430,7 +430,11 @@ class Adpsgd(Algorithm):
             return ErrorReply(code="bad_request", reason=str(exc)[:500]), b""
         if completed:  # the reply goes now; the mix (a wait for the model lock) right after it
             session.committing = True
-            ctx.start_soon(self._commit, session)
+            try:
+                ctx.start_soon(self._commit, session)
+            except RuntimeError:  # the node is stopping (its nursery takes no new task): the
+                self._end(session)  # peer gets no last reply, so neither side mixes
+                return ErrorReply(code="busy", reason="this node is stopping"), b""
         return reply, ours
 
     async def _commit(self, session: _Session) -> None:

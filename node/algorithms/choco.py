@@ -145,8 +145,11 @@ class Choco(Algorithm):
         """An exchange `peer_id` was running with us will not be finished: restart the link."""
         link = self.links[peer_id] if peer_id in self.links else None
         if link is not None and link.stream is not None:  # (in a worker: it clones the model)
-            self.ctx.start_soon(self.ctx.to_thread, self._restart, link, peer_id,
-                                "connection lost during its exchange")  # fmt: skip
+            try:
+                self.ctx.start_soon(self.ctx.to_thread, self._restart, link, peer_id,
+                                    "connection lost during its exchange")  # fmt: skip
+            except RuntimeError:  # the node is stopping: its checkpoint skips the busy link
+                pass
 
     def _restart(self, link: ChocoLink, peer: str, why: str) -> None:
         self.ctx.trainer.update(lambda _: link.reset(self.links.base))  # (see _add)
