@@ -14,7 +14,7 @@ from typing import Literal
 
 import torch
 
-from ._algorithms import choco_consensus, choco_update_estimate
+from ._algorithms import choco_consensus
 from ._robust import ClipRadius
 
 Params = Mapping[str, torch.Tensor]
@@ -55,8 +55,9 @@ class ChocoLink:
 
     def finish(self, live: dict[str, torch.Tensor], gamma: float,
                radius: ClipRadius | None = None) -> float:  # fmt: skip
-        """Every chunk of the exchange is in: count it and take the consensus step (as
-        `apply`). Returns the step's distance."""
+        """Every chunk of the exchange is in: count it and take the consensus step
+        x += gamma/2 (x_hat_j - x_hat) on `live` in place (its difference clipped by `radius`
+        when given). Returns the step's distance."""
         self.seq += 1
         self.stream, self.partial = None, False
         return choco_consensus(live, self.mine, self.theirs, gamma=gamma, radius=radius)
@@ -69,16 +70,6 @@ class ChocoLink:
         if self.busy:
             return "busy"
         return "ok" if seq == self.seq else "resync"
-
-    def apply(self, live: dict[str, torch.Tensor], q_mine: Params, q_theirs: Params,
-              gamma: float, radius: ClipRadius | None = None) -> float:  # fmt: skip
-        """Add both decoded q's to the estimates, count the exchange and take the consensus
-        step x += gamma/2 (x_hat_j - x_hat) on `live` in place (its difference clipped by
-        `radius` when given). Returns the step's distance."""
-        choco_update_estimate(self.mine, q_mine)
-        choco_update_estimate(self.theirs, q_theirs)
-        self.seq += 1
-        return choco_consensus(live, self.mine, self.theirs, gamma=gamma, radius=radius)
 
 
 class ChocoLinks:

@@ -151,11 +151,13 @@ class Choco(Algorithm):
             except RuntimeError:  # the node is stopping: its checkpoint skips the busy link
                 pass
 
-    def _restart(self, link: ChocoLink, peer: str, why: str) -> None:
-        self.ctx.trainer.update(lambda _: link.reset(self.links.base))  # (see _add)
+    def _restart(self, link: ChocoLink, peer: str, why: str, **fields) -> None:
+        """Both estimates back to the initial model, count 0 (a worker thread: it clones the
+        model twice; under the trainer's lock, see `_add`)."""
+        self.ctx.trainer.update(lambda _: link.reset(self.links.base))
         link.busy = False
         self.resyncs += 1
-        log.info("choco_resync", peer=peer[:12], reason=why)
+        log.info("choco_resync", peer=peer[:12], reason=why, **fields)
 
     # -- the tensor work (worker threads) -------------------------------------------------------
     def _our_chunk(self, link: ChocoLink, plan: ChunkPlan, index: int, spec: str,
@@ -228,7 +230,7 @@ class Choco(Algorithm):
         try:
             link = self._link(partner)
             if link.stream is not None and self.ctx.now() - link.stream[2] > STALE_STREAM_S:
-                self._restart(link, partner, "its exchange went silent")
+                await self.ctx.to_thread(self._restart, link, partner, "its exchange went silent")
             if link.busy:
                 return
             link.busy = True
@@ -272,7 +274,7 @@ class Choco(Algorithm):
                 await one(0)  # (alone: it opens the exchange on the partner's side)
                 await in_window(range(1, len(plan)), one)
         except (TransportError, trio.TooSlowError) as exc:
-            return self._failed(partner, spec, link, f"{type(exc).__name__}: {exc}")
+            return await self._failed(partner, spec, link, f"{type(exc).__name__}: {exc}")
         except _Ended:
             return await self._ended(partner, spec, link, refused[0])
         except (RejectedUpdate, compress.DecodeError) as exc:
@@ -280,7 +282,7 @@ class Choco(Algorithm):
             self.counters.record_rejected(partner, spec, exc)
             ctx.peers.unreliable(partner, ctx.now())
             log.warning("update_rejected", peer=partner[:12], reason=str(exc))
-            return self._failed(partner, spec, link, None)
+            return await self._failed(partner, spec, link, None)
         distance = await ctx.to_thread(self._finish, link)
         now = ctx.now()
         ctx.peers.succeeded(partner, moved[0], now - started, now)
@@ -292,22 +294,22 @@ class Choco(Algorithm):
         """The partner answered a chunk with something else than its chunk."""
         ctx = self.ctx
         if isinstance(reply, ChocoResync):
-            await ctx.to_thread(link.reset, self.links.base)
-            self.resyncs += 1
-            log.info("choco_resync", partner=partner[:12], ours=link.seq, theirs=reply.seq)
+            counts = {"ours": link.seq, "theirs": reply.seq}
+            why = "the partner restarted the link"
+            await ctx.to_thread(lambda: self._restart(link, partner, why, **counts))
             return
         if isinstance(reply, ErrorReply) and reply.code == "busy" and not link.partial:
             ctx.peers.busy(partner, ctx.now())
             return
         reason = (f"{reply.code}: {reply.reason}" if isinstance(reply, ErrorReply)
                   else f"unexpected {type(reply).__name__}")  # fmt: skip
-        self._failed(partner, spec, link, reason)
+        await self._failed(partner, spec, link, reason)
 
-    def _failed(self, partner: str, spec: str, link: ChocoLink, reason: str | None) -> None:
+    async def _failed(self, partner: str, spec: str, link: ChocoLink, reason: str | None) -> None:
         """Count a failed exchange; one that had changed the estimates restarts the link here
         (the partner restarts it when it sees our next exchange)."""
         if link.partial:
-            link.reset(self.links.base)
+            await self.ctx.to_thread(self._restart, link, partner, "our exchange broke half-way")
         if reason is None:  # (counted as rejected)
             return
         self.ctx.peers.failed(partner, self.ctx.now())
@@ -342,9 +344,9 @@ class Choco(Algorithm):
                 return ErrorReply(code="busy", reason="an exchange on this link is running"), b""
             if verdict == "resync":
                 ours = link.seq
-                await ctx.to_thread(link.reset, self.links.base)
-                self.resyncs += 1
-                log.info("choco_resync", peer=peer.short_id, ours=ours, theirs=header.seq)
+                counts = {"ours": ours, "theirs": header.seq}
+                await ctx.to_thread(lambda: self._restart(link, peer.peer_id, "the counts differ",
+                                                          **counts))  # fmt: skip
                 return ChocoResync(seq=ours), b""
             link.busy = True
             stream = link.stream = (header.xid, set(), ctx.now(), set())
