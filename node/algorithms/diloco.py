@@ -215,7 +215,7 @@ class Diloco(Algorithm):
     def state(self) -> tuple[Tensors, dict]:
         # (no copies: a checkpoint is written under the trainer's lock, and the round start and
         # outer momentum change only under it, in the outer step; two model copies saved)
-        tensors = dict({f"start/{n}": t for n, t in self.start.items()})
+        tensors = {f"start/{n}": t for n, t in self.start.items()}
         tensors.update({f"momentum/{n}": t for n, t in self.outer.buffers.items()})
         tensors.update({f"ef/{n}": t for n, t in self.feedback.state_dict().items()})
         return tensors, {"round": self.round}

@@ -20,7 +20,6 @@ _CHECKPOINT_NAMES = (
     "CheckpointError",
     "CheckpointStore",
     "adopt_optimizer_state",
-    "check_optimizer_scalars",
     "check_optimizer_state",
     "optimizer_from_checkpoint",
     "optimizer_layout",

@@ -243,13 +243,15 @@ def optimizer_layout(opt: torch.optim.Optimizer) -> dict[str, Any]:
     }  # fmt: skip
 
 
-def check_optimizer_state(opt: torch.optim.Optimizer, cls: str,
-                          shapes: dict[str, tuple[int, ...]]) -> None:  # fmt: skip
-    """Whether a peer's optimizer state (its class and state tensors' shapes) fits `opt`.
+def check_optimizer_state(opt: torch.optim.Optimizer, cls: str, shapes: dict[str, tuple[int, ...]],
+                          scalars: dict[str, dict[str, Any]]) -> None:  # fmt: skip
+    """Whether a peer's optimizer state (its class, state tensors' shapes, per-parameter
+    scalars) fits `opt`.
 
     Raises:
-        ValueError: another optimizer class, a parameter index `opt` does not have, or a state
-            tensor that is neither the parameter's shape nor a scalar; the message says which.
+        ValueError: another optimizer class, a parameter index `opt` does not have, a state
+            tensor that is neither the parameter's shape nor a scalar, or a scalar that is not a
+            finite number; the message says which.
     """
     if cls != type(opt).__name__:
         raise ValueError(f"the peer's optimizer is {cls}, ours {type(opt).__name__}")
@@ -264,15 +266,7 @@ def check_optimizer_state(opt: torch.optim.Optimizer, cls: str,
         if tuple(shape) not in ((), tuple(params[index].shape)):
             raise ValueError(f"state tensor {name!r} has shape {tuple(shape)}, its parameter "
                              f"{tuple(params[index].shape)}")  # fmt: skip
-
-
-def check_optimizer_scalars(opt: torch.optim.Optimizer, scalars: dict[str, dict[str, Any]]) -> None:
-    """A peer's per-parameter scalars: of parameters `opt` has, finite numbers only.
-
-    Raises:
-        ValueError: the message says which.
-    """
-    count = sum(len(group["params"]) for group in opt.param_groups)
+    count = len(params)
     for index, values in scalars.items():
         if not index.isdigit() or int(index) >= count:
             raise ValueError(f"scalars of parameter {index!r}: our optimizer has {count}")
@@ -289,8 +283,7 @@ def adopt_optimizer_state(opt: torch.optim.Optimizer, cls: str, tensors: dict[st
     Raises:
         ValueError: it does not fit `opt` (see check_optimizer_state), or torch refused it.
     """
-    check_optimizer_state(opt, cls, {n: tuple(t.shape) for n, t in tensors.items()})
-    check_optimizer_scalars(opt, scalars)
+    check_optimizer_state(opt, cls, {n: tuple(t.shape) for n, t in tensors.items()}, scalars)
     try:
         optimizer_from_checkpoint(opt, tensors, {
             "scalars": scalars, "param_groups": opt.state_dict()["param_groups"]})

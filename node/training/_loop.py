@@ -19,12 +19,10 @@ import torch
 
 from ..state import (
     adopt_optimizer_state,
-    check_optimizer_scalars,
-    check_optimizer_state,
     optimizer_from_checkpoint,
-    optimizer_layout,
     optimizer_to_checkpoint,
 )
+from ._optimizer_sync import OptimizerSync
 from ._trainer import StepResult
 
 T = TypeVar("T")
@@ -45,7 +43,7 @@ class _Pending:
         self.error: BaseException | None = None
 
 
-class LoopTrainer:
+class LoopTrainer(OptimizerSync):
     """The node's trainer for a model trained by the user's own loop (see geotrain.join).
 
     Args:
@@ -194,30 +192,6 @@ class LoopTrainer:
             self._scheduler_state = meta.get("scheduler")
 
     # -- optimizer state for a joiner (state sync) ------------------------------------------
-    def optimizer_layout(self) -> dict | None:
-        """The wrapped optimizer's class and state tensors (None before `wrap`)."""
-        with self._lock:
-            return None if self.optimizer is None else optimizer_layout(self.optimizer)
-
-    def optimizer_tensors(self, fn: Callable[[dict[str, torch.Tensor]], T]) -> T:
-        """Run `fn(the wrapped optimizer's state tensors by name)` under the lock."""
-        with self._lock, torch.no_grad():
-            tensors = {} if self.optimizer is None else optimizer_to_checkpoint(self.optimizer)[0]
-            return fn(tensors)
-
-    def optimizer_fits(self, cls: str, shapes: dict[str, tuple[int, ...]], scalars: dict) -> None:
-        """Whether a peer's optimizer state (class, tensor shapes, scalars) fits ours (before
-        `wrap` ours is unknown: checked at wrap).
-
-        Raises:
-            ValueError: it does not; the message says why.
-        """
-        with self._lock:
-            if self.optimizer is None:
-                return
-            check_optimizer_state(self.optimizer, cls, shapes)
-            check_optimizer_scalars(self.optimizer, scalars)
-
     def adopt_optimizer_state(self, cls: str, tensors: dict[str, torch.Tensor],
                               scalars: dict) -> bool:  # fmt: skip
         """A peer's optimizer state (state sync): loaded into the user's optimizer at `wrap`

@@ -19,12 +19,10 @@ from geotrain.gossip import check_update, pairwise_mix
 
 from ..state import (
     adopt_optimizer_state,
-    check_optimizer_scalars,
-    check_optimizer_state,
     optimizer_from_checkpoint,
-    optimizer_layout,
     optimizer_to_checkpoint,
 )
+from ._optimizer_sync import OptimizerSync
 from ._privacy import PrivateTraining, mixing_only_step
 from ._recipe import OPTIMIZERS as OPTIMIZERS
 from ._recipe import SCHEDULES as SCHEDULES
@@ -45,7 +43,7 @@ class StepResult:
     samples: int = 0  # training samples the step took (0: not known, as in a user's own loop)
 
 
-class Trainer:
+class Trainer(OptimizerSync):
     """A task's model and optimizer, stepped from a worker thread.
 
     Args:
@@ -238,26 +236,6 @@ class Trainer:
                     tensor.copy_(remote[name])
 
     # -- optimizer state for a joiner (state sync) ------------------------------------------
-    def optimizer_layout(self) -> dict | None:
-        """The optimizer's class and state tensors, for a joiner (see state.optimizer_layout)."""
-        with self._lock:
-            return optimizer_layout(self.optimizer)
-
-    def optimizer_tensors(self, fn: Callable[[dict[str, torch.Tensor]], T]) -> T:
-        """Run `fn(the optimizer's state tensors by name)` under the lock (a reader)."""
-        with self._lock, torch.no_grad():
-            return fn(optimizer_to_checkpoint(self.optimizer)[0])
-
-    def optimizer_fits(self, cls: str, shapes: dict[str, tuple[int, ...]], scalars: dict) -> None:
-        """Whether a peer's optimizer state (class, tensor shapes, scalars) fits ours.
-
-        Raises:
-            ValueError: it does not; the message says why.
-        """
-        with self._lock:
-            check_optimizer_state(self.optimizer, cls, shapes)
-            check_optimizer_scalars(self.optimizer, scalars)
-
     def adopt_optimizer_state(self, cls: str, tensors: dict[str, torch.Tensor],
                               scalars: dict) -> bool:  # fmt: skip
         """A peer's optimizer state, fetched by state sync (our hyperparameters stay). Returns
