@@ -1,9 +1,10 @@
-# The training driver: local steps in a worker thread, the algorithm told after each, evaluation
-# and checkpoints at their cadence, and a clean finish. Invariants: the event loop never waits on
-# a step synchronously; the algorithm's `after_step` runs on the loop between two steps (it may
-# start exchanges in the background or hold the loop for one of its deadlines, never longer); on
-# stop, an exchange in flight gets at most `grace_s` to finish before the last evaluation and
-# checkpoint.
+# The training driver, one for the daemon and a loop of the user's own: each local step (the
+# daemon's taken in a worker thread, a user's sent from their thread), the algorithm told after
+# it, evaluation and checkpoints at their cadence, and a clean finish. Invariants: the event loop
+# never waits on a step synchronously; the algorithm's `after_step` runs on the loop between two
+# steps (it may start exchanges in the background or hold the loop for one of its deadlines,
+# never longer); on stop, an exchange in flight gets at most `grace_s` to finish before the last
+# evaluation and checkpoint.
 from __future__ import annotations
 
 import structlog
@@ -12,7 +13,7 @@ import trio
 from ._checkpointer import Checkpointer
 from ._status_report import Progress
 from .algorithms import Algorithm
-from .training import LoopClosed, Trainer
+from .training import LoopClosed, LoopTrainer, StepResult
 
 log = structlog.get_logger()
 
@@ -30,7 +31,7 @@ class TrainingDriver:
 
     def __init__(
         self,
-        trainer: Trainer,
+        trainer: LoopTrainer,
         algorithm: Algorithm,
         checkpointer: Checkpointer,
         progress: Progress,
@@ -54,18 +55,28 @@ class TrainingDriver:
             self._max_steps and self._trainer.step >= self._max_steps
         )
 
-    async def run(self) -> None:
-        """Train until stopped or at max_steps."""
+    async def next_step(self) -> StepResult | None:
+        """The daemon's next step, taken now in a worker thread (None: stop)."""
+        if self._done():
+            return None
         progress = self._progress
-        while not self._done():
-            if progress.training_since is None:
-                progress.training_since, progress.train_s = trio.current_time(), 0.0
-            result = await trio.to_thread.run_sync(self._trainer.train_step)
-            progress.train_s = (progress.train_s or 0.0) + result.seconds
-            if result.samples:
-                progress.samples = (progress.samples or 0) + result.samples
-            await self._algorithm.after_step(result)
-            if result.step % self._eval_every == 0:
+        if progress.training_since is None:
+            progress.training_since, progress.train_s = trio.current_time(), 0.0
+        result = await trio.to_thread.run_sync(self._trainer.train_step)
+        progress.train_s = (progress.train_s or 0.0) + result.seconds
+        if result.samples:
+            progress.samples = (progress.samples or 0) + result.samples
+        return result
+
+    async def run(self) -> None:
+        """Train until stopped (or at max_steps, or the loop's end): each step, the algorithm,
+        then evaluations and checkpoints at their cadence."""
+        while (result := await self.next_step()) is not None:
+            try:
+                await self._algorithm.after_step(result)
+            except LoopClosed:  # a change for the loop's next step, and none came: it closed
+                return
+            if self._eval_every and result.step % self._eval_every == 0:
                 await self.evaluate()
             if result.step % self._checkpoint_every == 0:
                 await self._checkpointer.write()
@@ -92,23 +103,20 @@ class TrainingDriver:
 
 class LoopDriver(TrainingDriver):
     """The training driver of a loop of the user's own: its steps arrive on `steps` (sent by the
-    wrapped optimizer from the user's thread); the algorithm, evaluations and checkpoints follow
-    them as they do the daemon's own steps. Ends when the channel closes or on stop."""
+    wrapped optimizer from the user's thread) instead of being taken here; the rest is the
+    daemon's. Ends when the channel closes or on stop."""
 
     def __init__(self, steps: trio.MemoryReceiveChannel, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self._steps = steps
 
+    async def next_step(self) -> StepResult | None:
+        try:
+            result = await self._steps.receive()
+        except (trio.EndOfChannel, trio.ClosedResourceError):
+            return None
+        return None if self._stop.is_set() else result
+
     async def run(self) -> None:
         async with self._steps:
-            async for result in self._steps:
-                if self._stop.is_set():
-                    return
-                try:
-                    await self._algorithm.after_step(result)
-                except LoopClosed:  # a change for the loop's next step, and none came: it closed
-                    return
-                if self._eval_every and result.step % self._eval_every == 0:
-                    await self.evaluate()
-                if result.step % self._checkpoint_every == 0:
-                    await self._checkpointer.write()
+            await super().run()

@@ -88,6 +88,9 @@ class OptimizerLayout(msgspec.Struct, frozen=True):
                                   Annotated[str, msgspec.Meta(max_length=40)]]],
                        msgspec.Meta(max_length=MAX_STATE_TENSORS)]  # fmt: skip
     scalars: dict[str, dict[str, Scalar]]
+    # how many steps the peer's learning-rate scheduler took (None: it has none): a joiner's
+    # schedule goes on from there instead of starting over (older peers send nothing)
+    schedule_steps: Annotated[int, msgspec.Meta(ge=0, le=1 << 40)] | None = None
 
 
 MAX_PROBE_BYTES = 1 << 20

@@ -234,7 +234,7 @@ class StateSync:
 
             await in_window(range(len(plan)), one, catch=FETCH_ERRORS)
             now = await self._to_thread(self._trainer.adopt_optimizer_state, layout.cls, staged,
-                                        layout.scalars)  # fmt: skip
+                                        layout.scalars, layout.schedule_steps)  # fmt: skip
         except (*FETCH_ERRORS, ValueError) as exc:
             log.warning("optimizer_state_skipped", peer=peer[:12], reason=str(exc)[:300],
                         detail="the optimizer starts fresh")  # fmt: skip

@@ -124,10 +124,11 @@ def optimizer_state(t) -> dict[str, torch.Tensor]:
 async def test_a_joiner_takes_the_servers_optimizer_state_and_keeps_its_hyperparameters(
     autojump_clock,
 ):
-    server, joiner = trainer(0, 2), trainer(1, 2)
+    server = trainer(0, 2)
+    ctx = TaskContext(shard_index=1, num_shards=2, params={})
+    joiner = Trainer(resolve_task("synthetic-linreg")(ctx), lr=0.0123)  # its own setting
     for _ in range(5):
         server.train_step()
-    joiner.optimizer.param_groups[0]["lr"] = 0.0123  # its own setting
     async with open_memory_network() as net:
         sync(server, net, "server", ["joiner"])
         s, _ = sync(joiner, net, "joiner", ["server"])
@@ -220,3 +221,70 @@ async def test_a_library_joiner_refuses_an_optimizer_state_no_model_of_its_could
         assert await s.fetch(trio.Event())  # the model came
     assert joiner._optimizer_state is None  # nothing of the optimizer's waits for wrap
     assert "shapes no parameter has" in capsys.readouterr().out  # (before any chunk is asked)
+
+
+def scheduled_trainer(index: int) -> Trainer:
+    ctx = TaskContext(shard_index=index, num_shards=2, params={})
+    return Trainer(resolve_task("synthetic-linreg")(ctx), warmup_steps=10, schedule="cosine",
+                   total_steps=100)  # fmt: skip
+
+
+async def test_a_joiner_goes_on_from_the_servers_point_in_the_schedule(autojump_clock, capsys):
+    # a joiner that warmed up from zero at the swarm's step 30 would train at a tenth of the
+    # swarm's rate for its first steps, then cosine-decay 30 steps behind everybody else
+    server, joiner = scheduled_trainer(0), scheduled_trainer(1)
+    for _ in range(30):
+        server.train_step()
+    assert joiner.optimizer.param_groups[0]["lr"] != server.optimizer.param_groups[0]["lr"]
+    async with open_memory_network() as net:
+        sync(server, net, "server", ["joiner"])
+        s, _ = sync(joiner, net, "joiner", ["server"])
+        assert await s.fetch(trio.Event())
+    assert joiner.scheduler.last_epoch == 30 and joiner.step == 0  # (its own steps: none yet)
+    assert joiner.optimizer.param_groups[0]["lr"] == server.optimizer.param_groups[0]["lr"]
+    server.train_step()
+    joiner.train_step()
+    assert joiner.optimizer.param_groups[0]["lr"] == server.optimizer.param_groups[0]["lr"]
+    assert "schedule_synced" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("kind", ["cosine", "sequential", "plateau"])
+async def test_a_library_joiner_moves_its_own_scheduler_on_at_wrap(autojump_clock, kind):
+    # the user's scheduler (any torch scheduler) is stepped to the server's point; one with
+    # no step count of its own (ReduceLROnPlateau) is left as it is
+    server = scheduled_trainer(0)
+    for _ in range(30):
+        server.train_step()
+    model = resolve_task("synthetic-linreg")(TaskContext(shard_index=1, num_shards=2)).model
+    joiner = LoopTrainer(model)
+    async with open_memory_network() as net:
+        sync(server, net, "server", ["joiner"])
+        s, _ = sync(joiner, net, "joiner", ["server"])
+        assert await s.fetch(trio.Event())
+    optimizer = torch.optim.SGD(model.parameters(), lr=1.0, momentum=0.9)
+    lr = torch.optim.lr_scheduler
+    if kind == "cosine":
+        scheduler = lr.CosineAnnealingLR(optimizer, T_max=100)
+    elif kind == "sequential":
+        scheduler = lr.SequentialLR(optimizer, [lr.LinearLR(optimizer, 0.1, total_iters=10),
+                                                lr.CosineAnnealingLR(optimizer, T_max=90)],
+                                    milestones=[10])  # fmt: skip
+    else:
+        scheduler = lr.ReduceLROnPlateau(optimizer)
+    reference = type(scheduler)  # the same schedule, stepped 30 times by hand
+    ref_opt = torch.optim.SGD(torch.nn.Linear(1, 1).parameters(), lr=1.0)
+    if kind == "cosine":
+        ref = reference(ref_opt, T_max=100)
+    elif kind == "sequential":
+        ref = lr.SequentialLR(ref_opt, [lr.LinearLR(ref_opt, 0.1, total_iters=10),
+                                        lr.CosineAnnealingLR(ref_opt, T_max=90)], milestones=[10])
+    joiner.attach(optimizer, scheduler)
+    if kind == "plateau":
+        assert optimizer.param_groups[0]["lr"] == 1.0
+        return
+    for _ in range(30):
+        ref_opt.step()
+        ref.step()
+    assert scheduler.last_epoch == 30
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(ref_opt.param_groups[0]["lr"])
+    assert optimizer.param_groups[0]["lr"] != 1.0

@@ -1,9 +1,11 @@
-# A training loop of the user's own, seen by the node as its trainer. Invariants: the user's thread
-# owns the model; the node reads it (snapshots, chunks) under the model lock, which the user's
-# thread holds only while the wrapped optimizer steps; the node's changes (a mix, an outer step)
-# wait for the next step and run in the user's thread right after the optimizer's, so a forward
-# or backward pass never sees a half-mixed model and `step()` never waits on the network; before
-# the loop starts and after it ends they run at once.
+# The node's trainer: a model, its optimizer and scheduler, and the loop that steps them. A loop of
+# the user's own (geotrain.join) is this class itself; the daemon's task loop is its subclass
+# Trainer, whose steps go through the same `stepped`, checkpoints and state sync. Invariants: the
+# loop's thread owns the model; the node reads it (snapshots, chunks) under the model lock, which
+# a user's thread holds only while the wrapped optimizer steps; the node's changes (a mix, an
+# outer step) wait for the next step and run in the user's thread right after the optimizer's,
+# so a forward or backward pass never sees a half-mixed model and `step()` never waits on the
+# network; before the loop starts and after it ends they run at once.
 from __future__ import annotations
 
 import contextlib
@@ -12,6 +14,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import structlog
@@ -22,11 +25,18 @@ from ..state import (
     optimizer_from_checkpoint,
     optimizer_to_checkpoint,
 )
-from ._optimizer_sync import OptimizerSync
-from ._trainer import StepResult
+from ._optimizer_sync import OptimizerSync, advance_schedule
 
 T = TypeVar("T")
 log = structlog.get_logger()
+
+
+@dataclass(frozen=True)
+class StepResult:
+    step: int
+    loss: float
+    seconds: float  # wall time of the step, including any emulated slowdown
+    samples: int = 0  # training samples the step took (0: not known, as in a user's own loop)
 
 
 class LoopClosed(RuntimeError):
@@ -76,6 +86,7 @@ class LoopTrainer(OptimizerSync):
         self.optimizer: torch.optim.Optimizer | None = None
         self.scheduler: Any = None
         self._optimizer_state: tuple[dict, dict] | None = None  # from a checkpoint, until wrap
+        self._scheduler_state: dict | None = None  # likewise
         self._last_end: float | None = None  # perf_counter at the end of the last step
 
     # -- what the node reads ----------------------------------------------------------------
@@ -175,12 +186,14 @@ class LoopTrainer(OptimizerSync):
                 tensors.update(opt_tensors)
             if self.scheduler is not None:
                 meta["scheduler"] = _jsonable(self.scheduler.state_dict())
+            meta.update(self.checkpoint_extra())
             if copy:
                 tensors = {k: v.clone() for k, v in tensors.items()}
             return tensors, meta
 
     def restore(self, tensors: dict[str, torch.Tensor], meta: dict, step: int) -> None:
-        """Load a checkpoint's model now; the optimizer's state waits for `wrap`."""
+        """Load a checkpoint: the model now; the optimizer's and scheduler's state now when
+        they are attached (the daemon's), else at `wrap`."""
         device = self.task_device
         model_sd = {k[6:]: v.to(device) for k, v in tensors.items() if k.startswith("model/")}
         with self._lock:
@@ -190,13 +203,23 @@ class LoopTrainer(OptimizerSync):
                 opt = {k: v.to(device) for k, v in tensors.items() if k.startswith("optim/")}
                 self._optimizer_state = (opt, meta["optimizer"])
             self._scheduler_state = meta.get("scheduler")
+            self.restore_extra(meta)
+            if self.optimizer is not None:
+                self._load_saved_state(self.optimizer, self.scheduler)
+
+    def checkpoint_extra(self) -> dict[str, Any]:
+        """More JSON-able state for a checkpoint's meta (the daemon's privacy budget)."""
+        return {}
+
+    def restore_extra(self, meta: dict) -> None:
+        """Load what `checkpoint_extra` wrote."""
 
     # -- optimizer state for a joiner (state sync) ------------------------------------------
-    def adopt_optimizer_state(self, cls: str, tensors: dict[str, torch.Tensor],
-                              scalars: dict) -> bool:  # fmt: skip
-        """A peer's optimizer state (state sync): loaded into the user's optimizer at `wrap`
-        (with its own hyperparameters), or now if it is wrapped already. Returns whether it is
-        in the optimizer now.
+    def adopt_optimizer_state(self, cls: str, tensors: dict[str, torch.Tensor], scalars: dict,
+                              schedule_steps: int | None = None) -> bool:  # fmt: skip
+        """A peer's optimizer state (state sync), and how many steps its scheduler took: loaded
+        into the optimizer (with its own hyperparameters) and the scheduler moved on there at
+        `wrap`, or now if it is wrapped already. Returns whether it is in the optimizer now.
 
         Raises:
             ValueError: it does not fit the wrapped optimizer; nothing was changed.
@@ -204,11 +227,23 @@ class LoopTrainer(OptimizerSync):
         with self._lock:
             if self.optimizer is not None:
                 adopt_optimizer_state(self.optimizer, cls, tensors, scalars)
+                self._move_schedule(self.scheduler, schedule_steps)
                 return True
             # (param_groups None: the user's own, at wrap)
             self._optimizer_state = (tensors, {"cls": cls, "scalars": scalars,
-                                               "param_groups": None})  # fmt: skip
+                                               "param_groups": None,
+                                               "schedule_steps": schedule_steps})  # fmt: skip
             return False
+
+    @staticmethod
+    def _move_schedule(scheduler: Any, steps: int | None) -> None:
+        if scheduler is None or steps is None:
+            return
+        why = advance_schedule(scheduler, steps)
+        if why is None:
+            log.info("schedule_synced", steps=steps, lr=_lr_of(scheduler))
+        else:
+            log.warning("schedule_not_synced", reason=why, detail="the schedule starts over")
 
     # -- the user's side --------------------------------------------------------------------
     def attach(self, optimizer: torch.optim.Optimizer, scheduler: Any = None) -> None:
@@ -223,23 +258,33 @@ class LoopTrainer(OptimizerSync):
             raise ValueError("the optimizer's parameters are not (all) the joined model's: wrap "
                              "the optimizer of the model given to geotrain.join")  # fmt: skip
         with self._lock:
-            if self._optimizer_state is not None:
-                tensors, meta = self._optimizer_state
-                if meta.get("param_groups") is None:  # a peer's (state sync): must fit
-                    try:
-                        adopt_optimizer_state(optimizer, meta["cls"], tensors, meta["scalars"])
-                        log.info("optimizer_state_synced", tensors=len(tensors),
-                                 detail="a peer's optimizer state, loaded at wrap")  # fmt: skip
-                    except ValueError as exc:
-                        log.warning("optimizer_state_skipped", reason=str(exc),
-                                    detail="the optimizer starts fresh")  # fmt: skip
-                else:
-                    optimizer_from_checkpoint(optimizer, tensors, meta)
-                self._optimizer_state = None
-            state = getattr(self, "_scheduler_state", None)
-            if scheduler is not None and state is not None:
-                scheduler.load_state_dict(state)
+            self._load_saved_state(optimizer, scheduler)
             self.optimizer, self.scheduler = optimizer, scheduler
+
+    def _load_saved_state(self, optimizer: torch.optim.Optimizer, scheduler: Any) -> None:
+        """Load the optimizer and scheduler state kept from a checkpoint or a peer into them."""
+        if self._optimizer_state is not None:
+            tensors, meta = self._optimizer_state
+            if meta.get("param_groups") is None:  # a peer's (state sync): must fit
+                try:
+                    adopt_optimizer_state(optimizer, meta["cls"], tensors, meta["scalars"])
+                    log.info("optimizer_state_synced", tensors=len(tensors),
+                             detail="a peer's optimizer state, loaded at wrap")  # fmt: skip
+                except ValueError as exc:
+                    log.warning("optimizer_state_skipped", reason=str(exc),
+                                detail="the optimizer starts fresh")  # fmt: skip
+                else:
+                    self._move_schedule(scheduler, meta.get("schedule_steps"))
+            else:
+                optimizer_from_checkpoint(optimizer, tensors, meta)
+            self._optimizer_state = None
+        state = self._scheduler_state
+        if scheduler is not None and isinstance(state, dict):
+            current = scheduler.state_dict()
+            if "lr_lambdas" in current and "lr_lambdas" not in state:  # older checkpoints
+                state = {**state, "lr_lambdas": current["lr_lambdas"]}
+            scheduler.load_state_dict(state)
+        self._scheduler_state = None
 
     def start(self) -> None:
         """The user's loop begins: from now on changes wait for its steps."""
@@ -301,3 +346,8 @@ def _jsonable(value: Any) -> Any:
     if isinstance(value, torch.Tensor) and value.numel() == 1:
         return value.item()
     return repr(value)
+
+
+def _lr_of(scheduler: Any) -> float | None:
+    last = getattr(scheduler, "_last_lr", None)
+    return float(last[0]) if isinstance(last, list) and last else None

@@ -1,12 +1,14 @@
-# The trainers' side of state sync for optimizer state (Trainer and LoopTrainer share it).
+# The trainer's side of state sync for optimizer state and the schedule's position (LoopTrainer,
+# and so the daemon's Trainer).
 # Invariants: everything runs under the trainer's lock (a worker thread, never beside a step);
 # nothing is copied but the chunk a caller reads; a trainer without an optimizer (a library node
 # before wrap) has no state to serve and checks nothing it cannot know yet.
 from __future__ import annotations
 
 import threading
+import warnings
 from collections.abc import Callable
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import torch
 
@@ -19,12 +21,18 @@ class OptimizerSync:
     """Mixed into a trainer that has `optimizer` (or None) and `_lock`."""
 
     optimizer: torch.optim.Optimizer | None
+    scheduler: Any
     _lock: threading.Lock | threading.RLock
 
     def optimizer_layout(self) -> dict | None:
-        """The optimizer's class and state tensors, for a joiner (None: no optimizer yet)."""
+        """The optimizer's class and state tensors, and how far its scheduler went, for a
+        joiner (None: no optimizer yet)."""
         with self._lock:
-            return None if self.optimizer is None else optimizer_layout(self.optimizer)
+            if self.optimizer is None:
+                return None
+            steps = getattr(self.scheduler, "last_epoch", None)
+            schedule = steps if isinstance(steps, int) and steps >= 0 else None
+            return {**optimizer_layout(self.optimizer), "schedule_steps": schedule}
 
     def optimizer_tensors(self, fn: Callable[[dict[str, torch.Tensor]], T]) -> T:
         """Run `fn(the optimizer's state tensors by name)` under the lock (a reader)."""
@@ -42,3 +50,36 @@ class OptimizerSync:
         with self._lock:
             if self.optimizer is not None:
                 check_optimizer_state(self.optimizer, cls, shapes, scalars)
+
+
+MAX_SCHEDULE_STEPS = 1_000_000  # a scheduler without a closed form is stepped at most this often
+
+
+def advance_schedule(scheduler: Any, steps: int) -> str | None:
+    """Move `scheduler` on to where a peer's is (`steps`: its `last_epoch`), so that a joiner's
+    learning rate goes on from the swarm's point in the schedule instead of warming up from zero.
+    A LambdaLR (the daemon's schedules) is set at once; any other is stepped there. Returns why
+    it was not moved, or None when it was (or was there already).
+    """
+    from torch.optim.lr_scheduler import LambdaLR, ReduceLROnPlateau
+
+    current = getattr(scheduler, "last_epoch", None)
+    if isinstance(scheduler, ReduceLROnPlateau) or not isinstance(current, int):
+        return f"{type(scheduler).__name__} has no step count to move on"
+    if steps <= current:
+        return None
+    if not isinstance(scheduler, LambdaLR) and steps - current > MAX_SCHEDULE_STEPS:
+        return (f"{type(scheduler).__name__} would take {steps - current} steps to catch up "
+                f"(at most {MAX_SCHEDULE_STEPS})")  # fmt: skip
+    with warnings.catch_warnings():  # "step() before optimizer.step()": meant for training
+        warnings.simplefilter("ignore")
+        try:
+            if isinstance(scheduler, LambdaLR):  # closed form: lr = base_lr * lambda(epoch)
+                scheduler.last_epoch = steps - 1
+                scheduler.step()
+            else:
+                for _ in range(steps - current):
+                    scheduler.step()
+        except Exception as exc:  # the user's scheduler refused (OneCycleLR past its end, ...)
+            return f"{type(scheduler).__name__}.step() failed: {exc}"
+    return None
