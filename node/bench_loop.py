@@ -71,6 +71,8 @@ def _config(root: Path, name: str, bootstrap: str | None) -> Path:
     text = text.replace("[state]\n", f'[state]\ndir = "{root / name}"\n')
     if bootstrap:
         text += f'[network]\nbootstrap = ["{bootstrap}"]\n'
+    else:  # the first node: nobody to wait for (it prints its address once joined)
+        text = text.replace("wait_for_peers = 1", "wait_for_peers = 0")
     path = root / f"{name}.toml"
     path.write_text(text)
     return path
