@@ -171,6 +171,18 @@ async def test_an_optimizer_state_that_does_not_fit_leaves_a_fresh_optimizer(
         assert all(bool(torch.isfinite(v).all()) for v in optimizer_state(joiner).values())
 
 
+async def library_joiner_synced_from(server: Trainer) -> tuple[torch.nn.Module, LoopTrainer]:
+    """A library node's trainer (geotrain.join, not wrapped yet) that state-synced from
+    `server`, and its model."""
+    model = resolve_task("synthetic-linreg")(TaskContext(shard_index=1, num_shards=2)).model
+    joiner = LoopTrainer(model)
+    async with open_memory_network() as net:
+        sync(server, net, "server", ["joiner"])
+        s, _ = sync(joiner, net, "joiner", ["server"])
+        assert await s.fetch(trio.Event())
+    return model, joiner
+
+
 @pytest.mark.parametrize("wrapped", ["SGD", "Adam"])
 async def test_a_library_joiner_gets_the_optimizer_state_at_wrap(autojump_clock, wrapped):
     # joined before its optimizer exists (geotrain.join, then swarm.wrap): the state waits for
@@ -180,13 +192,8 @@ async def test_a_library_joiner_gets_the_optimizer_state_at_wrap(autojump_clock,
     assert type(server.optimizer).__name__ == "SGD"
     for _ in range(5):
         server.train_step()
-    model = resolve_task("synthetic-linreg")(TaskContext(shard_index=1, num_shards=2)).model
-    joiner = LoopTrainer(model)
-    async with open_memory_network() as net:
-        sync(server, net, "server", ["joiner"])
-        s, _ = sync(joiner, net, "joiner", ["server"])
-        assert await s.fetch(trio.Event())
-        assert same(joiner.params(), server.params())
+    model, joiner = await library_joiner_synced_from(server)
+    assert same(joiner.params(), server.params())
     if wrapped == "SGD":
         optimizer = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
     else:
@@ -213,12 +220,7 @@ async def test_a_library_joiner_refuses_an_optimizer_state_no_model_of_its_could
     layout = server.optimizer_layout()
     server.optimizer_layout = lambda: {**layout, "tensors": [
         *layout["tensors"], ["optim/0/huge", [10**6, 10**6], "float32"]]}  # fmt: skip
-    model = resolve_task("synthetic-linreg")(TaskContext(shard_index=1, num_shards=2)).model
-    joiner = LoopTrainer(model)
-    async with open_memory_network() as net:
-        sync(server, net, "server", ["joiner"])
-        s, _ = sync(joiner, net, "joiner", ["server"])
-        assert await s.fetch(trio.Event())  # the model came
+    _, joiner = await library_joiner_synced_from(server)  # the model came
     assert joiner._optimizer_state is None  # nothing of the optimizer's waits for wrap
     assert "shapes no parameter has" in capsys.readouterr().out  # (before any chunk is asked)
 
@@ -255,33 +257,26 @@ async def test_a_library_joiner_moves_its_own_scheduler_on_at_wrap(autojump_cloc
     server = scheduled_trainer(0)
     for _ in range(30):
         server.train_step()
-    model = resolve_task("synthetic-linreg")(TaskContext(shard_index=1, num_shards=2)).model
-    joiner = LoopTrainer(model)
-    async with open_memory_network() as net:
-        sync(server, net, "server", ["joiner"])
-        s, _ = sync(joiner, net, "joiner", ["server"])
-        assert await s.fetch(trio.Event())
-    optimizer = torch.optim.SGD(model.parameters(), lr=1.0, momentum=0.9)
+    model, joiner = await library_joiner_synced_from(server)
     lr = torch.optim.lr_scheduler
-    if kind == "cosine":
-        scheduler = lr.CosineAnnealingLR(optimizer, T_max=100)
-    elif kind == "sequential":
-        scheduler = lr.SequentialLR(optimizer, [lr.LinearLR(optimizer, 0.1, total_iters=10),
-                                                lr.CosineAnnealingLR(optimizer, T_max=90)],
-                                    milestones=[10])  # fmt: skip
-    else:
-        scheduler = lr.ReduceLROnPlateau(optimizer)
-    reference = type(scheduler)  # the same schedule, stepped 30 times by hand
-    ref_opt = torch.optim.SGD(torch.nn.Linear(1, 1).parameters(), lr=1.0)
-    if kind == "cosine":
-        ref = reference(ref_opt, T_max=100)
-    elif kind == "sequential":
-        ref = lr.SequentialLR(ref_opt, [lr.LinearLR(ref_opt, 0.1, total_iters=10),
-                                        lr.CosineAnnealingLR(ref_opt, T_max=90)], milestones=[10])
+
+    def schedule(optimizer):
+        if kind == "cosine":
+            return lr.CosineAnnealingLR(optimizer, T_max=100)
+        if kind == "sequential":
+            return lr.SequentialLR(optimizer, [lr.LinearLR(optimizer, 0.1, total_iters=10),
+                                               lr.CosineAnnealingLR(optimizer, T_max=90)],
+                                   milestones=[10])  # fmt: skip
+        return lr.ReduceLROnPlateau(optimizer)
+
+    optimizer = torch.optim.SGD(model.parameters(), lr=1.0, momentum=0.9)
+    scheduler = schedule(optimizer)
     joiner.attach(optimizer, scheduler)
     if kind == "plateau":
         assert optimizer.param_groups[0]["lr"] == 1.0
         return
+    ref_opt = torch.optim.SGD(torch.nn.Linear(1, 1).parameters(), lr=1.0)
+    ref = schedule(ref_opt)  # the same schedule, stepped 30 times by hand
     for _ in range(30):
         ref_opt.step()
         ref.step()
