@@ -20,6 +20,7 @@ from ._errors import DecodeError as DecodeError
 from ._feedback import ErrorFeedback as ErrorFeedback
 from ._named import codec_family as codec_family
 from ._named import decode_named as decode_named
+from ._named import dense_named_payload as dense_named_payload
 from ._named import encode_named as encode_named
 from ._named import expected_nbytes_named as expected_nbytes_named
 from ._powersgd import PowerSGD as PowerSGD

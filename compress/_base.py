@@ -170,6 +170,7 @@ def decode(
     max_numel: int,
     device: torch.device | str = "cpu",
     allowed: tuple[str, ...] | None = None,
+    borrow: bool = False,
 ) -> torch.Tensor:
     """Decode one payload made by `Codec.encode`.
 
@@ -178,6 +179,8 @@ def decode(
         max_numel: the most elements the caller accepts; checked before allocating.
         device: where the result lives.
         allowed: codec names accepted (None: all).
+        borrow: the result may share memory with `data` when `data` is writable (uncompressed
+            values on the CPU): the caller owns that buffer and leaves it as it is.
 
     Returns:
         A tensor with the encoded shape and dtype on `device`.
@@ -187,7 +190,7 @@ def decode(
     """
     if max_numel < 0:
         raise ValueError(f"max_numel={max_numel}: expected >= 0")
-    reader = Reader(data)
+    reader = Reader(data, borrow=borrow)
     ids = {i for i, c in _CODECS.items() if allowed is None or c.name in allowed}
     header = read_header(reader, max_numel, ids)
     cls = _CODECS[header.codec_id]

@@ -13,7 +13,7 @@ import torch
 from ._base import Codec, CodecState, decode
 from ._errors import DecodeError
 from ._feedback import ErrorFeedback
-from ._wire import Reader
+from ._wire import Header, Reader, pack_header
 
 MAGIC = b"GN"
 VERSION = 1
@@ -67,6 +67,49 @@ def encode_named(
     return b"".join(parts)  # the one copy of the values
 
 
+def dense_named_payload(
+    entries: Sequence[tuple[str, int, torch.dtype]], *, seed: int = 0
+) -> tuple[bytearray, list[torch.Tensor]]:
+    """An uncompressed (codec `none`) named payload of 1-D tensors whose values are still to be
+    written: the payload, and for each tensor a float32 view of its values inside it. Once every
+    view is filled with tensor i's values, the payload is exactly what `encode_named` makes of
+    those tensors with codec none and `seed`, so a caller can read a model straight into the
+    message (one copy, where copying the tensors out and then encoding them made two).
+
+    Args:
+        entries: (name, number of elements, the tensor's dtype, which its header records).
+    """
+    from ._cast import NoneCodec  # noqa: PLC0415 (the codecs import this module's package)
+
+    names = [name for name, _, _ in entries]
+    if len(set(names)) != len(names):
+        raise ValueError(f"dense_named_payload: tensor names must be unique, got {names[:5]}")
+    heads, offsets = [_HEAD.pack(MAGIC, VERSION, len(entries))], []
+    at = _HEAD.size
+    for i, (name, numel, dtype) in enumerate(entries):
+        raw_name = name.encode("utf-8")
+        if len(raw_name) > 0xFFFF:
+            raise ValueError(f"dense_named_payload: name {name[:40]!r}... is over 65535 bytes")
+        header = pack_header(Header(NoneCodec.codec_id, dtype, (numel,), tensor_seed(seed, i)))
+        length = struct.pack("<Q", len(header) + 4 * numel)
+        entry = struct.pack("<H", len(raw_name)) + raw_name + length + header
+        heads.append(entry)
+        at += len(entry)
+        offsets.append((at, numel))
+        at += 4 * numel
+    payload = bytearray(at)
+    views, pos = [], 0
+    for i, head in enumerate(heads):
+        payload[pos : pos + len(head)] = head
+        pos += len(head)
+        if i:
+            start, numel = offsets[i - 1]
+            views.append(torch.frombuffer(payload, dtype=torch.float32, count=numel, offset=start)
+                         if numel else torch.empty(0))  # fmt: skip
+            pos += 4 * numel
+    return payload, views
+
+
 def expected_nbytes_named(shapes: Sequence[tuple[str, tuple[int, ...]]], codec: Codec) -> int:
     """`len(encode_named(...))` for tensors of these names and shapes (estimate for topk)."""
     total = _HEAD.size
@@ -84,6 +127,7 @@ def decode_named(
     max_numel: int,
     device: torch.device | str = "cpu",
     allowed: tuple[str, ...] | None = None,
+    borrow: bool = False,
 ) -> list[tuple[str, torch.Tensor]]:
     """Decode a payload made by `encode_named`.
 
@@ -92,6 +136,7 @@ def decode_named(
         max_numel: the most elements accepted over all tensors together.
         device: where the tensors are placed.
         allowed: codec names accepted for every tensor (None: all); see `codec_family`.
+        borrow: tensors may share memory with `data` when it is writable (see `decode`).
 
     Raises:
         DecodeError: for any malformed, truncated, inconsistent or over-budget input.
@@ -123,6 +168,7 @@ def decode_named(
                 max_numel=budget,
                 device=device,
                 allowed=allowed,
+                borrow=borrow,
             )
         except DecodeError as exc:
             raise DecodeError(f"tensor {name!r}: {exc}") from None

@@ -73,12 +73,15 @@ def pack_header(header: Header) -> bytes:
 class Reader:
     """Bounds-checked sequential reader over untrusted bytes."""
 
-    def __init__(self, data: bytes | bytearray | memoryview) -> None:
+    def __init__(self, data: bytes | bytearray | memoryview, *, borrow: bool = False) -> None:
+        """`borrow`: `tensor` may return views of `data`'s memory when it is writable (the
+        caller owns that buffer and will not change it), instead of copies."""
         try:
             self._view = memoryview(data).cast("B")
         except TypeError as exc:
             raise DecodeError(f"payload is not a contiguous bytes-like object: {exc}") from None
         self._pos = 0
+        self._borrow = borrow and not self._view.readonly
 
     @property
     def remaining(self) -> int:
@@ -105,11 +108,14 @@ class Reader:
     def tensor(
         self, count: int, dtype: torch.dtype, what: str, device: torch.device | str
     ) -> torch.Tensor:
-        """Read `count` elements of `dtype` into a fresh tensor on `device`."""
+        """Read `count` elements of `dtype` into a tensor on `device`: a fresh one, or on the
+        CPU a view of the payload when the reader borrows."""
         itemsize = torch.empty((), dtype=dtype).element_size()
-        raw = bytearray(self.take(count * itemsize, what))  # writable copy: torch needs one
+        view = self.take(count * itemsize, what)
         if count == 0:
             return torch.empty(0, dtype=dtype, device=device)
+        # torch needs a writable buffer: the payload's own when it may be borrowed, else a copy
+        raw = view if self._borrow else bytearray(view)
         return torch.frombuffer(raw, dtype=dtype).to(device)
 
     def numpy(self, count: int, dtype: str, what: str) -> np.ndarray:

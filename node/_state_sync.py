@@ -44,7 +44,7 @@ from .algorithms import (
     encode_chunk,
     in_window,
     plan_refusal,
-    read_chunk,
+    read_chunk_encoded,
 )
 from .training import Trainer
 from .transport import ErrorReply, Header, PeerInfo, TransportError
@@ -133,9 +133,7 @@ class StateSync:
         if plan is None:
             return ErrorReply(code="bad_request", reason=why[:500]), b""
         step = self._trainer.step
-        data = await self._to_thread(
-            lambda: encode_chunk(read_chunk(self._trainer, plan, header.index), "none")
-        )
+        data, _ = await self._to_thread(read_chunk_encoded, self._trainer, plan, header.index)
         return StateReply(step=step, chunks=len(plan)), data
 
     async def _serve_optimizer(self, header: OptimizerStateRequest) -> tuple[Header, bytes]:

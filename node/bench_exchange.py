@@ -26,6 +26,7 @@ import trio
 from geotrain.gossip import LinkTable, PartnerSelector
 
 from ._config import GossipConfig
+from ._memory import tune_allocator
 from ._peer_choice import PeerChoice
 from ._protocol import node_header_codec
 from .algorithms import AlgorithmContext, get_algorithm
@@ -35,7 +36,7 @@ from .testing import StaticMembership
 from .training import TaskContext, Trainer, resolve_task
 from .transport import TransportConfig, open_raw_pynng_exchange, open_transport
 
-CHUNK_NUMEL = 2 * 2**20
+CHUNK_NUMEL = 2 * 2**20  # network.chunk_mb = 8, the default
 
 
 class _Addresses(StaticMembership):
@@ -50,7 +51,8 @@ class _Addresses(StaticMembership):
 async def _exchanges(millions: float, codec: str, repeats: int) -> dict:
     admission = Admission.open_swarm("bench")
     gossip = GossipConfig(codec=codec)
-    config = TransportConfig(max_message_bytes=64 * 2**20)
+    # as a node sets it: a chunk in one message (see Node._transport_config)
+    config = TransportConfig(max_message_bytes=64 * 2**20, part_bytes=4 * CHUNK_NUMEL + 2**20)
     ids = [Identity.generate(), Identity.generate()]
     trainers = [
         Trainer(resolve_task("wide-linear")(TaskContext(shard_index=i, num_shards=2,
@@ -131,6 +133,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
     configure_logging("warning", "console")  # an entry point: keep stdout for the results
+    tune_allocator()  # as a node does at start
     ex = trio.run(_exchanges, args.millions, args.codec, args.repeats)
     raw = trio.run(_raw, ex["chunk_bytes"], args.repeats)
     ex_s, raw_s = statistics.median(ex["seconds"]), statistics.median(raw)

@@ -61,6 +61,22 @@ async def test_after_step_starts_one_exchange_every_exchange_every_steps(autojum
         assert not a.busy() and a.counters.statistics().ok == 1
 
 
+async def test_the_mix_buffer_is_kept_for_the_next_exchange_and_its_old_values_never_leak(
+    autojump_clock,
+):
+    async with runtimes(2, **CHUNKED) as (net, (a, b)):
+        a.ctx.trainer.train_step()
+        assert await a.exchange_once()
+        assert a._spare.nbytes == 33 * 4  # the model's size: kept, not made afresh next time
+        for buffer in a._spare._spare.values():
+            buffer.fill_(float("nan"))  # whatever it held must be overwritten, never read
+        a.ctx.trainer.train_step()
+        before_a, before_b = model(a), model(b)
+        assert await a.exchange_once()
+        mean = {k: (before_a[k] + before_b[k]) / 2 for k in before_a}
+        assert all(torch.allclose(model(x)[k], mean[k]) for x in (a, b) for k in mean)
+
+
 async def test_a_poisoned_reply_is_rejected_and_changes_nothing(autojump_clock):
     async with runtimes(2, **CHUNKED) as (net, (a, b)):
         poison(b)

@@ -8,6 +8,7 @@ from geotrain.compress import (
     DecodeError,
     ErrorFeedback,
     decode_named,
+    dense_named_payload,
     encode_named,
     expected_nbytes_named,
     get_codec,
@@ -69,3 +70,35 @@ def test_each_tensor_gets_its_own_seed():
         decode_named(encode_named([("a", x), ("b", x)], get_codec("randk:0.1")), max_numel=2000)
     )
     assert not torch.equal(data["a"] != 0, data["b"] != 0)
+
+
+def test_a_payload_filled_in_place_is_byte_for_byte_what_encode_named_makes():
+    tensors = [("w@0", torch.randn(10)), ("empty@0", torch.randn(0)),
+               ("b@5", torch.randn(7).to(torch.bfloat16)),
+               ("d", torch.randn(9, dtype=torch.float64))]  # fmt: skip
+    payload, views = dense_named_payload([(n, t.numel(), t.dtype) for n, t in tensors], seed=11)
+    for view, (_, t) in zip(views, tensors, strict=True):
+        view.copy_(t.reshape(-1))
+    assert bytes(payload) == encode_named(tensors, get_codec("none"), seed=11)
+    out = decode_named(payload, max_numel=26)
+    dtypes = [torch.float32, torch.float32, torch.bfloat16, torch.float64]
+    assert [t.dtype for _, t in out] == dtypes
+    with pytest.raises(ValueError, match="unique"):
+        dense_named_payload([("a", 1, torch.float32), ("a", 2, torch.float32)])
+
+
+def test_a_borrowed_decode_shares_a_writable_buffer_and_copies_a_read_only_one():
+    params = _model_params()
+    data = encode_named(params, get_codec("none"))
+    numel = sum(p.numel() for _, p in params)
+    mutable = bytearray(data)
+    borrowed = decode_named(mutable, max_numel=numel, borrow=True)
+    copied = decode_named(data, max_numel=numel, borrow=True)  # bytes: read-only, so a copy
+    plain = decode_named(bytearray(data), max_numel=numel)
+    assert all(torch.equal(a, p) for (_, a), (_, p) in zip(borrowed, params, strict=True))
+    mutable[:] = bytes(len(mutable))  # the borrowed tensors see the buffer's new contents
+    assert all(not t.any() for _, t in borrowed)
+    assert all(torch.equal(a, p) for (_, a), (_, p) in zip(copied, params, strict=True))
+    for _, t in copied + plain:
+        t.add_(1.0)  # writable, and nobody else's memory
+    assert bytes(data) == encode_named(params, get_codec("none"))

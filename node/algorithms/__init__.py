@@ -34,3 +34,4 @@ from ._stream import in_window as in_window
 from ._stream import model_chunk as model_chunk
 from ._stream import plan_refusal as plan_refusal
 from ._stream import read_chunk as read_chunk
+from ._stream import read_chunk_encoded as read_chunk_encoded

@@ -29,6 +29,7 @@ from ._stream import (
     ChunkPlan,
     PairwiseMix,
     SliceFeedback,
+    SpareBuffers,
     cached_plan,
     in_window,
 )
@@ -129,6 +130,7 @@ class Adpsgd(Algorithm):
         self._seed = 0
         self.on_answered_mix: OnMixed | None = None  # awaited after we mixed as the responder
         self._chunk_s = 0.0  # our own seconds of tensor work per chunk (encode + decode), smoothed
+        self._spare = SpareBuffers()  # the last exchange's mix buffer, for the next one
 
     # -- state ----------------------------------------------------------------------------------
     def state(self) -> tuple[Tensors, dict]:
@@ -190,7 +192,7 @@ class Adpsgd(Algorithm):
         return PairwiseMix(
             self.ctx.trainer, plan, spec, None if lossless else self.feedback, weight=0.5,
             max_norm_ratio=cfg.max_norm_ratio, clip=cfg.clip, seed=self._seed,
-            radius=self.ctx.robust,
+            radius=self.ctx.robust, spare=self._spare,
         )  # fmt: skip
 
     # -- initiator ------------------------------------------------------------------------------
