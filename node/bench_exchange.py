@@ -51,8 +51,7 @@ class _Addresses(StaticMembership):
 async def _exchanges(millions: float, codec: str, repeats: int) -> dict:
     admission = Admission.open_swarm("bench")
     gossip = GossipConfig(codec=codec)
-    # as a node sets it: a chunk in one message (see Node._transport_config)
-    config = TransportConfig(max_message_bytes=64 * 2**20, part_bytes=4 * CHUNK_NUMEL + 2**20)
+    config = TransportConfig(max_message_bytes=64 * 2**20)  # parts of 4 MiB, as a node's
     ids = [Identity.generate(), Identity.generate()]
     trainers = [
         Trainer(resolve_task("wide-linear")(TaskContext(shard_index=i, num_shards=2,

@@ -373,7 +373,7 @@ class PairwiseMix:
         radius: ClipRadius | None = None,
         spare: SpareBuffers | None = None,
     ) -> None:
-        self.radius, self.spare = radius, spare or SpareBuffers()
+        self.radius, self.spare = radius, spare
         self.trainer, self.plan, self.spec, self.feedback = trainer, plan, spec, feedback
         self.weight, self.max_norm_ratio, self.clip, self.seed = weight, max_norm_ratio, clip, seed
         self.device = trainer.task_device
@@ -429,7 +429,9 @@ class PairwiseMix:
                 buffer = self._delta.get(s.name)
                 if buffer is None:  # every element is written before the commit reads it
                     shape = dict(self.plan.shapes)[s.name]
-                    buffer = self._delta[s.name] = self.spare.take(s.name, shape, self.device)
+                    buffer = self._delta[s.name] = (
+                        torch.empty(shape, device=self.device) if self.spare is None
+                        else self.spare.take(s.name, shape, self.device))  # fmt: skip
             diff = buffer.reshape(-1)[s.start : s.stop]
             torch.sub(other, mine, out=diff)  # straight into the mix buffer: no temporary
             sums[0] += float(torch.linalg.vector_norm(mine)) ** 2
@@ -469,7 +471,8 @@ class PairwiseMix:
                 live[name].add_(delta.view_as(live[name]), alpha=scale)
 
         self.trainer.apply(apply)
-        self.spare.give(self._delta)
+        if self.spare is not None:
+            self.spare.give(self._delta)
         self._delta = {}
         return distance
 

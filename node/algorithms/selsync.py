@@ -6,7 +6,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from geotrain.gossip import relative_change
+import torch
+
+from geotrain.gossip import all_finite, relative_change
 
 from .._config import check_field
 from ..training import StepResult
@@ -23,6 +25,12 @@ from .adpsgd import (
     adpsgd_copies,
 )
 
+REFERENCE_F32_BELOW = 0.005  # thresholds this low keep the reference in float32
+
+
+def reference_dtype(threshold: float) -> torch.dtype:
+    return torch.float32 if threshold < REFERENCE_F32_BELOW else torch.float16
+
 
 @dataclass(frozen=True)
 class SelsyncSettings:
@@ -30,7 +38,9 @@ class SelsyncSettings:
 
     threshold: relative model change ||w - w_last|| / ||w|| since the last exchange that
         triggers the next one (1% by default: on digits-mlp about a third of the checks pass
-        early in training, far fewer later).
+        early in training, far fewer later). The model as of the last exchange is kept in half
+        precision (half a model of memory), whose rounding adds ~3e-4 to the measured change;
+        below a threshold of REFERENCE_F32_BELOW it is kept in float32 (a whole model).
     """
 
     threshold: float = 0.01
@@ -63,7 +73,8 @@ class Selsync(Algorithm):
         super().__init__(ctx)
         self.pairwise = Adpsgd(ctx)  # shares ctx, so its exchanges fill the same counters
         self.pairwise.on_answered_mix = self._reset_after_mix  # our progress was shared
-        self.reference = ctx.trainer.snapshot()
+        self.reference: Tensors = {}
+        self._reset_reference()
         self.steps = self.communicated = 0
         self.last_change = 0.0
 
@@ -73,15 +84,16 @@ class Selsync(Algorithm):
 
     def state(self) -> tuple[Tensors, dict]:
         tensors, _ = self.pairwise.state()
-        tensors.update({f"reference/{n}": t.clone() for n, t in self.reference.items()})
+        tensors.update({f"reference/{n}": t for n, t in self.reference.items()})
         return tensors, {"steps": self.steps, "communicated": self.communicated}
 
     def load_state(self, tensors: Tensors, meta: dict) -> None:
         self.pairwise.load_state(tensors, meta)
         device = self.ctx.trainer.task_device
         for key, t in tensors.items():
-            if key.startswith("reference/"):
-                self.reference[key[len("reference/") :]] = t.to(device)
+            name = key[len("reference/") :]
+            if key.startswith("reference/") and name in self.reference:
+                self.reference[name] = t.to(device, self.reference[name].dtype)
         self.steps = int(meta.get("steps", 0))
         self.communicated = int(meta.get("communicated", 0))
 
@@ -92,7 +104,20 @@ class Selsync(Algorithm):
         return self.pairwise.busy()
 
     def _reset_reference(self) -> None:
-        self.reference = self.ctx.trainer.snapshot()
+        """The live model becomes the reference, copied into the reference's own buffers (a new
+        copy beside the old one was a whole model more at every exchange's end)."""
+        dtype = reference_dtype(self.ctx.settings.threshold)
+
+        def copy(live: Tensors) -> None:
+            for name, t in live.items():
+                ref = self.reference.get(name)
+                if ref is None or ref.shape != t.shape or ref.device != t.device:
+                    ref = self.reference[name] = torch.empty_like(t, dtype=dtype)
+                ref.copy_(t.detach())
+                if ref.dtype != torch.float32 and not all_finite(ref):  # beyond half's range
+                    self.reference[name] = t.detach().float().clone()
+
+        self.ctx.trainer.update(copy)
 
     async def _reset_after_mix(self) -> None:
         await self.ctx.to_thread(self._reset_reference)
@@ -122,6 +147,8 @@ ALGORITHM = register_algorithm(
         settings=SelsyncSettings,
         messages=(Exchange, ExchangeReply, ExchangeChunk, ExchangeChunkReply, ExchangeAbort),
         summary="an adpsgd exchange only when the model moved more than a threshold",
-        memory=lambda g: adpsgd_copies(g.codec) + 1.0,  # + the reference model
+        # + the reference model, in half precision unless the threshold is tiny
+        memory=lambda g: adpsgd_copies(g.codec)
+        + reference_dtype(g.settings.threshold).itemsize / 4,
     )
 )
