@@ -68,6 +68,11 @@ async def test_the_reference_is_rewritten_in_place_and_kept_in_float32_where_hal
         assert a.reference["weight"].dtype == torch.float16
         assert a.reference["bias"].dtype == torch.float32 and same(
             {"bias": a.reference["bias"]}, {"bias": model(a)["bias"]})
+        tensors, meta = a.state()
+    async with runtimes(2, **selsync(0.05)) as (net, (restored, _)):
+        restored.load_state(tensors, json.loads(json.dumps(meta)))
+        assert restored.reference["bias"].dtype == torch.float32  # not turned into inf
+        assert torch.equal(restored.reference["bias"], tensors["reference/bias"])
 
 
 async def test_the_reference_and_counts_survive_a_restart_from_state(autojump_clock):

@@ -93,7 +93,9 @@ class Selsync(Algorithm):
         for key, t in tensors.items():
             name = key[len("reference/") :]
             if key.startswith("reference/") and name in self.reference:
-                self.reference[name] = t.to(device, self.reference[name].dtype)
+                ref = t.to(device, self.reference[name].dtype)
+                # a tensor kept in float32 for half's range stays in it
+                self.reference[name] = ref if all_finite(ref) else t.to(device).float()
         self.steps = int(meta.get("steps", 0))
         self.communicated = int(meta.get("communicated", 0))
 
