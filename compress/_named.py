@@ -27,6 +27,19 @@ def tensor_seed(seed: int, index: int) -> int:
     return (seed + (index + 1) * _GOLDEN) % 2**64
 
 
+def _check_unique(names: list[str], who: str) -> None:
+    if len(set(names)) != len(names):
+        raise ValueError(f"{who}: tensor names must be unique, got {names[:5]}")
+
+
+def _entry_prefix(name: str, length: int, who: str) -> bytes:
+    """What precedes a tensor's payload of `length` bytes: its name's length, name, length."""
+    raw_name = name.encode("utf-8")
+    if len(raw_name) > 0xFFFF:
+        raise ValueError(f"{who}: name {name[:40]!r}... is over 65535 bytes")
+    return struct.pack("<H", len(raw_name)) + raw_name + struct.pack("<Q", length)
+
+
 def encode_named(
     tensors: Sequence[tuple[str, torch.Tensor]],
     codec: Codec,
@@ -49,21 +62,16 @@ def encode_named(
     Returns:
         The payload; `len()` of it is the wire size.
     """
-    names = [name for name, _ in tensors]
-    if len(set(names)) != len(names):
-        raise ValueError(f"encode_named: tensor names must be unique, got {names}")
+    _check_unique([name for name, _ in tensors], "encode_named")
     parts = [_HEAD.pack(MAGIC, VERSION, len(tensors))]
     for i, (name, t) in enumerate(tensors):
-        raw_name = name.encode("utf-8")
-        if len(raw_name) > 0xFFFF:
-            raise ValueError(f"encode_named: name {name[:40]!r}... is over 65535 bytes")
         s = tensor_seed(seed, i)
         if error_feedback is not None:
             pieces: list = [error_feedback.encode(t, name=name, seed=s, codec=codec, state=state)]
         else:
             pieces = codec.encode_parts(t, seed=s, state=state, name=name)
         length = sum(memoryview(p).nbytes for p in pieces)
-        parts += [struct.pack("<H", len(raw_name)), raw_name, struct.pack("<Q", length), *pieces]
+        parts += [_entry_prefix(name, length, "encode_named"), *pieces]
     return b"".join(parts)  # the one copy of the values
 
 
@@ -81,32 +89,21 @@ def dense_named_payload(
     """
     from ._cast import NoneCodec  # noqa: PLC0415 (the codecs import this module's package)
 
-    names = [name for name, _, _ in entries]
-    if len(set(names)) != len(names):
-        raise ValueError(f"dense_named_payload: tensor names must be unique, got {names[:5]}")
-    heads, offsets = [_HEAD.pack(MAGIC, VERSION, len(entries))], []
-    at = _HEAD.size
+    _check_unique([name for name, _, _ in entries], "dense_named_payload")
+    heads = []
     for i, (name, numel, dtype) in enumerate(entries):
-        raw_name = name.encode("utf-8")
-        if len(raw_name) > 0xFFFF:
-            raise ValueError(f"dense_named_payload: name {name[:40]!r}... is over 65535 bytes")
         header = pack_header(Header(NoneCodec.codec_id, dtype, (numel,), tensor_seed(seed, i)))
-        length = struct.pack("<Q", len(header) + 4 * numel)
-        entry = struct.pack("<H", len(raw_name)) + raw_name + length + header
-        heads.append(entry)
-        at += len(entry)
-        offsets.append((at, numel))
+        heads.append(_entry_prefix(name, len(header) + 4 * numel, "dense_named_payload") + header)
+    values = sum(4 * numel for _, numel, _ in entries)
+    payload = bytearray(_HEAD.size + sum(len(h) for h in heads) + values)
+    payload[: _HEAD.size] = _HEAD.pack(MAGIC, VERSION, len(entries))
+    at, views = _HEAD.size, []
+    for head, (_, numel, _) in zip(heads, entries, strict=True):
+        payload[at : at + len(head)] = head
+        at += len(head)
+        views.append(torch.frombuffer(payload, dtype=torch.float32, count=numel, offset=at)
+                     if numel else torch.empty(0))  # fmt: skip
         at += 4 * numel
-    payload = bytearray(at)
-    views, pos = [], 0
-    for i, head in enumerate(heads):
-        payload[pos : pos + len(head)] = head
-        pos += len(head)
-        if i:
-            start, numel = offsets[i - 1]
-            views.append(torch.frombuffer(payload, dtype=torch.float32, count=numel, offset=start)
-                         if numel else torch.empty(0))  # fmt: skip
-            pos += 4 * numel
     return payload, views
 
 

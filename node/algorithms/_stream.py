@@ -329,10 +329,6 @@ class SpareBuffers:
         with self._lock:
             self._spare.update(buffers)
 
-    def clear(self) -> None:
-        with self._lock:
-            self._spare.clear()
-
     @property
     def nbytes(self) -> int:
         with self._lock:
