@@ -338,7 +338,8 @@ class GossipConfig:
         from .algorithms import algorithm_specs  # the registry imports this module
 
         specs = algorithm_specs()
-        _check(self.algorithm in specs, "gossip.algorithm", self.algorithm, " or ".join(specs))
+        _check(self.algorithm in specs, "gossip.algorithm", self.algorithm,
+               " or ".join(sorted(specs)))  # fmt: skip
         _check(self.exchange_every >= 1, "gossip.exchange_every", self.exchange_every, ">= 1")
         _check(self.probe_interval_s >= 0.05, "gossip.probe_interval_s", self.probe_interval_s,
                ">= 0.05 seconds")

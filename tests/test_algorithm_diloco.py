@@ -12,6 +12,7 @@ import trio
 from _runtimes import model, poison, runtimes, same, step
 
 from geotrain.gossip import NesterovOuter, average, pseudo_gradient
+from geotrain.node.algorithms import diloco
 from geotrain.node.algorithms._stream import encode_chunk, model_chunk
 from geotrain.node.algorithms.diloco import DeltaOffer, DeltaReply, DilocoSettings
 from geotrain.node.training import StepResult
@@ -59,6 +60,53 @@ async def test_the_outer_step_uses_the_partners_update_and_survives_a_checkpoint
         restored.load_state(tensors, json.loads(json.dumps(meta)))
         assert restored.round == 1
         assert same(restored.outer.buffers, momentum) and same(restored.start, start)
+
+
+@pytest.mark.parametrize("chunk_numel", [None, 1000])  # one chunk; or 5 chunks
+async def test_offers_crossing_at_a_round_end_carry_each_update_once(autojump_clock, chunk_numel):
+    # both partners end their round at the same instant and offer to each other: each update
+    # travels in its own offer and the replies carry none (each update went twice, and each
+    # node held its partner's update twice); both outer steps still use both updates
+    torch.manual_seed(0)
+    async with runtimes(2, chunk_numel=chunk_numel, params={"features": 4000, "samples": 256},
+                        **DILOCO) as (net, (a, b)):  # fmt: skip
+        for node in (a, b):
+            for _ in range(2):
+                node.ctx.trainer.train_step()
+        deltas = [pseudo_gradient(n.start, n.ctx.trainer.params()) for n in (a, b)]
+        starts = [{k: v.clone() for k, v in n.start.items()} for n in (a, b)]
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(a.after_step, step(a, 2))
+            nursery.start_soon(b.after_step, step(b, 2))
+        update = a.ctx.peers.payload_nbytes("none")
+        assert net.bytes_sent[("p0", "p1")] < 1.2 * update
+        assert net.bytes_sent[("p1", "p0")] < 1.2 * update
+        for node, start in zip((a, b), starts, strict=True):
+            stats = node.statistics()
+            assert (stats.peer_deltas_used, stats.partners_missing) == (1, 0)
+            NesterovOuter(0.7, 0.9).step(start, average(deltas))
+            assert all(torch.allclose(node.start[k], start[k], atol=1e-6) for k in start)
+            assert node.counters.statistics().failed == 0
+
+
+@pytest.mark.parametrize("codec", ["none", "int8"])
+async def test_a_big_model_drops_its_update_after_the_outer_step(autojump_clock, monkeypatch,
+                                                                  codec):  # fmt: skip
+    # a model above KEEP_UPDATE_BYTES holds its update only through its round end (not through
+    # every inner step); a lossy codec's encoded chunks still answer a later offer in that codec
+    monkeypatch.setattr(diloco, "KEEP_UPDATE_BYTES", 0)
+    async with runtimes(3, **{**DILOCO, "codec": codec}) as (net, (a, b, c)):
+        a.ctx.peers.live_peers = lambda: ("p1",)  # a offers to b only
+        c.ctx.peers.live_peers = lambda: ("p0",)
+        for node in (a, c):
+            node.ctx.trainer.train_step()
+        await a.after_step(step(a, 2))
+        assert a.latest_delta is None and a.latest[0] == 1
+        assert b.inbox["p0"][0] == 1  # offered while a still held it
+        await c.after_step(step(c, 2))  # c offers to a after a's outer step
+        used = c.statistics().peer_deltas_used
+        assert used == (1 if codec == "int8" else 0)  # none: a had nothing left to answer with
+        assert c.counters.statistics().failed == 0
 
 
 async def test_a_silent_partner_is_left_out_at_the_deadline(autojump_clock):

@@ -95,6 +95,10 @@ class OuterReply(Header, frozen=True, tag="outer_reply"):
 
 
 DENSE_CODECS = ("none", "fp16", "bf16", "int8", "int4")  # codecs that can carry parameters
+# A model up to this keeps its own update between rounds (to answer partners whose rounds end
+# later); a bigger one drops it after its outer step (its encoded chunks, with a lossy codec,
+# still answer offers in that codec): a whole model held through every inner step otherwise
+KEEP_UPDATE_BYTES = 64 * 2**20
 
 
 @dataclass(frozen=True)
@@ -187,6 +191,7 @@ class Diloco(Algorithm):
         # codec none keeps no chunks (each is the values' bytes, encoded when asked)
         self.latest: tuple[int, list[bytes], str] = (0, [], "")
         self.latest_delta: Tensors | None = None
+        self._keep_update = 4 * ctx.peers.numel <= KEEP_UPDATE_BYTES
         self.inbox: dict[str, tuple[int, Tensors]] = {}
         self.used: dict[str, int] = {}
         self._incoming: dict[str, tuple[int, int, ModelAssembly]] = {}  # peer -> xid, round, ...
@@ -194,6 +199,12 @@ class Diloco(Algorithm):
         self.feedback = SliceFeedback(torch.float16)
         self._rejected_now: set[str] = set()  # partners whose update this round was refused
         self._replied: dict[str, int] = {}  # partner -> the round of its update this round end
+        # offers crossing at a round end (both partners offer at once): each update travels in
+        # its own offer only, and the replies carry none (else each went twice: bytes, memory)
+        self._offering: dict[str, int] = {}  # partner -> our round our offer to it is sending
+        self._answering: dict[str, tuple[int, int]] = {}  # partner -> its offer's xid, our
+        # round the replies to it carry (0: none)
+        self._arrived = trio.Event()  # set (and replaced) when an offer to us ends or is dropped
         self.outer_steps = self.peer_deltas_used = self.missing = self.consensus_mixes = 0
         # consensus: partners' outer parameters to average in at our next outer step (with the
         # outer steps they had made); one offer of a peer's held while it arrives
@@ -237,6 +248,8 @@ class Diloco(Algorithm):
         """An offer `peer_id` was pushing to us will not be finished: free its slot now."""
         if self._incoming.pop(peer_id, None) is not None:
             log.info("offer_dropped", peer=peer_id[:12], reason="connection lost")
+            self._offer_ended()
+        self._answering.pop(peer_id, None)
         if self._outer_in is not None and self._outer_in[0] == peer_id:
             self._outer_in = None
 
@@ -270,6 +283,13 @@ class Diloco(Algorithm):
                   for i in range(len(plan))]  # fmt: skip
         return delta, chunks
 
+    def _can_send(self, plan: ChunkPlan, codec: str) -> bool:
+        """Whether our latest update can be sent in `codec`, cut by `plan`."""
+        _, chunks, spec = self.latest
+        if chunks and spec == codec and plan.chunk_numel == self.ctx.chunk_numel:
+            return True
+        return self.latest_delta is not None
+
     async def _chunk(self, plan: ChunkPlan, index: int, codec: str) -> bytes:
         """Chunk `index` of our latest update, cut by `plan` in `codec`: the one encoded at the
         round end when it is that one, else encoded from the values now (no error feedback)."""
@@ -280,6 +300,18 @@ class Diloco(Algorithm):
         assert delta is not None
         return await self.ctx.to_thread(
             lambda: encode_chunk(model_chunk(delta, plan, index), codec))
+
+    def _offer_ended(self) -> None:
+        """Wake a round end waiting for offers to us to arrive (see `_await_crossing`)."""
+        self._arrived.set()
+        self._arrived = trio.Event()
+
+    async def _await_crossing(self, partners: list[str], deadline_at: float) -> None:
+        """Until `deadline_at`, wait for offers still arriving from `partners` (offers that
+        crossed ours: their updates come with them, not with the replies)."""
+        with trio.move_on_at(deadline_at):
+            while any(p in self._incoming for p in partners):
+                await self._arrived.wait()
 
     def _held_round(self, peer: str, *, arriving: bool = True) -> int:
         """The newest round of `peer`'s updates we hold, have used or (`arriving`) are being
@@ -332,6 +364,7 @@ class Diloco(Algorithm):
                 async with trio.open_nursery() as nursery:
                     for peer in partners:
                         nursery.start_soon(self._offer, peer, round_, spec, deadline, replies)
+            await self._await_crossing(partners, now + deadline)
         now = ctx.now()
         for peer in partners:  # an offer cut off by the deadline raised nothing: count it here
             if peer not in replies and peer not in self._rejected_now:
@@ -394,6 +427,8 @@ class Diloco(Algorithm):
         finally:
             self._stepping = False
         self.consensus_mixes += len(mixes)
+        if not self._keep_update:  # (a big model: its encoded chunks, if any, still answer)
+            self.latest_delta = None
         for peer in use:
             self.used[peer] = offered[peer][0]
         self.inbox.clear()
@@ -469,9 +504,16 @@ class Diloco(Algorithm):
         address = ctx.peers.address_of(peer)
         if address is None:
             return
+        if self._answering.get(peer, (0, 0))[1] == round_:
+            # its offer to us is arriving and our replies carry this update: nothing to send,
+            # and its update comes with its offer (the round end waits for it)
+            replies[peer] = (0, None)
+            self.counters.record_ok(peer, spec)
+            return
         plan = self.plan(ctx.chunk_numel)
         xid = ctx.rng.getrandbits(63)
         have = self._held_round(peer)  # (it answers none when it has nothing newer for us)
+        self._offering[peer] = round_
         theirs = ModelAssembly(plan, spec, ctx.trainer.task_device)
         their_round: list[int] = []
         started, moved, changed = ctx.now(), [0], [False]
@@ -496,7 +538,11 @@ class Diloco(Algorithm):
                 await ctx.to_thread(theirs.add, index, data)
 
         try:
-            await in_window(range(len(plan)), one)
+            try:
+                await in_window(range(len(plan)), one)
+            finally:
+                if self._offering.get(peer) == round_:
+                    del self._offering[peer]
             delta = None
             if changed[0]:
                 their_round, theirs.tensors = [0], {}
@@ -536,12 +582,18 @@ class Diloco(Algorithm):
         try:
             await self._take(peer.peer_id, header, payload, plan)
         except (RejectedUpdate, compress.DecodeError, ValueError) as exc:
-            self._incoming.pop(peer.peer_id, None)
+            if self._incoming.pop(peer.peer_id, None) is not None:
+                self._offer_ended()
             self.counters.record_rejected(peer.peer_id, header.codec, exc)
             log.warning("update_rejected", peer=peer.short_id, reason=str(exc))
             return ErrorReply(code="bad_request", reason=f"update rejected: {exc}"[:500]), b""
-        round_ = self.latest[0]
-        if self.latest_delta is None or round_ <= header.have:  # none, or none it lacks
+        round_, available = self.latest[0], self._can_send(plan, header.codec)
+        answering = self._answering.get(peer.peer_id)
+        if answering is None or answering[0] != header.xid:  # its offer's first chunk here
+            crossing = self._offering.get(peer.peer_id) == round_  # ours goes in our offer
+            none = not available or round_ <= header.have or crossing
+            answering = self._answering[peer.peer_id] = (header.xid, 0 if none else round_)
+        if answering[1] == 0 or not available:  # none, or none it lacks
             return DeltaReply(round=0), b""
         return DeltaReply(round=round_), await self._chunk(plan, header.index, header.codec)
 
@@ -603,13 +655,16 @@ class Diloco(Algorithm):
         assembly = current[2]
         if not await ctx.to_thread(assembly.add, header.index, payload):
             return
-        if self._incoming.get(peer, (None,))[0] == header.xid:  # (a newer offer may replace it)
-            del self._incoming[peer]
         delta = assembly.tensors
-        await ctx.to_thread(lambda: check_update(
-            ctx.trainer.params(), delta, max_norm_ratio=ctx.gossip.max_norm_ratio))
-        if header.round > self.inbox.get(peer, (-1, None))[0]:
-            self.inbox[peer] = (header.round, delta)
+        try:
+            await ctx.to_thread(lambda: check_update(
+                ctx.trainer.params(), delta, max_norm_ratio=ctx.gossip.max_norm_ratio))
+            if header.round > self.inbox.get(peer, (-1, None))[0]:
+                self.inbox[peer] = (header.round, delta)
+        finally:  # (checked before it stops counting as arriving: a round end waits for it)
+            if self._incoming.get(peer, (None,))[0] == header.xid:  # (a newer offer may
+                del self._incoming[peer]  # have replaced it)
+                self._offer_ended()
         self.counters.record_ok(peer, header.codec)
 
 
@@ -620,10 +675,11 @@ ALGORITHM = register_algorithm(
         settings=DilocoSettings,
         messages=(DeltaOffer, DeltaReply, OuterOffer, OuterReply),
         summary="local SGD: inner_steps local steps, then an outer step on averaged updates",
-        # round start, outer momentum and our update; with a lossy codec its encoded chunks and
-        # half-precision error feedback; up to fanout updates from peers offered to us plus
-        # fanout replies; with consensus, a partner's outer parameters we asked for and one we
-        # answer
+        # round start, outer momentum and our update (a model above KEEP_UPDATE_BYTES holds it
+        # only through its round end, where this peak is); with a lossy codec its encoded
+        # chunks and half-precision error feedback; up to fanout updates from peers offered to
+        # us plus fanout replies; with consensus, a partner's outer parameters we asked for and
+        # one we answer
         memory=lambda g: (3.0 + (g.codec != "none") + 2 * g.settings.fanout
                           + (2 if g.settings.consensus_every else 0)),
     )
