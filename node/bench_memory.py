@@ -8,7 +8,8 @@ thread) in its own process, then, for each algorithm, two `geotrain node run` pr
 loopback training the same model until each has taken `--steps` steps and (for the exchanging
 algorithms) exchanged at least once. Each process's peak resident memory (its kernel high-water
 mark, reported in status.json) is divided by the model's bytes. The node's extra copies are
-(node peak - plain peak) / model bytes; the goal for adpsgd, dpsgd and selsync is <= 1.5.
+(node peak - plain peak) / model bytes; the goal for adpsgd, dpsgd and selsync is <= 1.5. Each
+node's bytes sent are printed too (its steps in the `steps` of --json).
 """
 
 from __future__ import annotations
@@ -81,6 +82,7 @@ def node_pair_peaks(algorithm: str, millions: float, steps: int, codec: str,
         "estimate_mb": finals[0].get("memory_estimate_mb"),
         "steps": [f.get("step") for f in finals],
         "exchanges_ok": [f.get("exchanges_ok") for f in finals],
+        "bytes_out": [f.get("bytes_out") for f in finals],
     }
 
 
@@ -105,7 +107,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"model {model_mb:.0f} MB ({width}x{width} float32); codec {args.codec}")
     print(f"plain loop peak: {plain:.0f} MB = {plain / model_mb:.2f} x model")
     print(f"{'algorithm':<9} {'node peaks MB':>16} {'x model':>12} {'extra copies':>13} "
-          f"{'estimate MB':>12} {'exchanges':>10}")  # fmt: skip
+          f"{'estimate MB':>12} {'exchanges':>10} {'MB sent':>12}")  # fmt: skip
     for r in rows:
         peaks = [p for p in r["peak_rss_mb"] if p is not None]
         if not peaks:
@@ -114,7 +116,8 @@ def main(argv: list[str] | None = None) -> None:
         worst = max(peaks)
         print(f"{r['algorithm']:<9} {'/'.join(f'{p:.0f}' for p in peaks):>16} "
               f"{worst / model_mb:>12.2f} {(worst - plain) / model_mb:>13.2f} "
-              f"{r['estimate_mb'] or 0:>12.0f} {'/'.join(map(str, r['exchanges_ok'])):>10}",
+              f"{r['estimate_mb'] or 0:>12.0f} {'/'.join(map(str, r['exchanges_ok'])):>10} "
+              f"{'/'.join(f'{(b or 0) / 1e6:.0f}' for b in r['bytes_out']):>12}",
               flush=True)  # fmt: skip
 
 
