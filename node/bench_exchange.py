@@ -1,6 +1,7 @@
 """Goodput of a streamed model exchange against raw pynng moving the same bytes.
 
     python -m geotrain.node.bench_exchange [--millions 100] [--codec none] [--repeats 3] [--json]
+    python -m geotrain.node.bench_exchange --state-sync [--millions 100] [--json]
 
 In one process, over loopback: two nodes' adpsgd runtimes, each on its own secure transport,
 average a `wide-linear` model (`--millions` parameters) with codec `--codec`; each exchange moves
@@ -10,6 +11,11 @@ baseline, measured in the same run and taking turns with the exchanges, is raw p
 security, no tensors) moving the same bytes in the same shape: one request carrying a chunk's
 bytes and a reply carrying as many back, four in flight, for as many chunks. The figure is the
 exchange's goodput over the baseline's (goal >= 0.7).
+
+With --state-sync: a joiner fetches the other node's whole model by state sync (as a node that
+joins late does: chunk by chunk into a staging copy, then loaded), once; printed are its time,
+the bytes moved, whether the joiner's model then equals the server's, and the process's resident
+memory before and at its peak during the fetch (both nodes live in this process).
 """
 
 from __future__ import annotations
@@ -21,14 +27,16 @@ import random
 import statistics
 import time
 
+import torch
 import trio
 
 from geotrain.gossip import LinkTable, PartnerSelector
 
 from ._config import GossipConfig
-from ._memory import tune_allocator
+from ._memory import peak_rss_mb, tune_allocator
 from ._peer_choice import PeerChoice
 from ._protocol import node_header_codec
+from ._state_sync import StateSync
 from .algorithms import AlgorithmContext, get_algorithm
 from .cli import configure_logging
 from .identity import Admission, Identity
@@ -48,7 +56,22 @@ class _Addresses(StaticMembership):
         return self._addresses.get(peer_id)
 
 
-async def _exchanges(millions: float, codec: str, repeats: int) -> dict:
+def _rss_mb() -> float:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:")) / 1e3
+
+
+def _reset_peak() -> bool:
+    """Reset this process's resident high-water mark (Linux); False where it cannot."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        return False
+    return True
+
+
+async def _exchanges(millions: float, codec: str, repeats: int, state_sync: bool = False) -> dict:
     admission = Admission.open_swarm("bench")
     gossip = GossipConfig(codec=codec)
     config = TransportConfig(max_message_bytes=64 * 2**20)  # parts of 4 MiB, as a node's
@@ -60,8 +83,12 @@ async def _exchanges(millions: float, codec: str, repeats: int) -> dict:
     ]  # fmt: skip
     algos: list = [None, None]
 
+    syncs: list = [None, None]
+
     def handler_for(i):
         async def handler(peer, header, payload):
+            if isinstance(header, StateSync.handles):
+                return await syncs[i].handle(peer, header, payload)
             return await algos[i].handle(peer, header, payload)
 
         return handler
@@ -87,21 +114,53 @@ async def _exchanges(millions: float, codec: str, repeats: int) -> dict:
                     chunk_numel=CHUNK_NUMEL, max_chunk_numel=16 * 2**20,
                 )  # fmt: skip
                 algos[i] = get_algorithm("adpsgd").runtime(ctx)
+                syncs[i] = StateSync(trainers[i], algos[i], "adpsgd", transports[i], peers,
+                                     LinkTable(), rng, chunk_numel=CHUNK_NUMEL,
+                                     max_chunk_numel=16 * 2**20)  # fmt: skip
             plan = algos[0].plan(CHUNK_NUMEL)
-            if not await algos[0].exchange_once():  # warm-up (first touch of every buffer)
-                raise RuntimeError("the warm-up exchange failed")
-            times, moved = [], []
-            for _ in range(repeats):
-                before = ta.statistics()
-                started = time.perf_counter()
-                if not await algos[0].exchange_once():
-                    raise RuntimeError("an exchange failed")
-                times.append(time.perf_counter() - started)
-                after = ta.statistics()
-                moved.append(after.bytes_out - before.bytes_out + after.bytes_in - before.bytes_in)
-            chunk_bytes = [moved[0] // 2 // len(plan)] * len(plan)
+            if state_sync:
+                out = {**await _state_sync(trainers, syncs[1], tb), "chunks": len(plan)}
+            else:
+                out = await _timed_exchanges(algos[0], ta, len(plan), repeats)
         nursery.cancel_scope.cancel()
-    return {"seconds": times, "bytes": moved, "chunks": len(plan), "chunk_bytes": chunk_bytes}
+    return out
+
+
+async def _timed_exchanges(algo, transport, chunks: int, repeats: int) -> dict:
+    if not await algo.exchange_once():  # warm-up (first touch of every buffer)
+        raise RuntimeError("the warm-up exchange failed")
+    times, moved = [], []
+    for _ in range(repeats):
+        before = transport.statistics()
+        started = time.perf_counter()
+        if not await algo.exchange_once():
+            raise RuntimeError("an exchange failed")
+        times.append(time.perf_counter() - started)
+        after = transport.statistics()
+        moved.append(after.bytes_out - before.bytes_out + after.bytes_in - before.bytes_in)
+    chunk_bytes = [moved[0] // 2 // chunks] * chunks
+    return {"seconds": times, "bytes": moved, "chunks": chunks, "chunk_bytes": chunk_bytes}
+
+
+async def _state_sync(trainers: list[Trainer], joiner: StateSync, transport) -> dict:
+    """The joiner (trainers[1]) fetches trainers[0]'s model once, by state sync."""
+    server, mine = trainers[0].params(), trainers[1].params()
+    with torch.no_grad():
+        for t in mine.values():  # (so that equality below means the fetch brought it)
+            t.zero_()
+    before_mb = _rss_mb()
+    reset = _reset_peak()
+    stats = transport.statistics()
+    started = time.perf_counter()
+    fetched = await joiner.fetch(trio.Event())
+    seconds = time.perf_counter() - started
+    after = transport.statistics()
+    equal = all(bool((server[n] == mine[n]).all()) for n in server)
+    return {
+        "fetched": fetched, "equal": equal, "seconds": seconds,
+        "bytes": after.bytes_in - stats.bytes_in + after.bytes_out - stats.bytes_out,
+        "rss_before_mb": before_mb, "peak_mb": peak_rss_mb(), "peak_reset": reset,
+    }  # fmt: skip
 
 
 async def _raw(chunk_bytes: list[int], repeats: int) -> list[float]:
@@ -129,10 +188,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--millions", type=float, default=100.0)
     parser.add_argument("--codec", default="none")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--state-sync", action="store_true",
+                        help="measure one state sync of the whole model instead")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
     configure_logging("warning", "console")  # an entry point: keep stdout for the results
     tune_allocator()  # as a node does at start
+    if args.state_sync:
+        _print_state_sync(args)
+        return
     ex = trio.run(_exchanges, args.millions, args.codec, args.repeats)
     raw = trio.run(_raw, ex["chunk_bytes"], args.repeats)
     ex_s, raw_s = statistics.median(ex["seconds"]), statistics.median(raw)
@@ -153,6 +217,24 @@ def main(argv: list[str] | None = None) -> None:
           f"{result['exchange_gbps']:.2f} Gbit/s")
     print(f"raw pynng, same bytes: {raw_s:.2f} s = {result['raw_gbps']:.2f} Gbit/s")
     print(f"exchange / raw pynng goodput: {result['ratio']:.2f} (goal >= 0.7)")
+
+
+def _print_state_sync(args) -> None:
+    r = trio.run(_exchanges, args.millions, "none", 0, True)
+    model_mb = 4 * round(math.sqrt(args.millions * 1e6)) ** 2 / 1e6
+    r = {"millions": args.millions, "model_mb": model_mb, **r,
+         "gbps": r["bytes"] * 8 / r["seconds"] / 1e9}  # fmt: skip
+    if args.json:
+        print(json.dumps(r))
+        return
+    print(f"model {model_mb:.0f} MB in {r['chunks']} chunks: state sync "
+          f"{'done' if r['fetched'] else 'FAILED'} in {r['seconds']:.2f} s, "
+          f"{r['bytes'] / 1e6:.0f} MB moved ({r['gbps']:.2f} Gbit/s); joiner's model equals the "
+          f"server's: {r['equal']}")
+    peak = "peak" if r["peak_reset"] else "peak since start (high-water mark not reset)"
+    extra = (r["peak_mb"] - r["rss_before_mb"]) / model_mb
+    print(f"resident memory of both nodes: {r['rss_before_mb']:.0f} MB before, {peak} "
+          f"{r['peak_mb']:.0f} MB during the fetch: +{extra:.2f} model copies")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,28 @@
+"""bench_exchange runs end to end on a tiny model: the exchange figures and the state-sync mode
+(whose joiner must end with the server's model), as its --json prints them."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+
+def bench(*args: str) -> dict:
+    out = subprocess.run([sys.executable, "-m", "geotrain.node.bench_exchange", "--json", *args],
+                         capture_output=True, text=True, check=True, timeout=300)  # fmt: skip
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_the_state_sync_mode_fetches_the_whole_model():
+    r = bench("--state-sync", "--millions", "0.25")
+    assert r["fetched"] and r["equal"]
+    assert r["bytes"] >= r["model_mb"] * 1e6  # the whole model came over the wire
+    assert r["peak_mb"] >= r["rss_before_mb"] > 0
+
+
+def test_the_exchange_mode_times_each_exchange_against_raw_pynng():
+    r = bench("--millions", "0.25", "--repeats", "2")
+    assert len(r["exchange_s"]) == len(r["raw_pynng_s"]) == 2
+    assert r["bytes_per_exchange"] >= 2 * 4 * 500**2  # the model both ways
+    assert r["ratio"] > 0
