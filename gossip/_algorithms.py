@@ -139,14 +139,37 @@ class NesterovOuter:
 
     def step(self, start: MutableMapping[str, torch.Tensor], gradient: Params) -> None:
         """Apply one outer step to `start` in place."""
+        self.begin(start)
+        for name, g in gradient.items():
+            self.add(start, name, g)
+
+    # A step streamed: the gradient enters linearly, so with buf' = momentum * buf + g,
+    # start' = start - lr * momentum^2 * buf - lr * (1 + momentum) * g: `begin` applies the buf
+    # terms, then `add` each part of g as it comes (a weighted sum of updates, one slice of one
+    # update at a time: the gradient is never held whole). begin + add of every name = step.
+    def begin(self, start: MutableMapping[str, torch.Tensor]) -> None:
+        """Start an outer step: start -= lr * momentum^2 * buf; buf *= momentum (zeros at
+        first). Every element of the gradient must then be `add`ed (zero is not added)."""
         with torch.no_grad():
             for name, tensor in start.items():
-                g = gradient[name].to(tensor.dtype)
                 buf = self.buffers.get(name)
-                buf = g.clone() if buf is None else buf.mul_(self.momentum).add_(g)
-                self.buffers[name] = buf
-                tensor.sub_(g, alpha=self.lr)  # (two in-place steps: no temporary)
-                tensor.sub_(buf, alpha=self.lr * self.momentum)
+                if buf is None:
+                    self.buffers[name] = torch.zeros_like(tensor)
+                    continue
+                tensor.sub_(buf, alpha=self.lr * self.momentum**2)
+                buf.mul_(self.momentum)
+
+    def add(self, start: MutableMapping[str, torch.Tensor], name: str, values: torch.Tensor,
+            weight: float = 1.0, offset: int = 0) -> None:  # fmt: skip
+        """Add weight * values to the begun step's gradient, at elements offset.. of tensor
+        `name` (flattened): buf += w * values; start -= lr * (1 + momentum) * w * values."""
+        target = start[name]
+        n = values.numel()
+        with torch.no_grad():
+            v = values.detach().reshape(-1).to(target.dtype)
+            self.buffers[name].view(-1)[offset : offset + n].add_(v, alpha=weight)
+            rate = self.lr * (1 + self.momentum) * weight
+            target.view(-1)[offset : offset + n].sub_(v, alpha=rate)
 
 
 def relative_change(live: Params, reference: Params) -> float:

@@ -100,7 +100,15 @@ def check_update(local: Params, remote: Params, *, max_norm_ratio: float) -> Non
             raise RejectedUpdate("dtype", f"{name}: {theirs.dtype} is not floating point")
         if not all_finite(theirs):
             raise RejectedUpdate("nonfinite", f"{name} holds NaN or inf")
-    theirs_norm, mine_norm = params_norm(remote), params_norm(local)
+    check_norm_ratio(params_norm(remote), params_norm(local), max_norm_ratio=max_norm_ratio)
+
+
+def check_norm_ratio(theirs_norm: float, mine_norm: float, *, max_norm_ratio: float) -> None:
+    """check_update's norm check on norms worked out already (an update checked as it streams).
+
+    Raises:
+        RejectedUpdate: ||remote|| > max_norm_ratio * ||local|| + 1 ("norm").
+    """
     if theirs_norm > max_norm_ratio * mine_norm + 1.0:
         raise RejectedUpdate(
             "norm", f"norm {theirs_norm:.3g} > {max_norm_ratio} x local {mine_norm:.3g} + 1"

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Mapping, MutableMapping
+from collections.abc import Callable, Mapping, MutableMapping
 from dataclasses import dataclass, field
 
 import torch
@@ -198,6 +198,21 @@ def trimmed_mean_mix(
     return b
 
 
+def robust_scales(gaps: list[Callable[[], float]], rule: str, radius: ClipRadius) -> list[float]:
+    """robust_average's factors s_j, one per other update, when it does not trim: 1 with rule
+    "none" (the distances are not worked out), else the clip factor of each distance
+    ||x_j - own|| (`gaps` work them out) at the radius (trim's fallback counted in `radius`)."""
+    if rule == "none":
+        return [1.0] * len(gaps)
+    if rule == "trim" and gaps:
+        radius.trim_fallbacks += 1
+    scales = []
+    for gap_of in gaps:
+        gap = gap_of()
+        scales.append(clip_scale(gap, radius.radius(gap)))
+    return scales
+
+
 def robust_average(
     own: Params, others: list[Params], rule: str, radius: ClipRadius, out: Params | None = None
 ) -> Params:
@@ -219,17 +234,9 @@ def robust_average(
         total = {n: t.detach().clone() for n, t in own.items()}
         trimmed_mean_mix(total, own, dict(enumerate(others)))  # type: ignore[arg-type]
         return total
-    if rule == "trim" and others:
-        radius.trim_fallbacks += 1
     # mean = own + sum_j s_j (x_j - own) / (k + 1), s_j the clip factor (1 without clipping),
     # worked out a slice at a time after every factor is known
-    scales = []
-    for other in others:
-        if rule == "none":
-            scales.append(1.0)
-        else:
-            gap = distance(other, own)
-            scales.append(clip_scale(gap, radius.radius(gap)))
+    scales = robust_scales([(lambda o=o: distance(o, own)) for o in others], rule, radius)
     result = out if out is not None else {n: torch.empty_like(t) for n, t in own.items()}
     share = 1.0 / (len(others) + 1)
     with torch.no_grad():

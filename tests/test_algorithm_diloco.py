@@ -11,9 +11,9 @@ import torch
 import trio
 from _runtimes import model, poison, runtimes, same, step
 
-from geotrain.gossip import NesterovOuter, average, pseudo_gradient
+from geotrain.gossip import ClipRadius, NesterovOuter, average, pseudo_gradient, robust_average
 from geotrain.node.algorithms import diloco
-from geotrain.node.algorithms._stream import encode_chunk, model_chunk
+from geotrain.node.algorithms._stream import EncodedAssembly, encode_chunk, model_chunk
 from geotrain.node.algorithms.diloco import DeltaOffer, DeltaReply, DilocoSettings
 from geotrain.node.training import StepResult
 from geotrain.node.transport import PeerInfo
@@ -271,7 +271,8 @@ async def test_consensus_averages_the_outer_parameters_of_each_swap_on_both_ends
         assert all(torch.allclose(a.start[k], expected_a[k], atol=1e-5) for k in mid)
         assert a.statistics().consensus_mixes == 1 and b.statistics().consensus_mixes == 1
         assert set(b.consensus) == {"p0"}  # for b's next outer step: a's start of the swap
-        assert all(torch.equal(b.consensus["p0"][1][k], a0[k]) for k in a0)
+        held = b.consensus["p0"][1].decoded()  # (kept as it came: codec none's values)
+        assert all(torch.equal(held[k], a0[k]) for k in a0)
         apart = sum(float((a0[k] - b0[k]).norm() ** 2) for k in a0) ** 0.5
         now = sum(float((a.start[k] - b.start[k]).norm() ** 2) for k in a0) ** 0.5
         # what is left is the two outer steps' difference (b had only its own update)
@@ -366,3 +367,113 @@ async def test_steps_a_loop_took_while_its_round_ended_are_kept_on_the_new_start
         assert any(d.abs().max() > 0 for d in drift.values())
         assert all(torch.allclose(model(a)[k], expected[k] + drift[k], atol=1e-6)
                    for k in expected)  # fmt: skip
+
+
+def _encoded(update: dict, plan, codec: str) -> EncodedAssembly:
+    held = EncodedAssembly(plan, codec, torch.device("cpu"))
+    for i in range(len(plan)):
+        held.add(i, bytearray(encode_chunk(model_chunk(update, plan, i), codec)))
+    assert held.complete
+    return held
+
+
+@pytest.mark.parametrize("rule", ["none", "clip", "trim"])
+async def test_the_outer_step_streamed_over_encoded_updates_is_the_whole_one(autojump_clock, rule):
+    # peers' updates are held as they came and folded into the outer step a chunk at a time:
+    # the result is Nesterov on gossip.robust_average of the decoded updates, for every rule
+    torch.manual_seed(1)
+    async with runtimes(2, chunk_numel=1000, params={"features": 4000, "samples": 64},
+                        **DILOCO) as (net, (a, _)):  # fmt: skip
+        plan = a.plan(1000)  # 5 chunks
+        shapes = {n: t.shape for n, t in a.start.items()}
+        ours = {n: torch.randn(s) for n, s in shapes.items()}
+        theirs = [{n: torch.randn(s) * (1 + 4 * (j == 0)) for n, s in shapes.items()}
+                  for j in range(3)]  # fmt: skip
+        held = [_encoded(t, plan, "int8") for t in theirs]
+        whole = [h.decoded() for h in held]  # what int8 brought
+        assert held[0].nbytes < 0.5 * 4 * plan.numel  # kept encoded: a fraction of float32
+        radius, radius_ref = ClipRadius(rule), ClipRadius(rule)  # (the same history)
+        for _ in range(2):  # twice: the second step carries momentum
+            expected = {n: t.clone() for n, t in a.start.items()}
+            reference = NesterovOuter(0.7, 0.9)
+            reference.buffers = {n: t.clone() for n, t in a.outer.buffers.items()}
+            reference.step(expected, robust_average(ours, whole, rule, radius_ref))
+            a._outer_update(ours, held, rule, radius)
+            assert all(torch.allclose(a.start[n], expected[n], atol=1e-5) for n in expected)
+        if rule == "clip":
+            assert radius.clipped == radius_ref.clipped >= 1  # the long one was clipped
+
+
+@pytest.mark.parametrize("kind", ["model", "encoded"])
+def test_an_assembly_is_complete_only_when_every_chunk_is_in(kind, monkeypatch):
+    # chunks are added from several worker threads: the last chunk to arrive must not report
+    # the update complete while an earlier one is still being decoded (it did: the check and
+    # the mix then read a half-written update)
+    import threading
+
+    from geotrain.node.algorithms import _stream
+
+    update = {"w": torch.arange(16, dtype=torch.float32)}
+    plan = _stream.ChunkPlan.build([("w", (16,))], 8)  # 2 chunks
+    payloads = [encode_chunk(model_chunk(update, plan, i), "none") for i in range(2)]
+    slow, real = threading.Event(), _stream.decode_chunk
+
+    def decode(payload, spec, plan_, index, device):
+        if index == 0:
+            slow.wait(5)
+        return real(payload, spec, plan_, index, device)
+
+    monkeypatch.setattr(_stream, "decode_chunk", decode)
+    cls = _stream.ModelAssembly if kind == "model" else EncodedAssembly
+    held = cls(plan, "none", torch.device("cpu"))
+    first = threading.Thread(target=held.add, args=(0, payloads[0]))
+    first.start()
+    try:
+        assert held.add(1, payloads[1]) is False and not held.complete
+    finally:
+        slow.set()
+        first.join()
+    assert held.complete
+
+
+async def test_a_crossing_offer_is_taken_even_when_the_updates_held_fill_fanout(autojump_clock):
+    # fanout 1 and an update from c already held: b's offer, crossing a's own offer to b, is
+    # still taken (it stands for the reply a's offer would have brought, which carries none)
+    settings = {**DILOCO, "algorithm_settings": {"diloco": DilocoSettings(inner_steps=2,
+                                                                          fanout=1)}}
+    async with runtimes(3, **settings) as (net, (a, b, c)):
+        c.ctx.peers.live_peers = lambda: ("p0",)
+        a.ctx.peers.live_peers = lambda: ("p1",)
+        b.ctx.peers.live_peers = lambda: ("p0",)
+        for node in (a, b, c):
+            node.ctx.trainer.train_step()
+        await c.after_step(step(c, 2))  # c pushes its update to a
+        assert "p2" in a.inbox
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(a.after_step, step(a, 2))
+            nursery.start_soon(b.after_step, step(b, 2))
+        assert a.statistics().peer_deltas_used == 2  # c's and b's
+        assert b.statistics().peer_deltas_used == 1
+        assert a.counters.statistics().failed == b.counters.statistics().failed == 0
+
+
+async def test_a_round_end_does_not_wait_for_an_offer_abandoned_earlier(autojump_clock):
+    # b began an offer to a long ago and never finished it; at a's round end b answers a's
+    # offer at once: a's outer step must not wait the whole deadline for b's old offer (only
+    # offers that cross a's own at its round end are waited for)
+    async with runtimes(2, **{**DILOCO, "chunk_numel": 8}) as (net, (a, b)):  # 5 chunks
+        b.ctx.peers.live_peers = lambda: ()
+        b.ctx.trainer.train_step()
+        await b.after_step(step(b, 2))
+        plan = a.plan(8)
+        offer = DeltaOffer(codec="none", round=1, xid=7, plan=plan.digest, chunk_numel=8,
+                           chunks=len(plan), index=0)  # fmt: skip
+        chunk = encode_chunk(model_chunk(b.latest_delta, plan, 0), "none")
+        await a.handle(PeerInfo("p1", b"", "mem://p1", "inbound"), offer, memoryview(chunk))
+        assert "p1" in a._incoming
+        a.ctx.trainer.train_step()
+        started = trio.current_time()
+        await a.after_step(step(a, 2))
+        deadline = a.ctx.peers.round_deadline("p1", a.ctx.peers.payload_nbytes("none"), started)
+        assert trio.current_time() - started < deadline / 2
+        assert a.statistics().outer_steps == 1 and a.counters.statistics().failed == 0

@@ -18,7 +18,7 @@ import torch
 import trio
 
 from geotrain import compress
-from geotrain.gossip import ClipRadius, RejectedUpdate, all_finite, clip_scale
+from geotrain.gossip import ClipRadius, RejectedUpdate, all_finite, check_norm_ratio, clip_scale
 
 from ..training import Trainer
 from ._base import Tensors
@@ -451,11 +451,8 @@ class PairwiseMix:
         """
         if not self.complete:
             raise ValueError(f"commit after {len(self.received)} of {len(self.plan)} chunks")
-        theirs, ours = math.sqrt(self._theirs_sq), math.sqrt(self._ours_sq)
-        if theirs > self.max_norm_ratio * ours + 1.0:
-            raise RejectedUpdate(
-                "norm", f"norm {theirs:.3g} > {self.max_norm_ratio} x local {ours:.3g} + 1"
-            )
+        check_norm_ratio(math.sqrt(self._theirs_sq), math.sqrt(self._ours_sq),
+                         max_norm_ratio=self.max_norm_ratio)  # fmt: skip
         distance = math.sqrt(self._diff_sq)
 
         def apply(live: Tensors) -> None:
@@ -484,12 +481,13 @@ class ModelAssembly:
     def __init__(self, plan: ChunkPlan, spec: str, device: torch.device) -> None:
         self.plan, self.spec, self.device = plan, spec, device
         self.tensors: Tensors = {}
-        self.received: set[int] = set()
+        self.received: set[int] = set()  # taken (being written, or written)
+        self._written = 0  # (complete counts these: a chunk still being decoded does not count)
         self._lock = threading.Lock()
 
     @property
     def complete(self) -> bool:
-        return len(self.received) == len(self.plan)
+        return self._written == len(self.plan)
 
     def add(self, index: int, payload: bytes | bytearray | memoryview) -> bool:
         """Check chunk `index` and keep it (a worker thread). Returns whether that completed it.
@@ -511,4 +509,81 @@ class ModelAssembly:
                     buffer = self.tensors[s.name] = torch.empty(shape, device=self.device)
             buffer.reshape(-1)[s.start : s.stop] = t
         with self._lock:
+            self._written += 1
             return self.complete
+
+
+class EncodedAssembly:
+    """A peer's update arriving chunk by chunk, each checked as it comes (decoded once: the
+    plan's slices, finite; its norm added up) and kept as it came: a lossy codec's chunks are a
+    fraction of the values' bytes (int8 about a quarter, top-k 1% about 2%), codec none's are
+    the values (the received buffers themselves, not copied). `slices` decodes them again where
+    the update is used, one chunk at a time. Thread-safe, as ModelAssembly.
+
+    Args:
+        plan: the chunk plan both ends agreed on; spec: the codec; device: where values land.
+    """
+
+    def __init__(self, plan: ChunkPlan, spec: str, device: torch.device) -> None:
+        self.plan, self.spec, self.device = plan, spec, device
+        self._payloads: dict[int, bytes | bytearray | memoryview] = {}  # checked chunks
+        self._taken: set[int] = set()  # (being checked, or checked)
+        self._squares = 0.0
+        self._lock = threading.Lock()
+
+    @property
+    def complete(self) -> bool:
+        return len(self._payloads) == len(self.plan)
+
+    @property
+    def norm(self) -> float:
+        """The L2 norm of the chunks received (the whole update's once complete)."""
+        return math.sqrt(self._squares)
+
+    @property
+    def nbytes(self) -> int:
+        """The bytes held: what came over the wire."""
+        return sum(len(p) for p in self._payloads.values())
+
+    def add(self, index: int, payload: bytes | bytearray | memoryview) -> bool:
+        """Check chunk `index` and keep it (a worker thread). Returns whether that completed it.
+
+        Raises:
+            RejectedUpdate, compress.DecodeError: the chunk is bad.
+            ValueError: an index out of the plan, or one received before.
+        """
+        with self._lock:
+            if not 0 <= index < len(self.plan) or index in self._taken:
+                raise ValueError(f"chunk {index} of a {len(self.plan)}-chunk plan, or twice")
+            self._taken.add(index)
+        values = decode_chunk(payload, self.spec, self.plan, index, self.device)
+        squares = sum(float(torch.linalg.vector_norm(t)) ** 2 for t in values)
+        with self._lock:
+            self._payloads[index] = payload
+            self._squares += squares
+            return self.complete
+
+    def slices(self) -> Iterable[tuple[str, int, torch.Tensor]]:
+        """(tensor name, offset of the first element, values) of every slice, a chunk decoded
+        at a time (uncompressed values are views of the kept buffers: read them only)."""
+        for index in range(len(self.plan)):
+            values = decode_chunk(self._payloads[index], self.spec, self.plan, index, self.device)
+            for s, t in zip(self.plan.chunks[index], values, strict=True):
+                yield s.name, s.start, t
+
+    def decoded(self) -> Tensors:
+        """The whole update decoded into new tensors (a model's worth of float32)."""
+        shapes = dict(self.plan.shapes)
+        out: Tensors = {}
+        for name, offset, t in self.slices():
+            if name not in out:
+                out[name] = torch.empty(shapes[name], device=self.device)
+            out[name].view(-1)[offset : offset + t.numel()] = t
+        return out
+
+
+def update_slices(update: EncodedAssembly | Tensors) -> Iterable[tuple[str, int, torch.Tensor]]:
+    """(name, offset, values) of an update held encoded or as tensors (each tensor whole)."""
+    if isinstance(update, EncodedAssembly):
+        return update.slices()
+    return ((name, 0, t.reshape(-1)) for name, t in update.items())

@@ -9,6 +9,7 @@
 # of the round's partners, both ends alike (each at its next outer step), so the models agree.
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 
@@ -21,11 +22,15 @@ from geotrain.gossip import (
     ClipRadius,
     NesterovOuter,
     RejectedUpdate,
-    check_update,
-    clipped_neighbourhood_mix,
+    check_norm_ratio,
+    clip_scale,
+    distance_squared,
     fresh_deltas,
+    params_norm,
     pseudo_gradient,
     robust_average,
+    robust_scales,
+    trim_count,
 )
 
 from .._config import check_field
@@ -35,14 +40,17 @@ from ._base import Algorithm, AlgorithmContext, AlgorithmSpec, Reply, Tensors
 from ._registry import register_algorithm
 from ._stream import (
     ChunkPlan,
-    ModelAssembly,
+    EncodedAssembly,
     SliceFeedback,
     cached_plan,
     encode_chunk,
     in_window,
     model_chunk,
     plan_refusal,
+    update_slices,
 )
+
+Update = EncodedAssembly | Tensors  # a peer's update: as it came, or (tests) as tensors
 
 
 class _Refused(Exception):
@@ -154,6 +162,16 @@ class DilocoSettings:
                     self.max_inner_steps, f">= inner_steps ({self.inner_steps})")  # fmt: skip
 
 
+def wire_share(codec: str) -> float:
+    """The bytes of a model encoded with `codec` over its float32 bytes (1 for "auto": it may
+    choose none), measured on a 2^20-element tensor."""
+    if codec in ("auto", "none"):
+        return 1.0
+    numel = 2**20
+    nbytes = compress.expected_nbytes_named([("t", (numel,))], compress.get_codec(codec))
+    return nbytes / (4 * numel)
+
+
 @dataclass(frozen=True)
 class DilocoStatistics:
     outer_steps: int
@@ -192,9 +210,11 @@ class Diloco(Algorithm):
         self.latest: tuple[int, list[bytes], str] = (0, [], "")
         self.latest_delta: Tensors | None = None
         self._keep_update = 4 * ctx.peers.numel <= KEEP_UPDATE_BYTES
-        self.inbox: dict[str, tuple[int, Tensors]] = {}
+        # peers' updates held as they came over the wire (a lossy codec's are a fraction of a
+        # model), decoded a chunk at a time in the outer step
+        self.inbox: dict[str, tuple[int, Update]] = {}
         self.used: dict[str, int] = {}
-        self._incoming: dict[str, tuple[int, int, ModelAssembly]] = {}  # peer -> xid, round, ...
+        self._incoming: dict[str, tuple[int, int, EncodedAssembly]] = {}  # peer -> xid, round
         self._plans: dict[int, ChunkPlan] = {}
         self.feedback = SliceFeedback(torch.float16)
         self._rejected_now: set[str] = set()  # partners whose update this round was refused
@@ -204,12 +224,14 @@ class Diloco(Algorithm):
         self._offering: dict[str, int] = {}  # partner -> our round our offer to it is sending
         self._answering: dict[str, tuple[int, int]] = {}  # partner -> its offer's xid, our
         # round the replies to it carry (0: none)
+        self._crossed: set[str] = set()  # this round end's partners whose update comes with
+        # their own offer (ours crossed it, or went in our replies to it)
         self._arrived = trio.Event()  # set (and replaced) when an offer to us ends or is dropped
         self.outer_steps = self.peer_deltas_used = self.missing = self.consensus_mixes = 0
         # consensus: partners' outer parameters to average in at our next outer step (with the
         # outer steps they had made); one offer of a peer's held while it arrives
-        self.consensus: dict[str, tuple[int, Tensors]] = {}
-        self._outer_in: tuple[str, int, int, ModelAssembly] | None = None  # peer, xid, round
+        self.consensus: dict[str, tuple[int, Update]] = {}
+        self._outer_in: tuple[str, int, int, EncodedAssembly] | None = None  # peer, xid, round
         self._stepping = False  # the outer step is changing self.start: answer no consensus
         self._round_end_step = 0  # the trainer's step when the last round ended
         rule = ctx.gossip.robust
@@ -306,11 +328,17 @@ class Diloco(Algorithm):
         self._arrived.set()
         self._arrived = trio.Event()
 
-    async def _await_crossing(self, partners: list[str], deadline_at: float) -> None:
-        """Until `deadline_at`, wait for offers still arriving from `partners` (offers that
-        crossed ours: their updates come with them, not with the replies)."""
+    def _crossing_pending(self) -> bool:
+        """Whether an offer that crossed ours this round end is still arriving (one abandoned
+        earlier is not waited for)."""
+        return any(p in self._incoming and self._incoming[p][0] == self._answering.get(p, (-1,))[0]
+                   for p in self._crossed)  # fmt: skip
+
+    async def _await_crossing(self, deadline_at: float) -> None:
+        """Until `deadline_at`, wait for the offers that crossed ours this round end (their
+        updates come with them, not with the replies)."""
         with trio.move_on_at(deadline_at):
-            while any(p in self._incoming for p in partners):
+            while self._crossing_pending():
                 await self._arrived.wait()
 
     def _held_round(self, peer: str, *, arriving: bool = True) -> int:
@@ -353,9 +381,10 @@ class Diloco(Algorithm):
         # the last round's update goes before this one is made (one update held, not two); an
         # offer meanwhile is answered with none
         self.latest, self.latest_delta = (0, [], ""), None
+        self._crossed.clear()
         delta, chunks = await ctx.to_thread(self._round_end, spec)
         self.latest, self.latest_delta = (round_, chunks, spec), delta
-        replies: dict[str, tuple[int, Tensors | None]] = {}  # who answered (with its update)
+        replies: dict[str, tuple[int, Update | None]] = {}  # who answered (with its update)
         if partners:
             now = ctx.now()
             nbytes = sum(len(c) for c in chunks) or ctx.peers.payload_nbytes(spec)
@@ -364,7 +393,12 @@ class Diloco(Algorithm):
                 async with trio.open_nursery() as nursery:
                     for peer in partners:
                         nursery.start_soon(self._offer, peer, round_, spec, deadline, replies)
-            await self._await_crossing(partners, now + deadline)
+            await self._await_crossing(now + deadline)
+        for peer in self._crossed:  # answered by their own offers: did they arrive?
+            if peer in partners and peer not in replies and peer in self.inbox:
+                replies[peer] = (0, None)
+                self.counters.record_ok(peer, spec)
+        self._crossed.clear()
         now = ctx.now()
         for peer in partners:  # an offer cut off by the deadline raised nothing: count it here
             if peer not in replies and peer not in self._rejected_now:
@@ -407,14 +441,9 @@ class Diloco(Algorithm):
                     tensor.sub_(self.start[name]).add_(delta[name])
             # gossip.robust: peers' pseudo-gradients clipped around ours, or trimmed; the mean
             # is written over the first peer's update (dropped after this step: no new copy)
-            mean = robust_average(delta, others, rule, radius, out=others[0]) if others else delta
             if mixes:  # the outer step moves every start alike: average first, then step
-                sent = self.start if len(mixes) == 1 else {
-                    n: t.clone() for n, t in self.start.items()}  # fmt: skip
-                weight = 1.0 / (len(mixes) + 1)
-                clipped_neighbourhood_mix(self.start, sent, mixes, dict.fromkeys(mixes, weight),
-                                          self._consensus_radius)  # fmt: skip
-            self.outer.step(self.start, mean)
+                self._consensus_mix(mixes)
+            self._outer_update(delta, others, rule, radius)
             for name, tensor in live.items():
                 if drift:
                     tensor.add_(self.start[name])
@@ -431,9 +460,12 @@ class Diloco(Algorithm):
             self.latest_delta = None
         for peer in use:
             self.used[peer] = offered[peer][0]
-        self.inbox.clear()
+        for peer, (r, _) in list(self.inbox.items()):  # (a newer one that came during the
+            if peer in offered and r <= offered[peer][0]:  # step stays, for the next)
+                del self.inbox[peer]
         live = set(self.ctx.peers.live_peers())
         self.used = {p: r for p, r in self.used.items() if p in live}
+        self._answering = {p: a for p, a in self._answering.items() if p in live}
         self.round = round_
         self.outer_steps += 1
         self.peer_deltas_used += len(use)
@@ -448,6 +480,53 @@ class Diloco(Algorithm):
             inner_steps=self.inner_steps,
         )
 
+    def _consensus_mix(self, mixes: dict[str, Update]) -> None:
+        """Average partners' outer parameters into ours, each difference clipped around ours
+        (gossip.clipped_neighbourhood_mix with equal weights), a slice of one partner's at a
+        time: start' = (1 - sum_j c_j) start + sum_j c_j x_j, c_j = w s_j (no copy of start)."""
+        start = self.start
+
+        def gap(other: Update) -> float:
+            return math.sqrt(sum(distance_squared(t, start[n].view(-1)[i : i + t.numel()])
+                                 for n, i, t in update_slices(other)))  # fmt: skip
+
+        weight, radius = 1.0 / (len(mixes) + 1), self._consensus_radius
+        shares = []
+        for other in mixes.values():
+            distance = gap(other)
+            shares.append(weight * clip_scale(distance, radius.radius(distance)))
+        with torch.no_grad():
+            for t in start.values():
+                t.mul_(1.0 - sum(shares))
+            for other, share in zip(mixes.values(), shares, strict=True):
+                for name, offset, t in update_slices(other):
+                    start[name].view(-1)[offset : offset + t.numel()].add_(t, alpha=share)
+
+    def _outer_update(self, delta: Tensors, others: list[Update], rule: str,
+                      radius: ClipRadius) -> None:  # fmt: skip
+        """The outer step on the robust mean of our update and the peers' (gossip.robust:
+        clipped around ours, or trimmed), a slice of one update at a time: the mean is never
+        held whole, nor a peer's update decoded whole (but for a trimmed mean, which needs every
+        update's value of a coordinate at once)."""
+        if rule == "trim" and trim_count(len(others) + 1):
+            whole = [o.decoded() if isinstance(o, EncodedAssembly) else o for o in others]
+            self.outer.step(self.start, robust_average(delta, whole, rule, radius))
+            return
+
+        def gap(other: Update) -> float:
+            return math.sqrt(sum(distance_squared(t, delta[n].view(-1)[i : i + t.numel()])
+                                 for n, i, t in update_slices(other)))  # fmt: skip
+
+        scales = robust_scales([functools.partial(gap, o) for o in others], rule, radius)
+        share = 1.0 / (len(others) + 1)
+        # mean = own + sum_j share s_j (x_j - own) = (1 - share sum_j s_j) own + sum_j share s_j x_j
+        self.outer.begin(self.start)
+        for name, t in delta.items():
+            self.outer.add(self.start, name, t, 1.0 - share * sum(scales))
+        for other, scale in zip(others, scales, strict=True):
+            for name, offset, t in update_slices(other):
+                self.outer.add(self.start, name, t, share * scale, offset)
+
     async def _consensus_offer(self, peer: str) -> None:
         """Swap outer parameters with `peer` chunk by chunk and keep its for our outer step (it
         keeps ours for its next one)."""
@@ -457,7 +536,7 @@ class Diloco(Algorithm):
             return
         spec, plan, made = ctx.settings.consensus_codec, self.plan(ctx.chunk_numel), self.round
         xid = ctx.rng.getrandbits(63)
-        theirs = ModelAssembly(plan, spec, ctx.trainer.task_device)
+        theirs = EncodedAssembly(plan, spec, ctx.trainer.task_device)
         mine = self.start
         started, moved, their_round = ctx.now(), [0], []
         deadline = ctx.peers.round_deadline(peer, 2 * ctx.peers.payload_nbytes(spec), started)
@@ -479,8 +558,7 @@ class Diloco(Algorithm):
                 await in_window(range(len(plan)), one)
             if not theirs.complete:
                 raise _Refused("no complete answer within the deadline")
-            await ctx.to_thread(lambda: check_update(
-                mine, theirs.tensors, max_norm_ratio=ctx.gossip.max_norm_ratio))
+            await ctx.to_thread(self._check_norm, theirs, mine)
         except (TransportError, _Refused) as exc:
             log.info("consensus_skipped", partner=peer[:12], reason=str(exc))
             return
@@ -490,7 +568,17 @@ class Diloco(Algorithm):
         now = ctx.now()
         ctx.peers.transferred(peer, moved[0], now - started, now)
         if self.round == made:  # (nothing replaced our model meanwhile)
-            self.consensus[peer] = (max(their_round), theirs.tensors)
+            self.consensus[peer] = (max(their_round), theirs)
+
+    def _check_norm(self, update: EncodedAssembly, ours: Tensors | None = None) -> None:
+        """A peer's complete update or outer parameters (its chunks checked as they came)
+        against the norm of `ours` (our model when None; a worker thread).
+
+        Raises:
+            RejectedUpdate: "norm".
+        """
+        mine = params_norm(self.ctx.trainer.params() if ours is None else ours)
+        check_norm_ratio(update.norm, mine, max_norm_ratio=self.ctx.gossip.max_norm_ratio)
 
     def _rejected_from(self, peer: str, spec: str, exc: Exception) -> None:
         """A partner's answer failed a check: count it, choose the partner less, say why."""
@@ -506,15 +594,14 @@ class Diloco(Algorithm):
             return
         if self._answering.get(peer, (0, 0))[1] == round_:
             # its offer to us is arriving and our replies carry this update: nothing to send,
-            # and its update comes with its offer (the round end waits for it)
-            replies[peer] = (0, None)
-            self.counters.record_ok(peer, spec)
+            # and its update comes with its offer (the round end waits for it, and counts it)
+            self._crossed.add(peer)
             return
         plan = self.plan(ctx.chunk_numel)
         xid = ctx.rng.getrandbits(63)
         have = self._held_round(peer)  # (it answers none when it has nothing newer for us)
         self._offering[peer] = round_
-        theirs = ModelAssembly(plan, spec, ctx.trainer.task_device)
+        theirs: EncodedAssembly | None = EncodedAssembly(plan, spec, ctx.trainer.task_device)
         their_round: list[int] = []
         started, moved, changed = ctx.now(), [0], [False]
 
@@ -535,6 +622,7 @@ class Diloco(Algorithm):
                 changed[0] = True
             their_round.append(reply.round)
             if reply.round > 0 and not changed[0]:
+                assert theirs is not None
                 await ctx.to_thread(theirs.add, index, data)
 
         try:
@@ -545,14 +633,13 @@ class Diloco(Algorithm):
                     del self._offering[peer]
             delta = None
             if changed[0]:
-                their_round, theirs.tensors = [0], {}
+                their_round, theirs = [0], None
                 log.info("update_changed", partner=peer[:12],
                          detail="its round ended during our offer: ours was delivered, its "
                          "update comes with its own offer")  # fmt: skip
             elif their_round and their_round[0] > 0:
-                delta = theirs.tensors
-                await ctx.to_thread(lambda: check_update(
-                    ctx.trainer.params(), delta, max_norm_ratio=ctx.gossip.max_norm_ratio))
+                delta = theirs
+                await ctx.to_thread(self._check_norm, theirs)
         except (TransportError, _Refused) as exc:  # counted as failed when the round ends
             log.info("exchange_failed", partner=peer[:12], reason=str(exc))
             return
@@ -584,6 +671,8 @@ class Diloco(Algorithm):
         except (RejectedUpdate, compress.DecodeError, ValueError) as exc:
             if self._incoming.pop(peer.peer_id, None) is not None:
                 self._offer_ended()
+            if peer.peer_id in self._crossed:
+                self._rejected_now.add(peer.peer_id)
             self.counters.record_rejected(peer.peer_id, header.codec, exc)
             log.warning("update_rejected", peer=peer.short_id, reason=str(exc))
             return ErrorReply(code="bad_request", reason=f"update rejected: {exc}"[:500]), b""
@@ -591,6 +680,8 @@ class Diloco(Algorithm):
         answering = self._answering.get(peer.peer_id)
         if answering is None or answering[0] != header.xid:  # its offer's first chunk here
             crossing = self._offering.get(peer.peer_id) == round_  # ours goes in our offer
+            if crossing:
+                self._crossed.add(peer.peer_id)
             none = not available or round_ <= header.have or crossing
             answering = self._answering[peer.peer_id] = (header.xid, 0 if none else round_)
         if answering[1] == 0 or not available:  # none, or none it lacks
@@ -620,15 +711,14 @@ class Diloco(Algorithm):
             if held is not None and held[0] != peer.peer_id:  # one at a time (memory budget)
                 return ErrorReply(code="busy", reason="answering another consensus offer"), b""
             held = self._outer_in = (peer.peer_id, header.xid, self.round,
-                                     ModelAssembly(plan, header.codec, ctx.trainer.task_device))
+                                     EncodedAssembly(plan, header.codec, ctx.trainer.task_device))
         assembly, mine = held[3], self.start
         try:
             if await ctx.to_thread(assembly.add, header.index, payload):
                 self._outer_in = None
-                await ctx.to_thread(lambda: check_update(
-                    mine, assembly.tensors, max_norm_ratio=ctx.gossip.max_norm_ratio))
+                await ctx.to_thread(self._check_norm, assembly, mine)
                 if held[2] == self.round:  # (our outer parameters are still those it saw)
-                    self.consensus[peer.peer_id] = (header.round, assembly.tensors)
+                    self.consensus[peer.peer_id] = (header.round, assembly)
         except (RejectedUpdate, compress.DecodeError, ValueError) as exc:
             self._outer_in = None
             self.counters.record_rejected(peer.peer_id, header.codec, exc)
@@ -645,22 +735,21 @@ class Diloco(Algorithm):
         fresh = current is None or current[0] != header.xid
         if fresh and header.round <= self._held_round(peer, arriving=False):
             return  # an update of it we hold or used already: not taken twice
-        if current is None and peer not in self.inbox and len(self.inbox) + len(
-            self._incoming
-        ) >= ctx.settings.fanout:  # as many updates held as the memory budget counts
+        if current is None and peer not in self.inbox and peer not in self._offering and len(
+            self.inbox
+        ) + len(self._incoming) >= ctx.settings.fanout:  # as many updates held as the memory
+            # budget counts (a partner we offer to: its update stands for its reply's)
             raise ValueError(f"already holding {ctx.settings.fanout} peers' updates")
         if current is None or current[0] != header.xid:  # a new offer replaces an unfinished one
-            assembly = ModelAssembly(plan, header.codec, ctx.trainer.task_device)
+            assembly = EncodedAssembly(plan, header.codec, ctx.trainer.task_device)
             current = self._incoming[peer] = (header.xid, header.round, assembly)
         assembly = current[2]
         if not await ctx.to_thread(assembly.add, header.index, payload):
             return
-        delta = assembly.tensors
         try:
-            await ctx.to_thread(lambda: check_update(
-                ctx.trainer.params(), delta, max_norm_ratio=ctx.gossip.max_norm_ratio))
+            await ctx.to_thread(self._check_norm, assembly)
             if header.round > self.inbox.get(peer, (-1, None))[0]:
-                self.inbox[peer] = (header.round, delta)
+                self.inbox[peer] = (header.round, assembly)
         finally:  # (checked before it stops counting as arriving: a round end waits for it)
             if self._incoming.get(peer, (None,))[0] == header.xid:  # (a newer offer may
                 del self._incoming[peer]  # have replaced it)
@@ -678,9 +767,10 @@ ALGORITHM = register_algorithm(
         # round start, outer momentum and our update (a model above KEEP_UPDATE_BYTES holds it
         # only through its round end, where this peak is); with a lossy codec its encoded
         # chunks and half-precision error feedback; up to fanout updates from peers offered to
-        # us plus fanout replies; with consensus, a partner's outer parameters we asked for and
-        # one we answer
-        memory=lambda g: (3.0 + (g.codec != "none") + 2 * g.settings.fanout
-                          + (2 if g.settings.consensus_every else 0)),
+        # us plus fanout replies, held as they came; with consensus, a partner's outer
+        # parameters we asked for and one we answer, as they came in consensus_codec
+        memory=lambda g: (3.0 + (g.codec != "none") + 2 * g.settings.fanout * wire_share(g.codec)
+                          + (2 * wire_share(g.settings.consensus_codec)
+                             if g.settings.consensus_every else 0)),
     )
 )
