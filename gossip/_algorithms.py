@@ -149,7 +149,7 @@ class NesterovOuter:
     # update at a time: the gradient is never held whole). begin + add of every name = step.
     def begin(self, start: MutableMapping[str, torch.Tensor]) -> None:
         """Start an outer step: start -= lr * momentum^2 * buf; buf *= momentum (zeros at
-        first). Every element of the gradient must then be `add`ed (zero is not added)."""
+        first). Then `add` the gradient: an element never added counts as a zero gradient."""
         with torch.no_grad():
             for name, tensor in start.items():
                 buf = self.buffers.get(name)

@@ -32,7 +32,7 @@ TWO_OF_EIGHT = (6, 7)
 TARGET = 0.9
 
 
-def _attacks(steps: int, echo, **shards) -> None:
+def _attacks(steps: int, echo, **shards) -> None:  # (shards: partition, alpha and seed)
     echo("| attack (2 of 8) | robust | worst honest acc | mean honest acc | vs no attack |")
     echo("|---|---|---|---|---|")
     clean = {rule: run_swarm(robust=rule, steps=steps, **shards) for rule in ("none", "clip")}
@@ -64,10 +64,10 @@ def _trim(steps: int, echo, **shards) -> None:
 LM = {"d_model": 64, "layers": 1, "context": 32, "batch_size": 16, "max_bytes": 200_000}
 
 
-def _lm(steps: int, echo) -> None:
+def _lm(steps: int, echo, seed: int = 0) -> None:
     echo("| attack (2 of 8), charlm | robust | worst honest next-byte acc | mean | vs no attack |")
     echo("|---|---|---|---|---|")
-    run = {"task": "charlm", "params": LM, "optimizer": "adam", "steps": steps}
+    run = {"task": "charlm", "params": LM, "optimizer": "adam", "steps": steps, "seed": seed}
     clean = run_swarm(**run)
     echo(f"| none | none | {clean.worst:.3f} | {clean.mean:.3f} | 1.00 |")
     r = run_swarm(robust="clip", **run)
@@ -115,20 +115,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--only", default="attacks,trim,cost,dp", help="tables to make")
     p.add_argument("--alpha", type=float, default=None,
                    help="attacks and trim tables: Dirichlet label skew (default: IID shards)")
+    p.add_argument("--seed", type=int, default=0,
+                   help="attacks, trim and lm tables: the swarm's seed (shards, models, data)")
     args = p.parse_args(argv)
     configure_logging("error", "console")
 
     def echo(line: str) -> None:
         print(line, flush=True)
 
-    shards = {} if args.alpha is None else {"partition": "dirichlet", "alpha": args.alpha}
+    shards: dict = {} if args.alpha is None else {"partition": "dirichlet", "alpha": args.alpha}
+    shards["seed"] = args.seed
     started = time.monotonic()
     tables = {
         "attacks": lambda: _attacks(args.steps, echo, **shards),
         "trim": lambda: _trim(args.steps, echo, **shards),
         "cost": lambda: _cost(args.steps, args.seeds, echo),
         "dp": lambda: _dp(args.steps, echo),
-        "lm": lambda: _lm(args.steps, echo),
+        "lm": lambda: _lm(args.steps, echo, args.seed),
     }
     for name in args.only.split(","):
         echo(f"\n{name} (steps {args.steps})\n")
