@@ -17,6 +17,13 @@ from typing import Any
 POLICIES = ("uniform", "ring", "exponential", "bandwidth")
 ROBUST_RULES = ("none", "clip", "trim")  # gossip.robust (gossip/_robust.py has the same tuple)
 PARTITIONS = ("iid", "dirichlet")
+# [gossip] preset = NAME: named settings under the [gossip] table (what the table itself sets
+# wins, key by key, [gossip.<algorithm>] tables included)
+GOSSIP_PRESETS: dict[str, dict[str, Any]] = {
+    # the fewest bytes measured to a given quality on WAN links (BENCHMARKS.md, "Presets"):
+    # local SGD with long rounds, int8 updates to one partner per round
+    "frugal": {"algorithm": "diloco", "codec": "int8", "diloco": {"inner_steps": 50, "fanout": 1}},
+}
 
 
 class ConfigError(ValueError):
@@ -319,6 +326,8 @@ class GossipConfig:
         (dpsgd: coordinate-wise trimmed mean of a round with at least 3 neighbours, clipping in
         smaller rounds and in the other algorithms).
     state_sync: a node with no checkpoint first fetches the current model from a peer.
+    preset: "" or a name of GOSSIP_PRESETS ("frugal"): its settings fill in what the [gossip]
+        table (and its algorithm tables) leave unset.
     algorithm_settings: each algorithm's own table by name ([gossip.dpsgd], [gossip.choco], ...);
         `settings` is the chosen algorithm's (its defaults when the table is absent).
     """
@@ -332,6 +341,7 @@ class GossipConfig:
     clip: float | None = None
     robust: str = "none"
     state_sync: bool = True
+    preset: str = ""
     algorithm_settings: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -621,6 +631,7 @@ def config_from_toml(text: str, *, base: Path, overrides: typing.Sequence[str] =
             if not isinstance(table, dict):
                 raise ConfigError(f"--set {item!r}: {part} is not a table")
         table[path[-1]] = value
+    _apply_preset(doc)
     sections = {f.name: f for f in dataclasses.fields(NodeConfig)}
     for name in doc:
         if name not in sections:
@@ -628,6 +639,24 @@ def config_from_toml(text: str, *, base: Path, overrides: typing.Sequence[str] =
     hints = typing.get_type_hints(NodeConfig)
     built = {name: _section(hints[name], doc[name], name, base) for name in doc}
     return NodeConfig(**built)
+
+
+def _apply_preset(doc: dict) -> None:
+    """Fill [gossip] from its preset's settings, where the table leaves them unset."""
+    gossip = doc.get("gossip")
+    if not isinstance(gossip, dict) or "preset" not in gossip:
+        return
+    name = gossip["preset"]
+    if name == "":
+        return
+    _check(isinstance(name, str) and name in GOSSIP_PRESETS, "gossip.preset", name,
+           f"one of {sorted(GOSSIP_PRESETS)} (or \"\")")  # fmt: skip
+    for key, value in GOSSIP_PRESETS[name].items():
+        mine = gossip.get(key)
+        if isinstance(value, dict) and isinstance(mine, dict):
+            gossip[key] = {**value, **mine}
+        elif key not in gossip:
+            gossip[key] = dict(value) if isinstance(value, dict) else value
 
 
 def config_to_toml(doc: typing.Mapping[str, typing.Mapping[str, Any]]) -> str:

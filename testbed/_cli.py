@@ -141,10 +141,21 @@ def _scenario_from_args(args: argparse.Namespace) -> TestbedScenario:
             option = "--" + key.split(".")[1]
             raise ScenarioError(f"--node-set {item!r}: would split the data for geotrain's nodes "
                                 f"only; use {option}, which every system of the run gets")
+        if key == "gossip.preset" and args.algorithm is None:  # the preset's algorithm is the
+            changes.update(_preset_algorithm(item.partition("=")[2].strip()))  # run's too
     if changes:
         params = {} if args.task and args.task != sc.task else sc.params
         sc = replace(sc, params=params, **changes)
     return sc
+
+
+def _preset_algorithm(name: str) -> dict[str, str]:
+    """{"algorithm": ...} of gossip preset `name` (nothing for an unknown one: the nodes' config
+    check names it)."""
+    from geotrain.node._config import GOSSIP_PRESETS
+
+    preset = GOSSIP_PRESETS.get(name.strip('"'), {})
+    return {"algorithm": preset["algorithm"]} if "algorithm" in preset else {}
 
 
 def _task_target(sc: TestbedScenario, target: float | None) -> tuple[float, str, bool]:

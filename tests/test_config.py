@@ -214,3 +214,20 @@ def test_a_client_mode_node_listens_on_loopback_advertises_nothing_and_has_a_boo
     client = config_from_toml(GOOD, base=Path("/x"), overrides=["network.reachable=false"])
     assert client.network.reachable is False
     assert config_from_toml(GOOD, base=Path("/x")).network.reachable is True  # the default
+
+
+def test_a_gossip_preset_fills_what_the_table_leaves_unset():
+    text = GOOD.replace('policy = "uniform"', 'policy = "uniform"\npreset = "frugal"\n'
+                        "[gossip.diloco]\ninner_steps = 30")
+    cfg = config_from_toml(text, base=Path("/x"))
+    gossip = cfg.gossip
+    assert (gossip.algorithm, gossip.codec, gossip.preset) == ("diloco", "int8", "frugal")
+    assert (cfg.gossip.settings.inner_steps, cfg.gossip.settings.fanout) == (30, 1)  # ours wins
+    assert cfg.gossip.policy == "uniform"
+    # --set overrides are the table's own too; without a preset nothing changes
+    sets = ["gossip.preset=frugal", "gossip.codec=topk:0.01"]
+    cfg = config_from_toml(GOOD, base=Path("/x"), overrides=sets)
+    assert (cfg.gossip.algorithm, cfg.gossip.codec) == ("diloco", "topk:0.01")
+    assert config_from_toml(GOOD, base=Path("/x")).gossip.algorithm == "adpsgd"
+    with pytest.raises(ConfigError, match=r"gossip.preset = 'thrifty': expected one of"):
+        config_from_toml(GOOD, base=Path("/x"), overrides=["gossip.preset=thrifty"])

@@ -276,6 +276,11 @@ def test_partition_flags_reach_every_system_and_the_run_files(tmp_path: Path, mo
                                                   "node_set": ["training.alpha=0.2"]}))  # fmt: skip
     with pytest.raises(ScenarioError, match="scenario.alpha"):
         _scenario_from_args(argparse.Namespace(**{**vars(args), "alpha": 0.0}))
+    # a gossip preset's algorithm is the run's (its name in the summary), unless --algorithm
+    preset = {**vars(args), "node_set": ["gossip.preset=frugal"]}
+    assert _scenario_from_args(argparse.Namespace(**preset)).algorithm == "diloco"
+    chosen = argparse.Namespace(**{**preset, "algorithm": "choco"})
+    assert _scenario_from_args(chosen).algorithm == "choco"
     with pytest.raises(ScenarioError, match="scenario.partition"):
         scenario_from_dict({**_base(), "partition": "shards"})
     assert load_scenario("demo").partition == "iid"  # unchanged unless asked for
