@@ -477,3 +477,24 @@ async def test_a_round_end_does_not_wait_for_an_offer_abandoned_earlier(autojump
         deadline = a.ctx.peers.round_deadline("p1", a.ctx.peers.payload_nbytes("none"), started)
         assert trio.current_time() - started < deadline / 2
         assert a.statistics().outer_steps == 1 and a.counters.statistics().failed == 0
+
+
+async def test_an_offer_stalled_past_its_deadline_is_dropped_and_stands_for_nothing(
+    autojump_clock,
+):
+    # b's half offer stalls; long after its deadline a's round end frees it, so a's offer no
+    # longer tells b it holds that update, and b's answer brings it
+    async with runtimes(2, **{**DILOCO, "chunk_numel": 8}) as (net, (a, b)):  # 5 chunks
+        b.ctx.peers.live_peers = lambda: ()
+        b.ctx.trainer.train_step()
+        await b.after_step(step(b, 2))
+        plan = a.plan(8)
+        offer = DeltaOffer(codec="none", round=1, xid=7, plan=plan.digest, chunk_numel=8,
+                           chunks=len(plan), index=0)  # fmt: skip
+        chunk = encode_chunk(model_chunk(b.latest_delta, plan, 0), "none")
+        await a.handle(PeerInfo("p1", b"", "mem://p1", "inbound"), offer, memoryview(chunk))
+        await trio.sleep(3600)
+        a.ctx.trainer.train_step()
+        await a.after_step(step(a, 2))
+        assert "p1" not in a._incoming
+        assert a.statistics().peer_deltas_used == 1  # b's update, from its replies

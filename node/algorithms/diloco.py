@@ -215,6 +215,7 @@ class Diloco(Algorithm):
         self.inbox: dict[str, tuple[int, Update]] = {}
         self.used: dict[str, int] = {}
         self._incoming: dict[str, tuple[int, int, EncodedAssembly]] = {}  # peer -> xid, round
+        self._last_chunk: dict[str, float] = {}  # peer -> when a chunk of its offer came last
         self._plans: dict[int, ChunkPlan] = {}
         self.feedback = SliceFeedback(torch.float16)
         self._rejected_now: set[str] = set()  # partners whose update this round was refused
@@ -341,6 +342,19 @@ class Diloco(Algorithm):
             while self._crossing_pending():
                 await self._arrived.wait()
 
+    def _drop_stalled(self, now: float) -> None:
+        """Free the offers to us that got no chunk for longer than their sender's own deadline
+        for a whole exchange: it gave up on them. Kept, one would hold its chunks and stand for
+        an update that never comes (`have` counts it: the sender would answer ours with none)."""
+        for peer, (_, _, assembly) in list(self._incoming.items()):
+            last = self._last_chunk.get(peer, now)
+            nbytes = 2 * self.ctx.peers.payload_nbytes(assembly.spec)
+            if now - last > self.ctx.peers.round_deadline(peer, nbytes, last):
+                del self._incoming[peer]
+                log.info("offer_dropped", peer=peer[:12], reason="no chunk within its deadline")
+                self._offer_ended()
+        self._last_chunk = {p: t for p, t in self._last_chunk.items() if p in self._incoming}
+
     def _held_round(self, peer: str, *, arriving: bool = True) -> int:
         """The newest round of `peer`'s updates we hold, have used or (`arriving`) are being
         sent (0: none)."""
@@ -382,6 +396,7 @@ class Diloco(Algorithm):
         # offer meanwhile is answered with none
         self.latest, self.latest_delta = (0, [], ""), None
         self._crossed.clear()
+        self._drop_stalled(started)
         delta, chunks = await ctx.to_thread(self._round_end, spec)
         self.latest, self.latest_delta = (round_, chunks, spec), delta
         replies: dict[str, tuple[int, Update | None]] = {}  # who answered (with its update)
@@ -744,6 +759,7 @@ class Diloco(Algorithm):
             assembly = EncodedAssembly(plan, header.codec, ctx.trainer.task_device)
             current = self._incoming[peer] = (header.xid, header.round, assembly)
         assembly = current[2]
+        self._last_chunk[peer] = ctx.now()
         if not await ctx.to_thread(assembly.add, header.index, payload):
             return
         try:
