@@ -1,7 +1,8 @@
 """Real nodes with a model of real size: 100M parameters (400 MB in float32), streamed in chunks.
 
-Two nodes exchange it (adpsgd with codec none and int8, choco with none), a third joins late and
-syncs the whole model, and a peer killed mid-stream leaves the other training.
+Two nodes exchange it (adpsgd with codec none and int8, choco with none, diloco with int8), a
+third joins late and syncs the whole model, and a peer killed mid-stream leaves the other
+training.
 Slow: each node holds ~2 GB.
 """
 
@@ -124,3 +125,25 @@ def test_a_peer_killed_mid_stream_leaves_the_other_training(swarm):
     st = a.status()
     assert st["rejected_updates"] == 0
     assert st["loss"] is not None  # finite: its model was not half mixed with garbage
+
+
+def test_two_diloco_nodes_fold_in_each_others_int8_updates_of_a_100m_model(swarm):
+    # each node keeps its partner's update as it came (int8: a quarter of the model) and folds
+    # it into its outer step a chunk at a time; both stay within their memory estimate
+    a, b = pair(swarm, algorithm="diloco", codec="int8", diloco={"inner_steps": 2, "fanout": 1})
+
+    def used(node) -> int:
+        return ((node.status() or {}).get("algorithm_stats") or {}).get("peer_deltas_used", 0)
+
+    swarm.wait_until(lambda: all(used(n) >= 2 for n in (a, b)), 300,
+                     "two partner updates used in outer steps on each node")  # fmt: skip
+    for node in (a, b):
+        node.signal(signal.SIGTERM)
+    swarm.wait_all(60)
+    for node in (a, b):
+        st = node.status()
+        stats = st["algorithm_stats"]
+        assert st["rejected_updates"] == 0 and stats["peer_deltas_used"] >= 2
+        # int8 updates (and consensus swaps) went, not float32 ones: < 0.6 of the model a round
+        assert st["bytes_out"] <= 0.6 * MODEL_BYTES * stats["outer_steps"], st
+        assert st["peak_rss_mb"] <= 1.05 * st["memory_estimate_mb"], st
