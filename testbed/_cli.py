@@ -152,7 +152,7 @@ def _scenario_from_args(args: argparse.Namespace) -> TestbedScenario:
 def _preset_algorithm(name: str) -> dict[str, str]:
     """{"algorithm": ...} of gossip preset `name` (nothing for an unknown one: the nodes' config
     check names it)."""
-    from geotrain.node._config import GOSSIP_PRESETS
+    from geotrain.node import GOSSIP_PRESETS
 
     preset = GOSSIP_PRESETS.get(name.strip('"'), {})
     return {"algorithm": preset["algorithm"]} if "algorithm" in preset else {}
