@@ -457,19 +457,24 @@ async def test_a_crossing_offer_is_taken_even_when_the_updates_held_fill_fanout(
         assert a.counters.statistics().failed == b.counters.statistics().failed == 0
 
 
+async def _half_offer_from(b, a) -> None:
+    """b ends its round 1 offering to nobody, then sends a only the first of five chunks of it."""
+    b.ctx.peers.live_peers = lambda: ()
+    b.ctx.trainer.train_step()
+    await b.after_step(step(b, 2))
+    plan = a.plan(8)
+    offer = DeltaOffer(codec="none", round=1, xid=7, plan=plan.digest, chunk_numel=8,
+                       chunks=len(plan), index=0)  # fmt: skip
+    chunk = encode_chunk(model_chunk(b.latest_delta, plan, 0), "none")
+    await a.handle(PeerInfo("p1", b"", "mem://p1", "inbound"), offer, memoryview(chunk))
+
+
 async def test_a_round_end_does_not_wait_for_an_offer_abandoned_earlier(autojump_clock):
     # b began an offer to a long ago and never finished it; at a's round end b answers a's
     # offer at once: a's outer step must not wait the whole deadline for b's old offer (only
     # offers that cross a's own at its round end are waited for)
     async with runtimes(2, **{**DILOCO, "chunk_numel": 8}) as (net, (a, b)):  # 5 chunks
-        b.ctx.peers.live_peers = lambda: ()
-        b.ctx.trainer.train_step()
-        await b.after_step(step(b, 2))
-        plan = a.plan(8)
-        offer = DeltaOffer(codec="none", round=1, xid=7, plan=plan.digest, chunk_numel=8,
-                           chunks=len(plan), index=0)  # fmt: skip
-        chunk = encode_chunk(model_chunk(b.latest_delta, plan, 0), "none")
-        await a.handle(PeerInfo("p1", b"", "mem://p1", "inbound"), offer, memoryview(chunk))
+        await _half_offer_from(b, a)
         assert "p1" in a._incoming
         a.ctx.trainer.train_step()
         started = trio.current_time()
@@ -485,14 +490,7 @@ async def test_an_offer_stalled_past_its_deadline_is_dropped_and_stands_for_noth
     # b's half offer stalls; long after its deadline a's round end frees it, so a's offer no
     # longer tells b it holds that update, and b's answer brings it
     async with runtimes(2, **{**DILOCO, "chunk_numel": 8}) as (net, (a, b)):  # 5 chunks
-        b.ctx.peers.live_peers = lambda: ()
-        b.ctx.trainer.train_step()
-        await b.after_step(step(b, 2))
-        plan = a.plan(8)
-        offer = DeltaOffer(codec="none", round=1, xid=7, plan=plan.digest, chunk_numel=8,
-                           chunks=len(plan), index=0)  # fmt: skip
-        chunk = encode_chunk(model_chunk(b.latest_delta, plan, 0), "none")
-        await a.handle(PeerInfo("p1", b"", "mem://p1", "inbound"), offer, memoryview(chunk))
+        await _half_offer_from(b, a)
         await trio.sleep(3600)
         a.ctx.trainer.train_step()
         await a.after_step(step(a, 2))

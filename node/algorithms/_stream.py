@@ -18,7 +18,14 @@ import torch
 import trio
 
 from geotrain import compress
-from geotrain.gossip import ClipRadius, RejectedUpdate, all_finite, check_norm_ratio, clip_scale
+from geotrain.gossip import (
+    ClipRadius,
+    RejectedUpdate,
+    all_finite,
+    check_norm_ratio,
+    clip_scale,
+    distance_squared,
+)
 
 from ..training import Trainer
 from ._base import Tensors
@@ -470,27 +477,24 @@ class PairwiseMix:
         return distance
 
 
-class ModelAssembly:
-    """A peer's model (or update) arriving chunk by chunk, each checked as it comes, into one
-    staging copy. Thread-safe: chunks may be added from several worker threads at once.
-
-    Args:
-        plan: the chunk plan both ends agreed on; spec: the codec; device: where it lands.
-    """
+class _Arrivals:
+    """What both assemblies share: the plan both ends agreed on, the codec and the device, and
+    each chunk taken once and counted once it is in (thread-safe: chunks may be added from
+    several worker threads at once; complete only when every chunk is in, so the last chunk to
+    arrive does not report it complete while an earlier one is still being decoded)."""
 
     def __init__(self, plan: ChunkPlan, spec: str, device: torch.device) -> None:
         self.plan, self.spec, self.device = plan, spec, device
-        self.tensors: Tensors = {}
-        self.received: set[int] = set()  # taken (being written, or written)
-        self._written = 0  # (complete counts these: a chunk still being decoded does not count)
+        self.received: set[int] = set()  # taken (being checked, or in)
+        self._in = 0
         self._lock = threading.Lock()
 
     @property
     def complete(self) -> bool:
-        return self._written == len(self.plan)
+        return self._in == len(self.plan)
 
-    def add(self, index: int, payload: bytes | bytearray | memoryview) -> bool:
-        """Check chunk `index` and keep it (a worker thread). Returns whether that completed it.
+    def _take(self, index: int, payload: bytes | bytearray | memoryview) -> list[torch.Tensor]:
+        """Claim chunk `index` and decode it (see decode_chunk).
 
         Raises:
             RejectedUpdate, compress.DecodeError: the chunk is bad.
@@ -500,7 +504,34 @@ class ModelAssembly:
             if not 0 <= index < len(self.plan) or index in self.received:
                 raise ValueError(f"chunk {index} of a {len(self.plan)}-chunk plan, or twice")
             self.received.add(index)
-        values = decode_chunk(payload, self.spec, self.plan, index, self.device)
+        return decode_chunk(payload, self.spec, self.plan, index, self.device)
+
+    def _count_in(self) -> bool:
+        """One more chunk is in; whether that completed the model."""
+        with self._lock:
+            self._in += 1
+            return self.complete
+
+
+class ModelAssembly(_Arrivals):
+    """A peer's model (or update) arriving chunk by chunk, each checked as it comes, into one
+    staging copy.
+
+    Args:
+        plan: the chunk plan both ends agreed on; spec: the codec; device: where it lands.
+    """
+
+    def __init__(self, plan: ChunkPlan, spec: str, device: torch.device) -> None:
+        super().__init__(plan, spec, device)
+        self.tensors: Tensors = {}
+
+    def add(self, index: int, payload: bytes | bytearray | memoryview) -> bool:
+        """Check chunk `index` and keep it (a worker thread). Returns whether that completed it.
+
+        Raises:
+            as `_take`.
+        """
+        values = self._take(index, payload)
         for s, t in zip(self.plan.chunks[index], values, strict=True):
             with self._lock:
                 buffer = self.tensors.get(s.name)
@@ -508,32 +539,24 @@ class ModelAssembly:
                     shape = dict(self.plan.shapes)[s.name]
                     buffer = self.tensors[s.name] = torch.empty(shape, device=self.device)
             buffer.reshape(-1)[s.start : s.stop] = t
-        with self._lock:
-            self._written += 1
-            return self.complete
+        return self._count_in()
 
 
-class EncodedAssembly:
+class EncodedAssembly(_Arrivals):
     """A peer's update arriving chunk by chunk, each checked as it comes (decoded once: the
     plan's slices, finite; its norm added up) and kept as it came: a lossy codec's chunks are a
     fraction of the values' bytes (int8 about a quarter, top-k 1% about 2%), codec none's are
     the values (the received buffers themselves, not copied). `slices` decodes them again where
-    the update is used, one chunk at a time. Thread-safe, as ModelAssembly.
+    the update is used, one chunk at a time.
 
     Args:
         plan: the chunk plan both ends agreed on; spec: the codec; device: where values land.
     """
 
     def __init__(self, plan: ChunkPlan, spec: str, device: torch.device) -> None:
-        self.plan, self.spec, self.device = plan, spec, device
-        self._payloads: dict[int, bytes | bytearray | memoryview] = {}  # checked chunks
-        self._taken: set[int] = set()  # (being checked, or checked)
+        super().__init__(plan, spec, device)
+        self._payloads: dict[int, bytes | bytearray | memoryview] = {}  # chunks that are in
         self._squares = 0.0
-        self._lock = threading.Lock()
-
-    @property
-    def complete(self) -> bool:
-        return len(self._payloads) == len(self.plan)
 
     @property
     def norm(self) -> float:
@@ -549,19 +572,14 @@ class EncodedAssembly:
         """Check chunk `index` and keep it (a worker thread). Returns whether that completed it.
 
         Raises:
-            RejectedUpdate, compress.DecodeError: the chunk is bad.
-            ValueError: an index out of the plan, or one received before.
+            as `_take`.
         """
-        with self._lock:
-            if not 0 <= index < len(self.plan) or index in self._taken:
-                raise ValueError(f"chunk {index} of a {len(self.plan)}-chunk plan, or twice")
-            self._taken.add(index)
-        values = decode_chunk(payload, self.spec, self.plan, index, self.device)
+        values = self._take(index, payload)
         squares = sum(float(torch.linalg.vector_norm(t)) ** 2 for t in values)
         with self._lock:
             self._payloads[index] = payload
             self._squares += squares
-            return self.complete
+        return self._count_in()
 
     def slices(self) -> Iterable[tuple[str, int, torch.Tensor]]:
         """(tensor name, offset of the first element, values) of every slice, a chunk decoded
@@ -587,3 +605,9 @@ def update_slices(update: EncodedAssembly | Tensors) -> Iterable[tuple[str, int,
     if isinstance(update, EncodedAssembly):
         return update.slices()
     return ((name, 0, t.reshape(-1)) for name, t in update.items())
+
+
+def update_distance(update: EncodedAssembly | Tensors, reference: Tensors) -> float:
+    """||update - reference|| (L2, every tensor), a slice of the update at a time."""
+    return math.sqrt(sum(distance_squared(t, reference[n].view(-1)[i : i + t.numel()])
+                         for n, i, t in update_slices(update)))  # fmt: skip

@@ -24,7 +24,6 @@ from geotrain.gossip import (
     RejectedUpdate,
     check_norm_ratio,
     clip_scale,
-    distance_squared,
     fresh_deltas,
     params_norm,
     pseudo_gradient,
@@ -47,6 +46,7 @@ from ._stream import (
     in_window,
     model_chunk,
     plan_refusal,
+    update_distance,
     update_slices,
 )
 
@@ -501,14 +501,10 @@ class Diloco(Algorithm):
         time: start' = (1 - sum_j c_j) start + sum_j c_j x_j, c_j = w s_j (no copy of start)."""
         start = self.start
 
-        def gap(other: Update) -> float:
-            return math.sqrt(sum(distance_squared(t, start[n].view(-1)[i : i + t.numel()])
-                                 for n, i, t in update_slices(other)))  # fmt: skip
-
         weight, radius = 1.0 / (len(mixes) + 1), self._consensus_radius
         shares = []
         for other in mixes.values():
-            distance = gap(other)
+            distance = update_distance(other, start)
             shares.append(weight * clip_scale(distance, radius.radius(distance)))
         with torch.no_grad():
             for t in start.values():
@@ -528,11 +524,8 @@ class Diloco(Algorithm):
             self.outer.step(self.start, robust_average(delta, whole, rule, radius))
             return
 
-        def gap(other: Update) -> float:
-            return math.sqrt(sum(distance_squared(t, delta[n].view(-1)[i : i + t.numel()])
-                                 for n, i, t in update_slices(other)))  # fmt: skip
-
-        scales = robust_scales([functools.partial(gap, o) for o in others], rule, radius)
+        scales = robust_scales([functools.partial(update_distance, o, delta) for o in others],
+                               rule, radius)  # fmt: skip
         share = 1.0 / (len(others) + 1)
         # mean = own + sum_j share s_j (x_j - own) = (1 - share sum_j s_j) own + sum_j share s_j x_j
         self.outer.begin(self.start)
