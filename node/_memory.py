@@ -102,6 +102,30 @@ def peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale / 1e6
 
 
+def rss_mb() -> float | None:
+    """This process's resident memory now, in MB as peak_rss_mb counts them (None where
+    /proc/self/status does not say: not Linux)."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024 / 1e6  # kB
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def reset_peak_rss() -> bool:
+    """Restart peak_rss_mb's high-water mark from the memory now (Linux); False where it
+    cannot (the peak then counts from the start of the process)."""
+    try:
+        with open("/proc/self/clear_refs", "w", encoding="ascii") as f:
+            f.write("5")
+    except OSError:
+        return False
+    return True
+
+
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD, M_ARENA_MAX = -1, -3, -8  # glibc's mallopt parameters
 MMAP_THRESHOLD = 16 << 20  # blocks above this are mapped and unmapped (a model's tensors)
 TRIM_THRESHOLD = 64 << 20  # free memory an arena keeps at its top for the next step's tensors

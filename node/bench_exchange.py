@@ -33,7 +33,7 @@ import trio
 from geotrain.gossip import LinkTable, PartnerSelector
 
 from ._config import GossipConfig
-from ._memory import peak_rss_mb, tune_allocator
+from ._memory import peak_rss_mb, reset_peak_rss, rss_mb, tune_allocator
 from ._peer_choice import PeerChoice
 from ._protocol import node_header_codec
 from ._state_sync import StateSync
@@ -54,21 +54,6 @@ class _Addresses(StaticMembership):
 
     def address_of(self, peer_id: str) -> str | None:
         return self._addresses.get(peer_id)
-
-
-def _rss_mb() -> float:
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:")) / 1e3
-
-
-def _reset_peak() -> bool:
-    """Reset this process's resident high-water mark (Linux); False where it cannot."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-    except OSError:
-        return False
-    return True
 
 
 async def _exchanges(millions: float, codec: str, repeats: int, state_sync: bool = False) -> dict:
@@ -148,8 +133,8 @@ async def _state_sync(trainers: list[Trainer], joiner: StateSync, transport) -> 
     with torch.no_grad():
         for t in mine.values():  # (so that equality below means the fetch brought it)
             t.zero_()
-    before_mb = _rss_mb()
-    reset = _reset_peak()
+    before_mb = rss_mb() or 0.0
+    reset = reset_peak_rss()
     stats = transport.statistics()
     started = time.perf_counter()
     fetched = await joiner.fetch(trio.Event())
