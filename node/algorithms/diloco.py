@@ -500,7 +500,6 @@ class Diloco(Algorithm):
         (gossip.clipped_neighbourhood_mix with equal weights), a slice of one partner's at a
         time: start' = (1 - sum_j c_j) start + sum_j c_j x_j, c_j = w s_j (no copy of start)."""
         start = self.start
-
         weight, radius = 1.0 / (len(mixes) + 1), self._consensus_radius
         shares = []
         for other in mixes.values():
@@ -528,9 +527,10 @@ class Diloco(Algorithm):
                                rule, radius)  # fmt: skip
         share = 1.0 / (len(others) + 1)
         # mean = own + sum_j share s_j (x_j - own) = (1 - share sum_j s_j) own + sum_j share s_j x_j
+        own = 1.0 - share * sum(scales)
         self.outer.begin(self.start)
         for name, t in delta.items():
-            self.outer.add(self.start, name, t, 1.0 - share * sum(scales))
+            self.outer.add(self.start, name, t, own)
         for other, scale in zip(others, scales, strict=True):
             for name, offset, t in update_slices(other):
                 self.outer.add(self.start, name, t, share * scale, offset)
