@@ -65,9 +65,9 @@ _ALGORITHMS = (
     "metropolis_hastings_weights",
     "neighbourhood_mix",
     "pseudo_gradient",
-    "relative_change",
 )
 _CHOCO = ("ChocoLink", "ChocoLinks")
+_SAMPLE = ("ModelSample",)
 _ROBUST = (
     "ROBUST_RULES",
     "TRIM_MIN_NEIGHBOURS",
@@ -98,6 +98,10 @@ def __getattr__(name: str):
         from . import _choco
 
         return getattr(_choco, name)
+    if name in _SAMPLE:
+        from . import _sample
+
+        return getattr(_sample, name)
     if name in _ROBUST:
         from . import _robust
 

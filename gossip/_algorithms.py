@@ -4,13 +4,12 @@
 # row built here sums to one (a neighbour left out gives its weight back to the node itself).
 from __future__ import annotations
 
-import math
 from collections import deque
 from collections.abc import Iterable, Mapping, MutableMapping
 
 import torch
 
-from ._averaging import add_difference, distance, distance_squared, params_norm
+from ._averaging import add_difference, distance
 from ._robust import ClipRadius, clip_scale
 
 Params = Mapping[str, torch.Tensor]
@@ -170,13 +169,6 @@ class NesterovOuter:
             self.buffers[name].view(-1)[offset : offset + n].add_(v, alpha=weight)
             rate = self.lr * (1 + self.momentum) * weight
             target.view(-1)[offset : offset + n].sub_(v, alpha=rate)
-
-
-def relative_change(live: Params, reference: Params) -> float:
-    """||live - reference|| / ||live|| (selsync's significance measure; inf for a zero model)."""
-    change = math.sqrt(sum(distance_squared(live[n], reference[n]) for n in live))
-    norm = params_norm(live)
-    return change / norm if norm > 0 else math.inf
 
 
 def fresh_deltas(

@@ -56,9 +56,11 @@ def estimate_memory(
 ) -> MemoryEstimate:
     """The node's memory need for this model, optimizer and algorithm (`optimizer`: the one a
     user's own loop brings, when the config's does not apply; Adam's two moments if unknown)."""
-    model_bytes = sum(p.numel() * p.element_size() for p in trainer.params().values())
+    params = trainer.params().values()
+    numel = sum(p.numel() for p in params)
+    model_bytes = sum(p.numel() * p.element_size() for p in params)
     optimizer = optimizer or config.training.optimizer or "sgd"
-    extra = spec.memory(config.gossip) if spec.memory is not None else None
+    extra = spec.memory(config.gossip, numel) if spec.memory is not None else None
     # a peer's chunks may be up to network.peer_chunk_mb (at least our own chunk_mb)
     chunk_bytes = min(model_bytes, config.network.max_chunk_numel * 4)
     buffers = CHUNKS_IN_FLIGHT * BUFFERS_PER_CHUNK * chunk_bytes

@@ -20,7 +20,6 @@ from geotrain.gossip._algorithms import (
     metropolis_hastings_weights,
     neighbourhood_mix,
     pseudo_gradient,
-    relative_change,
 )
 from geotrain.gossip._averaging import pairwise_mix
 from geotrain.node.training._tasks import TaskContext, resolve_task
@@ -197,13 +196,6 @@ def test_fresh_deltas_use_each_update_once_and_drop_stale_ones():
     offered = {"a": 5, "b": 4, "c": 3, "d": 5}
     assert fresh_deltas(5, offered, {"d": 5}, max_staleness=1) == ["a", "b"]
     assert fresh_deltas(5, offered, {}, max_staleness=0) == ["a", "d"]
-
-
-def test_relative_change():
-    ref = {"w": torch.tensor([3.0, 0.0])}
-    live = {"w": torch.tensor([3.0, 4.0])}
-    assert relative_change(live, ref) == pytest.approx(4.0 / 5.0)
-    assert relative_change({"w": torch.zeros(2)}, ref) == float("inf")
 
 
 def _gossip_digits(mode: str, steps: int = 300, gamma: float = 0.05) -> tuple[list[float], float]:

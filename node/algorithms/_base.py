@@ -288,8 +288,8 @@ class AlgorithmSpec:
         messages: every header type it sends or answers (registered with the transport).
         summary: one line for help texts.
         memory: the most model copies it keeps beyond a plain training loop, for a gossip config
-            (its settings and codec); the node's memory budget is checked with it. None: unknown
-            (nothing is checked).
+            (its settings and codec) and the model's parameter count; the node's memory budget
+            is checked with it. None: unknown (nothing is checked).
     """
 
     name: str
@@ -297,7 +297,7 @@ class AlgorithmSpec:
     settings: type | None
     messages: tuple[type[Header], ...]
     summary: str
-    memory: Callable[[GossipConfig], float] | None = None
+    memory: Callable[[GossipConfig, int], float] | None = None
 
     def default_settings(self) -> Any:
         return self.settings() if self.settings is not None else None

@@ -476,6 +476,6 @@ ALGORITHM = register_algorithm(
         settings=None,
         messages=(Exchange, ExchangeReply, ExchangeChunk, ExchangeChunkReply, ExchangeAbort),
         summary="asynchronous pairwise averaging every exchange_every steps (default)",
-        memory=lambda g: adpsgd_copies(g.codec),
+        memory=lambda g, numel: adpsgd_copies(g.codec),
     )
 )

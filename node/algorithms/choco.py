@@ -387,6 +387,6 @@ ALGORITHM = register_algorithm(
         messages=(ChocoExchange, ChocoReply, ChocoResync),
         summary="CHOCO-SGD: compressed differences against per-neighbour public estimates",
         # the initial model and two estimates per tracked neighbour (q travels in chunks)
-        memory=lambda g: 1.0 + 2 * g.settings.max_peers,
+        memory=lambda g, numel: 1.0 + 2 * g.settings.max_peers,
     )
 )

@@ -778,8 +778,8 @@ ALGORITHM = register_algorithm(
         # chunks and half-precision error feedback; up to fanout updates from peers offered to
         # us plus fanout replies, held as they came; with consensus, a partner's outer
         # parameters we asked for and one we answer, as they came in consensus_codec
-        memory=lambda g: (3.0 + (g.codec != "none") + 2 * g.settings.fanout * wire_share(g.codec)
-                          + (2 * wire_share(g.settings.consensus_codec)
-                             if g.settings.consensus_every else 0)),
+        memory=lambda g, numel: (
+            3.0 + (g.codec != "none") + 2 * g.settings.fanout * wire_share(g.codec)
+            + (2 * wire_share(g.settings.consensus_codec) if g.settings.consensus_every else 0)),
     )
 )

@@ -450,6 +450,6 @@ ALGORITHM = register_algorithm(
         summary="synchronous rounds with up to `degree` neighbours, stragglers left out",
         # the round's model and the last one while a neighbour fetches it (at most KEEP_ROUNDS),
         # and each neighbour's model during a round
-        memory=lambda g: KEEP_ROUNDS + g.settings.degree,
+        memory=lambda g, numel: KEEP_ROUNDS + g.settings.degree,
     )
 )

@@ -1,14 +1,14 @@
 # selsync: selective synchronization on top of the pairwise (AD-PSGD) exchange. Invariants: the
 # threshold is checked every exchange_every steps against the model as it was after this node's
-# last exchange (started or answered); an exchange is started only when the relative change
-# passes the threshold and none is running; the exchange itself is adpsgd's, unchanged.
+# last exchange (started or answered), kept whole when it fits reference_mb and as an evenly
+# spread sample otherwise; an exchange is started only when the relative change passes the
+# threshold and none is running; the exchange itself is adpsgd's, unchanged.
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass, field
 
-import torch
-
-from geotrain.gossip import all_finite, relative_change
+from geotrain.gossip import ModelSample
 
 from .._config import check_field
 from ..training import StepResult
@@ -25,12 +25,6 @@ from .adpsgd import (
     adpsgd_copies,
 )
 
-REFERENCE_F32_BELOW = 0.005  # thresholds this low keep the reference in float32
-
-
-def reference_dtype(threshold: float) -> torch.dtype:
-    return torch.float32 if threshold < REFERENCE_F32_BELOW else torch.float16
-
 
 @dataclass(frozen=True)
 class SelsyncSettings:
@@ -38,15 +32,27 @@ class SelsyncSettings:
 
     threshold: relative model change ||w - w_last|| / ||w|| since the last exchange that
         triggers the next one (1% by default: on digits-mlp about a third of the checks pass
-        early in training, far fewer later). The model as of the last exchange is kept in half
-        precision (half a model of memory), whose rounding adds ~3e-4 to the measured change;
-        below a threshold of REFERENCE_F32_BELOW it is kept in float32 (a whole model).
+        early in training, far fewer later).
+    reference_mb: the most memory the model as of the last exchange may take, in float32. A
+        model that fits is kept whole and its change measured exactly; a bigger one keeps an
+        evenly spread sample of that size (every tensor of more than 4096 elements strided from
+        a random offset, smaller ones whole) and estimates the change from it: 16 MB is 4M
+        values, 1/25 of a 10^8-parameter model (0.04 copies, where a whole half-precision
+        copy was 0.5). The estimate is unbiased in its square; a change confined to a few
+        values of a large tensor can be missed until it spreads.
     """
 
     threshold: float = 0.01
+    reference_mb: float = 16.0
 
     def __post_init__(self) -> None:
         check_field(self.threshold > 0, "gossip.selsync.threshold", self.threshold, "> 0")
+        check_field(self.reference_mb > 0, "gossip.selsync.reference_mb", self.reference_mb,
+                    "> 0 (MB of float32)")  # fmt: skip
+
+    @property
+    def reference_numel(self) -> int:
+        return max(1, int(self.reference_mb * 2**20) // 4)
 
 
 @dataclass(frozen=True)
@@ -73,7 +79,10 @@ class Selsync(Algorithm):
         super().__init__(ctx)
         self.pairwise = Adpsgd(ctx)  # shares ctx, so its exchanges fill the same counters
         self.pairwise.on_answered_mix = self._reset_after_mix  # our progress was shared
-        self.reference: Tensors = {}
+        shapes = {n: tuple(t.shape) for n, t in ctx.trainer.params().items()}
+        # (its own generator: the offsets do not shift the node's other random choices)
+        self.reference = ModelSample(shapes, ctx.settings.reference_numel,
+                                     random.Random(ctx.rng.getrandbits(64)))  # fmt: skip
         self._reset_reference()
         self.steps = self.communicated = 0
         self.last_change = 0.0
@@ -84,18 +93,17 @@ class Selsync(Algorithm):
 
     def state(self) -> tuple[Tensors, dict]:
         tensors, _ = self.pairwise.state()
-        tensors.update({f"reference/{n}": t for n, t in self.reference.items()})
-        return tensors, {"steps": self.steps, "communicated": self.communicated}
+        values, layout = self.reference.state()
+        tensors.update({f"reference/{n}": t for n, t in values.items()})
+        return tensors, {"steps": self.steps, "communicated": self.communicated,
+                         "reference_layout": layout}  # fmt: skip
 
     def load_state(self, tensors: Tensors, meta: dict) -> None:
         self.pairwise.load_state(tensors, meta)
-        device = self.ctx.trainer.task_device
-        for key, t in tensors.items():
-            name = key[len("reference/") :]
-            if key.startswith("reference/") and name in self.reference:
-                ref = t.to(device, self.reference[name].dtype)
-                # a tensor kept in float32 for half's range stays in it
-                self.reference[name] = ref if all_finite(ref) else t.to(device).float()
+        saved = {k[len("reference/") :]: t for k, t in tensors.items()
+                 if k.startswith("reference/")}  # fmt: skip
+        # (a checkpoint of an older version holds the reference whole, in half precision)
+        self.reference.load(saved, meta.get("reference_layout"))
         self.steps = int(meta.get("steps", 0))
         self.communicated = int(meta.get("communicated", 0))
 
@@ -106,20 +114,9 @@ class Selsync(Algorithm):
         return self.pairwise.busy()
 
     def _reset_reference(self) -> None:
-        """The live model becomes the reference, copied into the reference's own buffers (a new
+        """The live model becomes the reference, written into the reference's own buffers (a new
         copy beside the old one was a whole model more at every exchange's end)."""
-        dtype = reference_dtype(self.ctx.settings.threshold)
-
-        def copy(live: Tensors) -> None:
-            for name, t in live.items():
-                ref = self.reference.get(name)
-                if ref is None or ref.shape != t.shape or ref.device != t.device:
-                    ref = self.reference[name] = torch.empty_like(t, dtype=dtype)
-                ref.copy_(t.detach())
-                if ref.dtype != torch.float32 and not all_finite(ref):  # beyond half's range
-                    self.reference[name] = t.detach().float().clone()
-
-        self.ctx.trainer.update(copy)
+        self.ctx.trainer.update(self.reference.take)
 
     async def _reset_after_mix(self) -> None:
         await self.ctx.to_thread(self._reset_reference)
@@ -129,9 +126,7 @@ class Selsync(Algorithm):
         if result.step % self.ctx.gossip.exchange_every:
             return
         trainer = self.ctx.trainer
-        change = await self.ctx.to_thread(
-            lambda: trainer.update(lambda live: relative_change(live, self.reference))
-        )
+        change = await self.ctx.to_thread(trainer.update, self.reference.relative_change)
         self.last_change = change
         if change <= self.ctx.settings.threshold:
             return
@@ -149,8 +144,8 @@ ALGORITHM = register_algorithm(
         settings=SelsyncSettings,
         messages=(Exchange, ExchangeReply, ExchangeChunk, ExchangeChunkReply, ExchangeAbort),
         summary="an adpsgd exchange only when the model moved more than a threshold",
-        # + the reference model, in half precision unless the threshold is tiny
-        memory=lambda g: adpsgd_copies(g.codec)
-        + reference_dtype(g.settings.threshold).itemsize / 4,
+        # + the reference: the model in float32 up to reference_mb, a sample of that size beyond
+        memory=lambda g, numel: adpsgd_copies(g.codec)
+        + min(1.0, g.settings.reference_numel / max(1, numel)),
     )
 )
