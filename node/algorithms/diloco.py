@@ -40,7 +40,6 @@ from ._registry import register_algorithm
 from ._stream import (
     ChunkPlan,
     EncodedAssembly,
-    Slice,
     SliceFeedback,
     cached_plan,
     encode_chunk,
@@ -211,14 +210,6 @@ class Diloco(Algorithm):
         self.latest: tuple[int, list[bytes], str] = (0, [], "")
         self.latest_delta: Tensors | None = None
         self._keep_update = 4 * ctx.peers.numel <= KEEP_UPDATE_BYTES
-        # A big model in the daemon holds no copy of its update: from its round end to its outer
-        # step the model does not move (the driver takes the next step after), so the update is
-        # the round start minus the live model, read a chunk at a time, and the outer step
-        # writes it into the model's own storage before restarting the model (one copy less).
-        # A loop of the user's own keeps training meanwhile: it holds the update.
-        self._update_in_place = (not self._keep_update
-                                 and not ctx.trainer.trains_during_after_step)  # fmt: skip
-        self._delta_live = False  # our latest update is start - the live model, now
         # peers' updates held as they came over the wire (a lossy codec's are a fraction of a
         # model), decoded a chunk at a time in the outer step
         self.inbox: dict[str, tuple[int, Update]] = {}
@@ -301,63 +292,37 @@ class Diloco(Algorithm):
         """
         return cached_plan(self._plans, self.ctx.trainer, chunk_numel)
 
-    def _round_end(self, spec: str) -> tuple[Tensors | None, list[bytes]]:
-        """Our update of this round (None: it is start - the live model, see _update_in_place),
-        and its chunks encoded once (error feedback applies once; codec none: no chunks kept,
-        see `_chunk`)."""
+    def _round_end(self, spec: str) -> tuple[Tensors, list[bytes]]:
+        """Our update of this round, and its chunks encoded once (error feedback applies once;
+        codec none: no chunks kept, see `_chunk`)."""
         self._round_end_step = self.ctx.trainer.step
-        delta = None
-        if not self._update_in_place:
-            delta = self.ctx.trainer.update(lambda live: pseudo_gradient(self.start, live))
-        self._delta_live = delta is None
+        delta = self.ctx.trainer.update(lambda live: pseudo_gradient(self.start, live))
         if spec == "none":
             return delta, []
         plan = self.plan(self.ctx.chunk_numel)
         shapes = dict(plan.shapes)
-        chunks = []
-        for i in range(len(plan)):
-            values = self._update_chunk(delta, plan, i)
-            assert values is not None  # (nothing steps the model before this round's end is over)
-            chunks.append(encode_chunk(values, spec, self.feedback, seed=self.round + i,
-                                       shapes=shapes))  # fmt: skip
+        chunks = [encode_chunk(model_chunk(delta, plan, i), spec, self.feedback,
+                               seed=self.round + i, shapes=shapes)
+                  for i in range(len(plan))]  # fmt: skip
         return delta, chunks
-
-    def _update_chunk(self, delta: Tensors | None, plan: ChunkPlan,
-                      index: int) -> list[tuple[Slice, torch.Tensor]] | None:  # fmt: skip
-        """Chunk `index` of our update: views of `delta`, or (None) start - the live model read
-        now, None once the outer step has begun (the update is gone)."""
-        if delta is not None:
-            return model_chunk(delta, plan, index)
-
-        def read(live: Tensors) -> list[tuple[Slice, torch.Tensor]] | None:
-            if not self._delta_live:
-                return None
-            return [(s, self.start[s.name].view(-1)[s.start : s.stop]
-                     - live[s.name].view(-1)[s.start : s.stop]) for s in plan.chunks[index]]
-
-        return self.ctx.trainer.update(read)
 
     def _can_send(self, plan: ChunkPlan, codec: str) -> bool:
         """Whether our latest update can be sent in `codec`, cut by `plan`."""
         _, chunks, spec = self.latest
         if chunks and spec == codec and plan.chunk_numel == self.ctx.chunk_numel:
             return True
-        return self.latest_delta is not None or self._delta_live
+        return self.latest_delta is not None
 
-    async def _chunk(self, plan: ChunkPlan, index: int, codec: str) -> bytes | None:
+    async def _chunk(self, plan: ChunkPlan, index: int, codec: str) -> bytes:
         """Chunk `index` of our latest update, cut by `plan` in `codec`: the one encoded at the
-        round end when it is that one, else encoded from the values now (no error feedback);
-        None when the update is gone meanwhile (an outer step began)."""
+        round end when it is that one, else encoded from the values now (no error feedback)."""
         _, chunks, spec = self.latest
         if chunks and spec == codec and plan.chunk_numel == self.ctx.chunk_numel:
             return chunks[index]
         delta = self.latest_delta
-
-        def encode() -> bytes | None:
-            values = self._update_chunk(delta, plan, index)
-            return None if values is None else encode_chunk(values, codec)
-
-        return await self.ctx.to_thread(encode)
+        assert delta is not None
+        return await self.ctx.to_thread(
+            lambda: encode_chunk(model_chunk(delta, plan, index), codec))
 
     def _offer_ended(self) -> None:
         """Wake a round end waiting for offers to us to arrive (see `_await_crossing`)."""
@@ -429,7 +394,7 @@ class Diloco(Algorithm):
         spec = self._spec(partners)
         # the last round's update goes before this one is made (one update held, not two); an
         # offer meanwhile is answered with none
-        self.latest, self.latest_delta, self._delta_live = (0, [], ""), None, False
+        self.latest, self.latest_delta = (0, [], ""), None
         self._crossed.clear()
         self._drop_stalled(started)
         delta, chunks = await ctx.to_thread(self._round_end, spec)
@@ -486,21 +451,14 @@ class Diloco(Algorithm):
             # a loop of the user's own kept training while the round ended: keep those steps
             # (live - live at the round end = live - (start - delta)) on top of the new start
             drift = self.ctx.trainer.step != self._round_end_step
-            own = delta
-            if own is None:  # (_update_in_place: the model has not moved since the round end)
-                assert not drift
-                self._delta_live = False
-                for name, tensor in live.items():  # the model's storage holds our update now
-                    torch.sub(self.start[name], tensor, out=tensor)
-                own = live
-            elif drift:
+            if drift:
                 for name, tensor in live.items():
                     tensor.sub_(self.start[name]).add_(delta[name])
             # gossip.robust: peers' pseudo-gradients clipped around ours, or trimmed; the mean
             # is written over the first peer's update (dropped after this step: no new copy)
             if mixes:  # the outer step moves every start alike: average first, then step
                 self._consensus_mix(mixes)
-            self._outer_update(own, others, rule, radius)
+            self._outer_update(delta, others, rule, radius)
             for name, tensor in live.items():
                 if drift:
                     tensor.add_(self.start[name])
@@ -660,8 +618,6 @@ class Diloco(Algorithm):
                                 chunk_numel=plan.chunk_numel, chunks=len(plan), index=index,
                                 have=have)  # fmt: skip
             ours = await self._chunk(plan, index, spec)
-            if ours is None:  # (our round end is not over: the update cannot be gone)
-                raise _Refused("our update is gone")
             reply, data, _ = await ctx.network.request(
                 address, header, ours, deadline_s=deadline, expect_peer=peer
             )  # fmt: skip
@@ -738,10 +694,7 @@ class Diloco(Algorithm):
             answering = self._answering[peer.peer_id] = (header.xid, 0 if none else round_)
         if answering[1] == 0 or not available:  # none, or none it lacks
             return DeltaReply(round=0), b""
-        data = await self._chunk(plan, header.index, header.codec)
-        if data is None:  # our outer step began: the offerer keeps nothing of a changed answer
-            return DeltaReply(round=0), b""
-        return DeltaReply(round=round_), data
+        return DeltaReply(round=round_), await self._chunk(plan, header.index, header.codec)
 
     async def _answer_outer(self, peer: PeerInfo, header: OuterOffer, payload: memoryview) -> Reply:
         """One chunk of a partner's outer parameters for ours; kept for our next outer step when

@@ -63,9 +63,6 @@ class LoopTrainer(OptimizerSync):
     """
 
     overran_steps = 0  # compute emulation pads the daemon's steps only, never the user's loop
-    # whether the model may take steps while an algorithm's after_step still runs: a user's loop
-    # does (its steps never wait for the network); the daemon takes its next step only after
-    trains_during_after_step = True
 
     def __init__(
         self,

@@ -57,8 +57,6 @@ class Trainer(LoopTrainer):
         sleep: the function used for that wait (tests pass a fake).
     """
 
-    trains_during_after_step = False  # the driver takes the next step after after_step
-
     def __init__(
         self,
         task: Task,
