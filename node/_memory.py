@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import dataclasses
+import os
 import resource
 import sys
 from dataclasses import dataclass
@@ -68,6 +70,42 @@ def estimate_memory(
         model_bytes / 1e9, 2.0 + OPTIMIZER_COPIES.get(optimizer, 2.0), spec.name, extra,
         buffers / 1e9,
     )  # fmt: skip
+
+
+def machine_memory_gb() -> float | None:
+    """This machine's physical memory in GB (None where the OS does not say)."""
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") / 1e9
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def fit_budget(
+    config: NodeConfig, trainer: Trainer, spec: AlgorithmSpec, optimizer: str | None = None
+) -> tuple[NodeConfig, MemoryEstimate, str]:
+    """The config with the algorithm's settings fitted to the memory there is, and its estimate.
+
+    An algorithm whose memory grows with a setting (choco: two copies per neighbour kept) says
+    through `spec.fit` what it would keep within the copies left; the limit is limits.memory_gb,
+    or, when unset, this machine's memory (so that a default that cannot fit is lowered instead
+    of ending in the OOM killer). Nothing is raised here (check_budget refuses).
+
+    Returns:
+        (the config, fitted or as given; its estimate; what was changed and why, or "").
+    """
+    estimate = estimate_memory(config, trainer, spec, optimizer)
+    limit = config.limits.memory_gb or machine_memory_gb()
+    if spec.fit is None or limit is None or estimate.total_gb <= limit or not estimate.model_gb:
+        return config, estimate, ""
+    room = (limit - estimate.buffers_gb - estimate.runtime_gb) / estimate.model_gb
+    fitted = spec.fit(config.gossip, room - estimate.plain_copies)
+    if fitted is None or fitted == config.gossip:
+        return config, estimate, ""
+    config = dataclasses.replace(config, gossip=fitted)
+    source = "limits.memory_gb" if config.limits.memory_gb else "this machine's memory"
+    note = (f"{spec.name} settings lowered to fit {limit:.3g} GB ({source}): "
+            f"{fitted.settings} (was {estimate.explain()})")
+    return config, estimate_memory(config, trainer, spec, optimizer), note
 
 
 def check_budget(config: NodeConfig, estimate: MemoryEstimate) -> None:

@@ -29,7 +29,7 @@ from ._config import ConfigError, NodeConfig
 from ._credentials import load_identity
 from ._driver import LoopDriver, TrainingDriver
 from ._membership_service import MembershipService
-from ._memory import check_budget, estimate_memory, tune_allocator
+from ._memory import check_budget, fit_budget, tune_allocator
 from ._metrics import MetricsServer, NodeCollector
 from ._peer_choice import PeerChoice
 from ._protocol import node_header_codec
@@ -150,8 +150,7 @@ class Node:
             if self.config.privacy.enabled:  # the user's own optimizer is not ours to wrap
                 raise ConfigError("privacy.epsilon: [privacy] covers the daemon's own training "
                                   "only, not a loop of your own (geotrain.join)")  # fmt: skip
-            self.memory = estimate_memory(self.config, self.loop, self.spec, optimizer="adam")
-            check_budget(self.config, self.memory)
+            self._fit_memory(self.loop, "adam")
             return None, self.loop, load_checkpoint(store, self.config.gossip.algorithm), store
         if t.threads:
             torch.set_num_threads(t.threads)
@@ -175,13 +174,19 @@ class Node:
             clip_grad_norm=clip, accumulate=t.accumulate, step_time_s=t.step_time_ms / 1000,
         )  # fmt: skip
         self._make_private(trainer)
-        self.memory = estimate_memory(self.config, trainer, self.spec,
-                                      optimizer=trainer.recipe.optimizer)  # fmt: skip
+        self._fit_memory(trainer, trainer.recipe.optimizer)
+        ckpt = load_checkpoint(store, self.config.gossip.algorithm)
+        return task, trainer, ckpt, store
+
+    def _fit_memory(self, trainer: LoopTrainer, optimizer: str | None) -> None:
+        """Estimate the memory this node needs, lower the algorithm's settings that grow with it
+        to what fits (logged), and refuse a config that still does not (MemoryBudgetError)."""
+        self.config, self.memory, fitted = fit_budget(self.config, trainer, self.spec, optimizer)
+        if fitted:
+            log.warning("memory_fitted", detail=fitted)
         log.info("memory_estimate", need_gb=round(self.memory.total_gb, 3),
                  detail=self.memory.explain(), limit_gb=self.config.limits.memory_gb)  # fmt: skip
         check_budget(self.config, self.memory)
-        ckpt = load_checkpoint(store, self.config.gossip.algorithm)
-        return task, trainer, ckpt, store
 
     def _make_private(self, trainer: Trainer) -> None:
         """[privacy]: Opacus on the trainer, or a ConfigError saying why it cannot be."""

@@ -173,6 +173,31 @@ async def test_a_config_that_cannot_fit_its_memory_limit_is_refused_with_the_fig
         assert status.peak_rss_mb > 0.04 * 1000  # it did hold the model
 
 
+@pytest.mark.parametrize("limit", ["limits.memory_gb=1.2", None])  # given, or the machine's
+async def test_choco_keeps_as_many_neighbours_estimates_as_fit_the_memory(tmp_path, monkeypatch,
+                                                                          limit):  # fmt: skip
+    # choco holds two model copies per neighbour (max_peers 16 by default: 33 copies): a node
+    # lowers max_peers to what fits instead of being refused, or killed by the OOM killer
+    from geotrain.node import _memory
+
+    monkeypatch.setattr(_memory, "machine_memory_gb", lambda: 1.2)
+    sets = ['training.task="wide-linear"', "training.params.millions=10.0", "training.max_steps=2",
+            'gossip.algorithm="choco"'] + ([limit] if limit else [])  # fmt: skip
+    admission = Admission.open_swarm("geotrain")
+    async with geotrain.open_node(config(tmp_path, "c", *sets), identity=Identity.generate(),
+                                  admission=admission) as node:  # fmt: skip
+        with trio.fail_after(60):
+            await node.wait_stopped()
+        # 0.04 GB x (3 plain + 1 + 2 x 3) + 0.27 GB chunks + 0.5 GB runtime <= 1.2 GB; 4 would not
+        assert node.config.gossip.settings.max_peers == 3
+        assert node.algorithm.links.max_peers == 3
+        assert node.status().memory_estimate_mb <= 1200
+    tight = config(tmp_path, "t", *sets[:4], "limits.memory_gb=0.85")  # not even one neighbour
+    with pytest.raises(geotrain.MemoryBudgetError, match="limits.memory_gb = 0.85"):
+        async with geotrain.open_node(tight, identity=Identity.generate(), admission=admission):
+            pass
+
+
 # -- a node nobody can dial back (behind NAT, configured as reachable) says so ---------------------
 
 

@@ -290,6 +290,8 @@ class AlgorithmSpec:
         memory: the most model copies it keeps beyond a plain training loop, for a gossip config
             (its settings and codec) and the model's parameter count; the node's memory budget
             is checked with it. None: unknown (nothing is checked).
+        fit: for an algorithm whose memory grows with a setting, the gossip config with that
+            setting lowered so that it keeps at most the given model copies (None: it cannot).
     """
 
     name: str
@@ -298,6 +300,7 @@ class AlgorithmSpec:
     messages: tuple[type[Header], ...]
     summary: str
     memory: Callable[[GossipConfig, int], float] | None = None
+    fit: Callable[[GossipConfig, float], GossipConfig | None] | None = None
 
     def default_settings(self) -> Any:
         return self.settings() if self.settings is not None else None

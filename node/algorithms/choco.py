@@ -8,6 +8,7 @@
 # ends: the responder answers ChocoResync.
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 from dataclasses import dataclass, field
 
@@ -18,7 +19,7 @@ import trio
 from geotrain import compress
 from geotrain.gossip import ChocoLink, ChocoLinks, RejectedUpdate, params_norm
 
-from .._config import check_field
+from .._config import GossipConfig, check_field
 from ..training import StepResult
 from ..transport import U63, CodecSpec, ErrorReply, Header, PeerInfo, TransportError
 from ._base import Algorithm, AlgorithmContext, AlgorithmSpec, Reply, Tensors
@@ -67,7 +68,8 @@ class ChocoSettings:
     gamma: the consensus step size (0 < gamma <= 1); smaller is safer for harsher compression
         (topk:0.01, digits-mlp, 4 peers: 0.03-0.1 agree best, 1.0 diverges).
     max_peers: neighbours whose estimates are kept (least recently used dropped first); each
-        costs two model copies.
+        costs two model copies, so a node lowers it to what fits limits.memory_gb (or the
+        machine's memory when that is unset) and says so.
     """
 
     gamma: float = 0.05
@@ -379,6 +381,26 @@ class _Ended(Exception):
     """A chunk was answered with something else than the partner's chunk."""
 
 
+def choco_copies(max_peers: int) -> float:
+    """Model copies choco keeps beyond a plain loop: the initial model and two estimates per
+    neighbour tracked."""
+    return 1.0 + 2 * max_peers
+
+
+def fit_max_peers(gossip: GossipConfig, copies: float) -> GossipConfig | None:
+    """`gossip` with max_peers lowered to what `copies` model copies hold (None: not even one
+    neighbour fits)."""
+    most = int((copies - choco_copies(0)) // 2)
+    if most < 1:
+        return None
+    settings = gossip.settings
+    if settings.max_peers <= most:
+        return gossip
+    fitted = dataclasses.replace(settings, max_peers=most)
+    return dataclasses.replace(gossip, algorithm_settings={**gossip.algorithm_settings,
+                                                           "choco": fitted})  # fmt: skip
+
+
 ALGORITHM = register_algorithm(
     AlgorithmSpec(
         name="choco",
@@ -387,6 +409,7 @@ ALGORITHM = register_algorithm(
         messages=(ChocoExchange, ChocoReply, ChocoResync),
         summary="CHOCO-SGD: compressed differences against per-neighbour public estimates",
         # the initial model and two estimates per tracked neighbour (q travels in chunks)
-        memory=lambda g, numel: 1.0 + 2 * g.settings.max_peers,
+        memory=lambda g, numel: choco_copies(g.settings.max_peers),
+        fit=fit_max_peers,
     )
 )
