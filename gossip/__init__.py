@@ -31,6 +31,7 @@ from ._messages import client_address as client_address
 from ._messages import is_client_address as is_client_address
 from ._messages import validate_message as validate_message
 from ._netsim import MemoryNetwork as MemoryNetwork
+from ._pacing import ExchangePacer as ExchangePacer
 from ._partners import POLICIES as POLICIES
 from ._partners import Candidates as Candidates
 from ._partners import PartnerConfig as PartnerConfig

@@ -311,7 +311,15 @@ class GossipConfig:
         "selsync": a pairwise exchange (as adpsgd) only when the model moved more than
             [gossip.selsync] threshold since the last one.
     exchange_every: local steps between two exchanges this node starts (adpsgd, choco); the
-        length of a dpsgd round; how often selsync checks its threshold.
+        length of a dpsgd round; how often selsync checks its threshold. With comm_fraction,
+        the fewest steps between two.
+    comm_fraction: 0 (default): exchanges every exchange_every steps. Above 0 (adpsgd, choco,
+        selsync): the exchanges a node starts take at most about this share of its computing
+        time, measured: after an exchange of T seconds the next one waits T / (comm_fraction x
+        seconds per step) steps, from exchange_every up to max_exchange_every; a slower link
+        or a faster step spaces them out, and back. (diloco has its own [gossip.diloco]
+        comm_fraction for its rounds; dpsgd's rounds stay fixed.)
+    max_exchange_every: the most steps between two exchanges under comm_fraction.
     probe_interval_s: failure-detection period (SWIM); 2 s suits WAN links, less suits a LAN.
     policy: partner choice: "bandwidth" (measured links), "uniform", "ring" or "exponential".
     codec: "auto" picks per link from its measured bandwidth; or a fixed compress/ spec.
@@ -334,6 +342,8 @@ class GossipConfig:
 
     algorithm: str = "adpsgd"
     exchange_every: int = 4
+    comm_fraction: float = 0.0
+    max_exchange_every: int = 1000
     probe_interval_s: float = 2.0
     policy: str = "bandwidth"
     codec: str = "auto"
@@ -351,6 +361,11 @@ class GossipConfig:
         _check(self.algorithm in specs, "gossip.algorithm", self.algorithm,
                " or ".join(sorted(specs)))  # fmt: skip
         _check(self.exchange_every >= 1, "gossip.exchange_every", self.exchange_every, ">= 1")
+        _check(isinstance(self.comm_fraction, int | float) and 0 <= self.comm_fraction < 1,
+               "gossip.comm_fraction", self.comm_fraction,
+               "0 (a fixed cadence) or a fraction in (0, 1)")  # fmt: skip
+        _check(self.max_exchange_every >= self.exchange_every, "gossip.max_exchange_every",
+               self.max_exchange_every, f">= exchange_every ({self.exchange_every})")  # fmt: skip
         _check(self.probe_interval_s >= 0.05, "gossip.probe_interval_s", self.probe_interval_s,
                ">= 0.05 seconds")
         _check(self.policy in POLICIES, "gossip.policy", self.policy, " or ".join(POLICIES))

@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import structlog
 import torch
 
 from geotrain import compress
-from geotrain.gossip import RejectedUpdate
+from geotrain.gossip import ExchangePacer, RejectedUpdate
 
 from ..training import LoopClosed, StepResult
 from ..transport import U63, CodecSpec, ErrorReply, Header, Name, PeerInfo, TransportError
@@ -83,6 +83,27 @@ class ExchangeAbort(Header, frozen=True, tag="exchange_abort"):
 OnMixed = Callable[[], Awaitable[None]]
 
 
+@dataclass(frozen=True)
+class PacingStatistics:
+    # steps between two exchanges this node starts now (gossip.comm_fraction adapts it)
+    exchange_interval: int = field(metadata={"gauge": True})
+
+
+def make_pacer(ctx: AlgorithmContext) -> ExchangePacer:
+    """The cadence of the exchanges a node starts, from its [gossip] settings."""
+    g = ctx.gossip
+    return ExchangePacer(g.exchange_every, g.comm_fraction, g.max_exchange_every)
+
+
+def paced(pacer: ExchangePacer, seconds: float) -> None:
+    """An exchange we started took `seconds`: the pacer sets the next interval (logged when it
+    changes)."""
+    before = pacer.interval
+    if pacer.finished(seconds) != before:
+        log.debug("exchange_interval", steps=pacer.interval, before=before,
+                  exchange_s=round(seconds, 3), step_s=pacer.step_s)  # fmt: skip
+
+
 @dataclass
 class _Session:
     """An exchange this node answers: whose, its mix, until when it may idle, and until when it
@@ -134,6 +155,10 @@ class Adpsgd(Algorithm):
         # training core); a big one gives it back, so that it is held only during an exchange:
         # kept, it raised a 100M-parameter node's peak by ~0.2 model copies (bench_memory).
         self._spare = SpareBuffers() if self.max_exchanges > 1 else None
+        self.pacer = make_pacer(ctx)
+
+    def statistics(self) -> PacingStatistics:
+        return PacingStatistics(self.pacer.interval)
 
     # -- state ----------------------------------------------------------------------------------
     def state(self) -> tuple[Tensors, dict]:
@@ -200,13 +225,15 @@ class Adpsgd(Algorithm):
 
     # -- initiator ------------------------------------------------------------------------------
     async def after_step(self, result: StepResult) -> None:
-        if result.step % self.ctx.gossip.exchange_every == 0:
-            self.start_exchange()
+        self.pacer.observe_step(result.seconds)
+        if self.pacer.due(result.step):
+            self.start_exchange(result.step)
 
-    def start_exchange(self, on_mixed: OnMixed | None = None) -> bool:
+    def start_exchange(self, step: int, on_mixed: OnMixed | None = None) -> bool:
         """Start one exchange in the background unless one is running or nobody is live.
 
         Args:
+            step: the local step it follows (the pacer counts from it).
             on_mixed: awaited after our model was mixed (selsync resets its reference there).
 
         Returns:
@@ -215,6 +242,7 @@ class Adpsgd(Algorithm):
         if self._running or not self._free() or not self.ctx.peers.dialable_peers():
             return False
         self._running = True
+        self.pacer.mark(step)
         self.ctx.start_soon(self._run_exchange, on_mixed)
         return True
 
@@ -261,6 +289,7 @@ class Adpsgd(Algorithm):
             return self._aborted(partner, spec, exc, now)
         done = self.ctx.now()
         peers.succeeded(partner, moved[0], done - now, done)
+        paced(self.pacer, done - now)
         self.counters.record_ok(partner, spec)
         log.debug("exchange_done", partner=partner[:12], codec=spec, bytes=moved[0],
                   chunks=len(mix.plan), seconds=round(done - now, 4),
@@ -336,6 +365,8 @@ class Adpsgd(Algorithm):
 
     def _aborted(self, partner: str, spec: str, exc: _Abort, started: float) -> bool:
         now = self.ctx.now()
+        if exc.kind in ("failed", "rejected"):  # (the link's time went into it)
+            paced(self.pacer, now - started)
         if exc.kind == "busy":
             self.ctx.peers.busy(partner, now)
             log.debug("exchange_declined", partner=partner[:12], reason=str(exc))

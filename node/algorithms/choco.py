@@ -25,6 +25,7 @@ from ..transport import U63, CodecSpec, ErrorReply, Header, PeerInfo, TransportE
 from ._base import Algorithm, AlgorithmContext, AlgorithmSpec, Reply, Tensors
 from ._registry import register_algorithm
 from ._stream import ChunkPlan, cached_plan, decode_chunk, encode_chunk, in_window, plan_refusal
+from .adpsgd import make_pacer, paced
 
 log = structlog.get_logger()
 STALE_STREAM_S = 120.0  # a neighbour's exchange silent this long is given up (the link restarts)
@@ -84,6 +85,8 @@ class ChocoSettings:
 class ChocoStatistics:
     resyncs: int
     tracked_peers: int = field(metadata={"gauge": True})  # a level, not a count (metrics: a gauge)
+    # steps between two exchanges this node starts now (gossip.comm_fraction adapts it)
+    exchange_interval: int = field(default=0, metadata={"gauge": True})
 
 
 def model_digest(params: Tensors) -> int:
@@ -119,9 +122,10 @@ class Choco(Algorithm):
         self._seed = 0
         self.resyncs = 0
         self._plans: dict[int, ChunkPlan] = {}
+        self.pacer = make_pacer(ctx)
 
     def statistics(self) -> ChocoStatistics:
-        return ChocoStatistics(self.resyncs, len(self.links))
+        return ChocoStatistics(self.resyncs, len(self.links), self.pacer.interval)
 
     def busy(self) -> bool:
         return self._running
@@ -221,11 +225,13 @@ class Choco(Algorithm):
 
     # -- initiator ------------------------------------------------------------------------------
     async def after_step(self, result: StepResult) -> None:
-        if result.step % self.ctx.gossip.exchange_every or self._running:
+        self.pacer.observe_step(result.seconds)
+        if not self.pacer.due(result.step) or self._running:
             return
         partner = self.ctx.peers.choose_partner(self.ctx.now())
         if partner is not None and self.ctx.peers.address_of(partner) is not None:
             self._running = True
+            self.pacer.mark(result.step)
             self.ctx.start_soon(self._exchange, partner)
 
     async def _exchange(self, partner: str) -> None:
@@ -276,6 +282,7 @@ class Choco(Algorithm):
                 await one(0)  # (alone: it opens the exchange on the partner's side)
                 await in_window(range(1, len(plan)), one)
         except (TransportError, trio.TooSlowError) as exc:
+            paced(self.pacer, ctx.now() - started)  # (the link's time went into it)
             return await self._failed(partner, spec, link, f"{type(exc).__name__}: {exc}")
         except _Ended:
             return await self._ended(partner, spec, link, refused[0])
@@ -288,6 +295,7 @@ class Choco(Algorithm):
         distance = await ctx.to_thread(self._finish, link)
         now = ctx.now()
         ctx.peers.succeeded(partner, moved[0], now - started, now)
+        paced(self.pacer, now - started)
         self.counters.record_ok(partner, spec)
         log.debug("exchange_done", partner=partner[:12], codec=spec, bytes=moved[0],
                   chunks=len(plan), distance=round(distance, 5))  # fmt: skip

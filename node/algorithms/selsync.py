@@ -61,6 +61,8 @@ class SelsyncStatistics:
     communicated_steps: int
     comm_fraction: float = field(metadata={"gauge": True})  # communicated_steps / steps
     last_relative_change: float = field(metadata={"gauge": True})
+    # steps between two checks now (gossip.comm_fraction adapts it)
+    exchange_interval: int = field(default=0, metadata={"gauge": True})
 
 
 class Selsync(Algorithm):
@@ -89,7 +91,8 @@ class Selsync(Algorithm):
 
     def statistics(self) -> SelsyncStatistics:
         fraction = self.communicated / self.steps if self.steps else 0.0
-        return SelsyncStatistics(self.steps, self.communicated, fraction, self.last_change)
+        return SelsyncStatistics(self.steps, self.communicated, fraction, self.last_change,
+                                 self.pairwise.pacer.interval)  # fmt: skip
 
     def state(self) -> tuple[Tensors, dict]:
         tensors, _ = self.pairwise.state()
@@ -123,14 +126,17 @@ class Selsync(Algorithm):
 
     async def after_step(self, result: StepResult) -> None:
         self.steps += 1
-        if result.step % self.ctx.gossip.exchange_every:
+        pacer = self.pairwise.pacer
+        pacer.observe_step(result.seconds)
+        if not pacer.due(result.step):
             return
+        pacer.mark(result.step)  # (checked: the next check is an interval later)
         trainer = self.ctx.trainer
         change = await self.ctx.to_thread(trainer.update, self.reference.relative_change)
         self.last_change = change
         if change <= self.ctx.settings.threshold:
             return
-        if self.pairwise.start_exchange(on_mixed=self._reset_after_mix):
+        if self.pairwise.start_exchange(result.step, on_mixed=self._reset_after_mix):
             self.communicated += 1
 
     async def handle(self, peer: PeerInfo, header: Header, payload: memoryview) -> Reply:
