@@ -30,6 +30,7 @@ class ExchangePacer:
         self.interval = every  # steps between exchanges now
         self.step_s: float | None = None  # seconds per step, a moving average
         self._marked: int | None = None  # the step of the last exchange started or check made
+        self._reported = every  # the interval as last reported (see `moved`)
 
     @property
     def adaptive(self) -> bool:
@@ -50,6 +51,14 @@ class ExchangePacer:
     def mark(self, step: int) -> None:
         """An exchange started (or a check was made) after step `step`."""
         self._marked = step
+
+    def moved(self, by: float = 0.25) -> bool:
+        """Whether the interval moved by more than `by` (a share) since the last time this said
+        so: worth reporting, where a step or two of measuring noise is not."""
+        if abs(self.interval - self._reported) <= max(1.0, by * self._reported):
+            return False
+        self._reported = self.interval
+        return True
 
     def finished(self, seconds: float) -> int:
         """An exchange this node started took `seconds` (done or failed): the interval follows.

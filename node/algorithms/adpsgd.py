@@ -97,11 +97,11 @@ def make_pacer(ctx: AlgorithmContext) -> ExchangePacer:
 
 def paced(pacer: ExchangePacer, seconds: float) -> None:
     """An exchange we started took `seconds`: the pacer sets the next interval (logged when it
-    changes)."""
-    before = pacer.interval
-    if pacer.finished(seconds) != before:
-        log.debug("exchange_interval", steps=pacer.interval, before=before,
-                  exchange_s=round(seconds, 3), step_s=pacer.step_s)  # fmt: skip
+    moved by more than a quarter)."""
+    pacer.finished(seconds)
+    if pacer.moved():
+        log.info("exchange_interval", steps=pacer.interval, exchange_s=round(seconds, 3),
+                 step_s=round(pacer.step_s or 0.0, 4))  # fmt: skip
 
 
 @dataclass
