@@ -30,7 +30,8 @@ class ExchangePacer:
         self.interval = every  # steps between exchanges now
         self.step_s: float | None = None  # seconds per step, a moving average
         self._marked: int | None = None  # the step of the last exchange started or check made
-        self._reported = every  # the interval as last reported (see `moved`)
+        self.typical = float(every)  # the interval's moving average over exchanges
+        self._reported = float(every)  # `typical` as last reported (see `moved`)
 
     @property
     def adaptive(self) -> bool:
@@ -53,11 +54,12 @@ class ExchangePacer:
         self._marked = step
 
     def moved(self, by: float = 0.25) -> bool:
-        """Whether the interval moved by more than `by` (a share) since the last time this said
-        so: worth reporting, where a step or two of measuring noise is not."""
-        if abs(self.interval - self._reported) <= max(1.0, by * self._reported):
+        """Whether the typical interval moved by more than `by` (a share) since the last time
+        this said so: worth reporting, where the interval's swings between a near partner and a
+        far one, or a step of measuring noise, are not."""
+        if abs(self.typical - self._reported) <= max(1.0, by * self._reported):
             return False
-        self._reported = self.interval
+        self._reported = self.typical
         return True
 
     def finished(self, seconds: float) -> int:
@@ -69,4 +71,5 @@ class ExchangePacer:
         if self.adaptive and self.step_s:
             wanted = math.ceil(seconds / (self.fraction * self.step_s) * (1 - 1e-9))
             self.interval = max(self.every, min(self.most, wanted))
+            self.typical += STEP_SMOOTHING * (self.interval - self.typical)
         return self.interval

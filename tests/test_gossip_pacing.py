@@ -29,9 +29,10 @@ def test_the_interval_is_the_exchange_time_over_the_fraction_of_a_step_within_bo
     for _ in range(10):
         pacer.observe_step(0.05)
     assert pacer.finished(0.1) == 20  # 0.1 s / (0.1 x 0.05 s)
+    assert pacer.typical == pytest.approx(2 + 0.2 * 18)
     assert pacer.moved() and not pacer.moved()  # worth a log line once
     assert not pacer.due(20) and pacer.due(21)
-    assert pacer.finished(0.11) == 22 and not pacer.moved()  # noise: not
+    assert pacer.finished(0.01) == 2 and not pacer.moved()  # one near partner: not
     assert pacer.finished(10.0) == 50  # a slow link: capped at `most`
     assert pacer.finished(0.001) == 2  # a fast one: never under `every`
     for _ in range(30):

@@ -96,12 +96,12 @@ def make_pacer(ctx: AlgorithmContext) -> ExchangePacer:
 
 
 def paced(pacer: ExchangePacer, seconds: float) -> None:
-    """An exchange we started took `seconds`: the pacer sets the next interval (logged when it
-    moved by more than a quarter)."""
+    """An exchange we started took `seconds`: the pacer sets the next interval (logged when its
+    moving average moved by more than a quarter)."""
     pacer.finished(seconds)
     if pacer.moved():
-        log.info("exchange_interval", steps=pacer.interval, exchange_s=round(seconds, 3),
-                 step_s=round(pacer.step_s or 0.0, 4))  # fmt: skip
+        log.info("exchange_interval", typical_steps=round(pacer.typical, 1), steps=pacer.interval,
+                 exchange_s=round(seconds, 3), step_s=round(pacer.step_s or 0.0, 4))  # fmt: skip
 
 
 @dataclass
