@@ -2,21 +2,28 @@
 # its trio loop in one background thread and owns the network; the user's thread owns the model,
 # and the wrapped optimizer's step is the only point where the two meet (the node's pending
 # changes run there, after the user's optimizer); step() never waits on the network; close() (or
-# leaving the `with` block, Ctrl-C included) stops the node cleanly: last checkpoint, leave.
+# leaving the `with` block, Ctrl-C included) stops the node cleanly: last checkpoint, leave; a
+# swarm left open when the program ends is closed at exit, and a join interrupted while it waits
+# (Ctrl-C) stops its node before the interruption goes on: the node's thread never outlives the
+# interpreter (nng aborted the process when it did).
 from __future__ import annotations
 
+import atexit
 import contextlib
 import threading
+import weakref
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import structlog
 import torch
 import trio
 
 from ._config import ConfigError, NodeConfig, load_config
 from ._credentials import load_identity
 from ._node import Node
+from .cli import configure_logging
 from .identity import Admission, Identity
 from .state import NodeStatus
 from .training import LoopClosed, LoopTrainer, StepResult
@@ -112,6 +119,7 @@ class Swarm:
         if self._closed:
             return
         self._closed = True
+        _open_swarms.discard(self)
         self._loop.close()
         try:
             trio.from_thread.run_sync(self._stop, trio_token=self._token)
@@ -184,7 +192,10 @@ def join(
         swarm.close()  # or: with geotrain.join(...) as swarm:
 
     Returns once the node listens, knows `training.wait_for_peers` peers and (with no checkpoint
-    of its own) has fetched the current model from one of them.
+    of its own) has fetched the current model from one of them. Ctrl-C while it waits stops the
+    node before the KeyboardInterrupt goes on; a swarm still open when the program ends is
+    closed then. Logs go to standard error (info and above) unless the program configured
+    structlog itself.
 
     Args:
         config: a node config file (TOML) or a NodeConfig; its [training] task is not used.
@@ -206,6 +217,8 @@ def join(
         raise ConfigError("overrides: give them with a config file, or build the NodeConfig")
     if identity is None or admission is None:
         identity, admission = load_identity(config)
+    if not structlog.is_configured():  # (its defaults print every debug line to stdout)
+        configure_logging("info", "auto")
     loop = LoopTrainer(model, evaluate, metric=metric, higher_is_better=higher_is_better)
     ready = threading.Event()
     box: dict[str, Any] = {}
@@ -221,17 +234,45 @@ def join(
 
     thread = threading.Thread(target=trio.run, args=(main,), name="geotrain-node", daemon=True)
     thread.start()
-    if not ready.wait(ready_timeout_s):
-        with contextlib.suppress(KeyError, trio.RunFinishedError):  # stop what was started
-            trio.from_thread.run_sync(node.request_stop, trio_token=box["token"])
-        thread.join(60)
+    try:
+        in_time = ready.wait(ready_timeout_s)
+    except BaseException:  # Ctrl-C while waiting: the node stops first, then it goes on
+        _stop_unready(node, thread, box)
+        raise
+    if not in_time:
+        _stop_unready(node, thread, box)
         raise TimeoutError(f"the node was not ready within {ready_timeout_s} s (stopped)")
     if "error" in box:
         thread.join(10)
         error = box["error"]
         raise _leaf(error) from error
     loop.start()
-    return Swarm(node, loop, thread, box["token"], box)
+    swarm = Swarm(node, loop, thread, box["token"], box)
+    _open_swarms.add(swarm)
+    return swarm
+
+
+def _stop_unready(node: Node, thread: threading.Thread, box: dict[str, Any]) -> None:
+    """Stop a node that never became ready (its thread may still be starting trio) and wait."""
+    while "token" not in box and thread.is_alive():
+        thread.join(0.01)
+    with contextlib.suppress(KeyError, trio.RunFinishedError):
+        trio.from_thread.run_sync(node.request_stop, trio_token=box["token"])
+    thread.join(60)
+
+
+_open_swarms: weakref.WeakSet[Swarm] = weakref.WeakSet()
+
+
+@atexit.register
+def _close_at_exit() -> None:
+    """Close the swarms a program left open (no close(), an exception, the end of a script):
+    their nodes checkpoint and leave instead of being cut off mid-flight at exit."""
+    for swarm in list(_open_swarms):
+        structlog.get_logger().warning(
+            "swarm_closed_at_exit", detail="geotrain.join's swarm was not closed: closing it now")
+        with contextlib.suppress(Exception):
+            swarm.close(timeout_s=60.0)
 
 
 def _leaf(error: BaseException) -> BaseException:

@@ -357,7 +357,8 @@ class Node:
             log.info(
                 "node_started", peer=self.identity.short_id, address=self.address,
                 reachable=cfg.network.reachable,
-                task=cfg.training.task, algorithm=cfg.gossip.algorithm,
+                task=cfg.training.task if self.loop is None else "own loop",
+                algorithm=cfg.gossip.algorithm,
                 device=str(trainer.task_device), step=trainer.step,
             )  # fmt: skip
             task_status.started(self.address)

@@ -319,3 +319,17 @@ def test_a_loop_that_ends_on_an_evaluation_step_closes_cleanly_with_that_evaluat
     swarm.close()  # no next step comes: the node evaluates at its close, and nothing failed
     status = json.loads((tmp_path / "a" / "status.json").read_text())
     assert status["step"] == 10 and status["metric"] == 0.5 and not status["running"]
+
+
+def test_a_diverged_loss_is_said_once_and_again_every_thousand_steps():
+    from structlog.testing import capture_logs
+
+    from geotrain.node.training import LoopTrainer
+
+    loop = LoopTrainer(make_model())
+    with capture_logs() as logs:
+        for loss in [1.0, float("nan"), float("inf"), *[float("nan")] * 1000, 0.5, float("nan")]:
+            loop.stepped(lambda: None, loss)
+    said = [e for e in logs if e["event"] == "loss_not_finite"]
+    assert [e["step"] for e in said] == [2, 1002, 1005]  # first, 1000 later, after a good one
+    assert said[0]["log_level"] == "warning" and "diverged" in said[0]["detail"]

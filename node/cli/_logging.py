@@ -1,5 +1,6 @@
-# Logging setup for the whole process. Invariant: configured once, by the CLI, before any command
-# runs; library code only calls structlog.get_logger() and never configures anything itself.
+# Logging setup for the whole process. Invariant: configured once, by the CLI before any command
+# runs, or by geotrain.join in a program that has not configured structlog itself; library code
+# otherwise only calls structlog.get_logger() and never configures anything.
 from __future__ import annotations
 
 import logging

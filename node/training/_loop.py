@@ -88,6 +88,7 @@ class LoopTrainer(OptimizerSync):
         self._optimizer_state: tuple[dict, dict] | None = None  # from a checkpoint, until wrap
         self._scheduler_state: dict | None = None  # likewise
         self._last_end: float | None = None  # perf_counter at the end of the last step
+        self._bad_losses = 0  # steps in a row whose reported loss was NaN or infinite
 
     # -- what the node reads ----------------------------------------------------------------
     def params(self) -> dict[str, torch.Tensor]:
@@ -305,6 +306,7 @@ class LoopTrainer(OptimizerSync):
             self.step += 1
             if loss is not None:
                 self.last_loss = float(loss)
+                self._check_loss()
             self._run_pending()
             step = self.step
         self._step_ends.append(time.monotonic())
@@ -314,6 +316,19 @@ class LoopTrainer(OptimizerSync):
         since = started if self._last_end is None else self._last_end
         self._last_end = ended
         return result, StepResult(step, self.last_loss, ended - since)
+
+    def _check_loss(self) -> None:
+        """Say so when the reported loss is NaN or infinite: the model diverged, and peers will
+        refuse its exchanges as non-finite (at the first such step, then every 1000)."""
+        if math.isfinite(self.last_loss):
+            self._bad_losses = 0
+            return
+        if self._bad_losses % 1000 == 0:
+            log.warning("loss_not_finite", step=self.step, loss=self.last_loss,
+                        in_a_row=self._bad_losses + 1,
+                        detail="the model diverged: lower the learning rate, clip gradients, or "
+                        "use bf16/fp32 (peers refuse a non-finite model's exchanges)")  # fmt: skip
+        self._bad_losses += 1
 
     def _run_pending(self) -> None:
         while self._pending:

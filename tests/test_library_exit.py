@@ -1,0 +1,76 @@
+"""A training script of its own that ends without close(), or is interrupted with Ctrl-C while
+geotrain.join waits for peers: the node stops cleanly either way (checkpoint, node_stopped) and
+the process exits normally; its logs go to standard error. Real processes (slow)."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+SCRIPT = """
+import sys, torch, geotrain
+from pathlib import Path
+from torch import nn
+from geotrain.node import Admission, Identity, config_from_toml
+config = config_from_toml('''
+[identity]
+open_swarm = true
+[training]
+wait_for_peers = {wait}
+[gossip]
+probe_interval_s = 0.2
+[state]
+status_every_s = 0.2
+''', base=Path('{state}'), overrides=['state.dir="{state}"'])
+model = nn.Linear(4, 1)
+swarm = geotrain.join(config, model, identity=Identity.generate(),
+                      admission=Admission.open_swarm("geotrain"))
+opt = swarm.wrap(torch.optim.SGD(model.parameters(), lr=0.1))
+for _ in range(5):
+    model(torch.randn(2, 4)).sum().backward()
+    opt.step()
+    opt.zero_grad()
+print("TRAINED", swarm.step, flush=True)
+"""  # (and no swarm.close(): the program simply ends)
+
+
+def _script(tmp_path: Path, wait: int) -> list[str]:
+    path = tmp_path / "loop.py"
+    path.write_text(SCRIPT.format(wait=wait, state=tmp_path / "state"))
+    return [sys.executable, str(path)]
+
+
+def test_a_script_that_never_closes_its_swarm_ends_cleanly(tmp_path):
+    run = subprocess.run(_script(tmp_path, 0), capture_output=True, text=True, timeout=180)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout == "TRAINED 5\n"  # the script's own output only: logs go to stderr
+    assert "swarm_closed_at_exit" in run.stderr
+    assert "checkpoint_written" in run.stderr and "node_stopped" in run.stderr
+    assert "panic" not in run.stderr
+    assert list((tmp_path / "state" / "checkpoints").glob("ckpt-*"))
+
+
+def test_ctrl_c_while_join_waits_for_peers_stops_the_node_first(tmp_path):
+    log = tmp_path / "stderr.txt"
+    with log.open("w") as err:
+        proc = subprocess.Popen(_script(tmp_path, 1), stdout=subprocess.PIPE, stderr=err,
+                                text=True)  # fmt: skip
+        try:
+            deadline = time.monotonic() + 120
+            while "node_started" not in log.read_text():  # join waits now: nobody comes
+                assert time.monotonic() < deadline and proc.poll() is None, log.read_text()
+                time.sleep(0.1)
+            proc.send_signal(signal.SIGINT)
+            code = proc.wait(90)
+        finally:
+            proc.kill()
+    text = log.read_text()
+    assert "KeyboardInterrupt" in text and "node_stopped" in text, text[-3000:]
+    assert "panic" not in text and code in (-signal.SIGINT, 1, 130), (code, text[-3000:])
