@@ -72,6 +72,20 @@ class OptimizerStateReply(Header, frozen=True, tag="optimizer_state_reply"):
     chunks: U63 = 0  # how many chunks the plan has (0 for a layout)
 
 
+class BufferStateRequest(Header, frozen=True, tag="buffer_state_request"):
+    """A joining node that fetched the model asks for its buffers: the floating-point tensors
+    its state_dict keeps besides the parameters (BatchNorm's running statistics), which
+    exchanges do not average. Answered BufferStateReply with all of them in one named payload
+    (float32, codec none), or an error when they are above MAX_BUFFER_BYTES."""
+
+
+class BufferStateReply(Header, frozen=True, tag="buffer_state_reply"):
+    count: U63  # how many buffers the payload holds
+
+
+MAX_BUFFER_BYTES = 64 << 20  # buffers are statistics, a small share of a model: one message
+
+
 MAX_LAYOUT_BYTES = 4 << 20
 MAX_STATE_TENSORS = 1 << 16
 Scalar = float | int | bool
@@ -120,6 +134,8 @@ NODE_HEADER_TYPES: tuple[type[Header], ...] = (
     StateReply,
     OptimizerStateRequest,
     OptimizerStateReply,
+    BufferStateRequest,
+    BufferStateReply,
     Probe,
     ProbeReply,
     StatusRequest,

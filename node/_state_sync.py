@@ -25,7 +25,10 @@ from geotrain.gossip import LinkTable, RejectedUpdate, is_client_address
 from ._config import ConfigError
 from ._peer_choice import MembershipView
 from ._protocol import (
+    MAX_BUFFER_BYTES,
     MAX_LAYOUT_BYTES,
+    BufferStateReply,
+    BufferStateRequest,
     OptimizerLayout,
     OptimizerStateReply,
     OptimizerStateRequest,
@@ -84,7 +87,7 @@ class StateSync:
         to_thread: runs tensor work (worker threads; `inline` in tests on a virtual clock).
     """
 
-    handles = (StateRequest, OptimizerStateRequest)
+    handles = (StateRequest, OptimizerStateRequest, BufferStateRequest)
 
     def __init__(
         self,
@@ -122,6 +125,8 @@ class StateSync:
     ) -> tuple[Header, bytes]:
         if isinstance(header, OptimizerStateRequest):
             return await self._serve_optimizer(header)
+        if isinstance(header, BufferStateRequest):
+            return await self._serve_buffers()
         assert isinstance(header, StateRequest)
         if header.algorithm != self._name:
             reason = f"this node runs {self._name}, not {header.algorithm}"
@@ -135,6 +140,22 @@ class StateSync:
         step = self._trainer.step
         data, _ = await self._to_thread(read_chunk_encoded, self._trainer, plan, header.index)
         return StateReply(step=step, chunks=len(plan)), data
+
+    async def _serve_buffers(self) -> tuple[Header, bytes]:
+        """Our model's buffers, all in one payload (float32), read now."""
+
+        def read(_params: dict[str, torch.Tensor]) -> tuple[int, bytes]:
+            buffers = sorted(self._trainer.buffers().items())
+            if 4 * sum(t.numel() for _, t in buffers) > MAX_BUFFER_BYTES:
+                return len(buffers), b""
+            named = [(name, t.detach().float()) for name, t in buffers]
+            return len(named), compress.encode_named(named, compress.get_codec("none"))
+
+        count, data = await self._to_thread(self._trainer.update, read)
+        if count and not data:
+            reason = f"buffers above {MAX_BUFFER_BYTES >> 20} MiB: not sent"
+            return ErrorReply(code="bad_request", reason=reason), b""
+        return BufferStateReply(count=count), data
 
     async def _serve_optimizer(self, header: OptimizerStateRequest) -> tuple[Header, bytes]:
         """Our optimizer's layout, or one chunk of its state tensors read now (no copy kept)."""
@@ -189,6 +210,7 @@ class StateSync:
                 if step is not None:
                     log.info("state_synced", peer=peer[:12], peer_step=step)
                     await self._to_thread(self._algorithm.model_replaced)
+                    await self.fetch_buffers(peer, address)
                     await self.fetch_optimizer(peer, address)
                     return True
                 self._check_mismatch(peers)
@@ -197,6 +219,30 @@ class StateSync:
         reason = "no peer answered" if tries == 0 else f"{tries} fetches failed"
         log.warning("state_sync_skipped", reason=f"{reason}; training from scratch")
         return False
+
+    async def fetch_buffers(self, peer: str, address: str) -> bool:
+        """Take `peer`'s buffers (BatchNorm's running statistics) into our model. Fails softly:
+        returns False, and says why in the log; a model without buffers asks nothing."""
+        ours = await self._to_thread(self._trainer.buffers)
+        if not ours:
+            return False
+        numel = sum(t.numel() for t in ours.values())
+        try:
+            deadline = self._links.exchange_deadline(peer, 4 * numel + 4096, trio.current_time())
+            reply, payload, _ = await self._network.request(
+                address, BufferStateRequest(), b"", deadline_s=deadline, expect_peer=peer)
+            if not isinstance(reply, BufferStateReply):
+                raise _Failed(getattr(reply, "reason", "") or type(reply).__name__)
+            device = self._trainer.task_device
+            pairs = await self._to_thread(lambda: compress.decode_named(
+                payload, max_numel=numel, device=device, allowed=("none",)))  # fmt: skip
+            await self._to_thread(self._trainer.load_buffers, dict(pairs))
+        except (*FETCH_ERRORS, ValueError) as exc:
+            log.warning("buffers_skipped", peer=peer[:12], reason=str(exc)[:300],
+                        detail="the model keeps its own buffers (e.g. fresh running statistics)")
+            return False
+        log.info("buffers_synced", peer=peer[:12], buffers=len(pairs))
+        return True
 
     async def fetch_optimizer(self, peer: str, address: str) -> bool:
         """Take `peer`'s optimizer state into ours (our hyperparameters stay). Fails softly:

@@ -283,3 +283,41 @@ async def test_a_library_joiner_moves_its_own_scheduler_on_at_wrap(autojump_cloc
     assert scheduler.last_epoch == 30
     assert optimizer.param_groups[0]["lr"] == pytest.approx(ref_opt.param_groups[0]["lr"])
     assert optimizer.param_groups[0]["lr"] != 1.0
+
+
+def _bn_model(seed: int) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.BatchNorm1d(6),
+                               torch.nn.Linear(6, 1))  # fmt: skip
+
+
+async def test_a_joiner_takes_its_donors_buffers_and_a_bad_answer_leaves_its_own(autojump_clock):
+    # BatchNorm's running statistics are not averaged in exchanges (each node keeps its own
+    # data's); a late joiner takes its donor's with the model instead of starting from 0 and 1
+    donor, joiner = LoopTrainer(_bn_model(0)), LoopTrainer(_bn_model(0))
+    donor.model.train()
+    for _ in range(20):
+        donor.model(torch.randn(16, 4) * 3 + 1)  # (forward passes move the statistics)
+    theirs = {n: t.clone() for n, t in donor.buffers().items()}
+    assert sorted(theirs) == ["1.running_mean", "1.running_var"]  # (not num_batches_tracked)
+    async with open_memory_network() as net:
+        sync(donor, net, "donor", ["joiner"])
+        s, _ = sync(joiner, net, "joiner", ["donor"])
+        assert await s.fetch(trio.Event())
+        assert same(joiner.buffers(), theirs)
+
+        async def liar(peer, header, payload):  # the right names, a NaN inside
+            from geotrain import compress
+            from geotrain.node._protocol import BufferStateReply
+
+            bad = {n: t.clone() for n, t in theirs.items()}
+            bad["1.running_var"][0] = float("nan")
+            return BufferStateReply(count=2), compress.encode_named(
+                sorted(bad.items()), compress.get_codec("none"))
+
+        net.set_handler("donor", liar)
+        fresh = LoopTrainer(_bn_model(0))
+        kept = {n: t.clone() for n, t in fresh.buffers().items()}
+        s, _ = sync(fresh, net, "fresh", ["donor"])
+        assert not await s.fetch_buffers("donor", "mem://donor")
+        assert same(fresh.buffers(), kept)

@@ -125,6 +125,36 @@ class LoopTrainer(OptimizerSync):
             raise pending.error
         return pending.result
 
+    def buffers(self) -> dict[str, torch.Tensor]:
+        """The model's floating-point buffers its state_dict keeps (BatchNorm's running
+        statistics): checkpointed, handed to a joiner by state sync, not averaged in exchanges
+        (each node keeps statistics of its own data)."""
+        kept = self.model.state_dict(keep_vars=True)  # (references, no copies)
+        return {name: b.data for name, b in self.model.named_buffers()
+                if name in kept and b.is_floating_point()}  # fmt: skip
+
+    def load_buffers(self, remote: dict[str, torch.Tensor]) -> None:
+        """Take a peer's buffers (state sync, before the loop starts): exactly ours by name and
+        size, finite.
+
+        Raises:
+            ValueError: they are not.
+        """
+        from geotrain.gossip import all_finite
+
+        def replace(_params: dict[str, torch.Tensor]) -> None:
+            ours = self.buffers()
+            if sorted(remote) != sorted(ours):
+                raise ValueError(f"buffers {sorted(remote)[:3]}... are not ours "
+                                 f"({sorted(ours)[:3]}...)")  # fmt: skip
+            for name, t in remote.items():
+                if t.numel() != ours[name].numel() or not all_finite(t):
+                    raise ValueError(f"buffer {name}: {t.numel()} values, or not finite")
+            for name, t in remote.items():
+                ours[name].copy_(t.reshape(ours[name].shape))
+
+        self.apply(replace)
+
     def load_params(self, remote: dict[str, torch.Tensor], *, max_norm_ratio: float) -> None:
         """Replace the parameters with a peer's (state sync, before the loop starts)."""
         from geotrain.gossip import check_update
