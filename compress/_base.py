@@ -15,6 +15,7 @@ from ._errors import DecodeError
 from ._wire import DTYPE_CODES, Header, Reader, header_nbytes, pack_header, read_header
 
 _CODECS: dict[int, type[Codec]] = {}
+_ALLOWED_IDS: dict[tuple[str, ...] | None, frozenset[int]] = {}  # see _codec_ids
 
 
 class CodecState:
@@ -156,6 +157,7 @@ def register(cls: type[Codec]) -> type[Codec]:
     if cls.codec_id in _CODECS:
         raise RuntimeError(f"codec id {cls.codec_id} registered twice")
     _CODECS[cls.codec_id] = cls
+    _ALLOWED_IDS.clear()
     return cls
 
 
@@ -191,14 +193,25 @@ def decode(
     if max_numel < 0:
         raise ValueError(f"max_numel={max_numel}: expected >= 0")
     reader = Reader(data, borrow=borrow)
-    ids = {i for i, c in _CODECS.items() if allowed is None or c.name in allowed}
-    header = read_header(reader, max_numel, ids)
+    header = read_header(reader, max_numel, _codec_ids(allowed))
     cls = _CODECS[header.codec_id]
     flat = cls._decode_body(reader, header, device, max_numel)
     reader.finish(f"{cls.name} payload")
     if flat.numel() != header.numel:  # a codec bug, not bad input
         raise AssertionError(f"{cls.name} decoded {flat.numel()} of {header.numel} elements")
-    return flat.to(header.dtype).reshape(header.shape)
+    if flat.dtype != header.dtype:
+        flat = flat.to(header.dtype)
+    return flat.reshape(header.shape)
+
+
+def _codec_ids(allowed: tuple[str, ...] | None) -> frozenset[int]:
+    """The ids of the codecs named in `allowed` (None: all), remembered per `allowed`."""
+    key = None if allowed is None else tuple(allowed)
+    ids = _ALLOWED_IDS.get(key)
+    if ids is None:
+        ids = _ALLOWED_IDS[key] = frozenset(
+            i for i, c in _CODECS.items() if key is None or c.name in key)
+    return ids
 
 
 def field_error(cls: type, field: str, value: object, expected: str) -> ValueError:

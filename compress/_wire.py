@@ -97,7 +97,9 @@ class Reader:
 
     def unpack(self, fmt: str, what: str) -> tuple:
         """Read one struct `fmt` (little-endian is forced)."""
-        st = struct.Struct("<" + fmt)
+        st = _STRUCTS.get(fmt)
+        if st is None:
+            st = _STRUCTS[fmt] = struct.Struct("<" + fmt)
         return st.unpack(self.take(st.size, what))
 
     def finish(self, what: str) -> None:
@@ -110,13 +112,13 @@ class Reader:
     ) -> torch.Tensor:
         """Read `count` elements of `dtype` into a tensor on `device`: a fresh one, or on the
         CPU a view of the payload when the reader borrows."""
-        itemsize = torch.empty((), dtype=dtype).element_size()
-        view = self.take(count * itemsize, what)
+        view = self.take(count * dtype.itemsize, what)
         if count == 0:
             return torch.empty(0, dtype=dtype, device=device)
         # torch needs a writable buffer: the payload's own when it may be borrowed, else a copy
         raw = view if self._borrow else bytearray(view)
-        return torch.frombuffer(raw, dtype=dtype).to(device)
+        t = torch.frombuffer(raw, dtype=dtype)
+        return t if torch.device(device).type == "cpu" else t.to(device)
 
     def numpy(self, count: int, dtype: str, what: str) -> np.ndarray:
         """Read `count` elements of numpy `dtype` (e.g. '<u2'); the array is read-only."""
@@ -124,7 +126,11 @@ class Reader:
         return np.frombuffer(self.take(count * itemsize, what), dtype=dtype)
 
 
-def read_header(reader: Reader, max_numel: int, codec_ids: set[int]) -> Header:
+_STRUCTS: dict[str, struct.Struct] = {}  # compiled formats (a model of many small tensors reads
+# a few per tensor: building them afresh was a visible share of decoding it)
+
+
+def read_header(reader: Reader, max_numel: int, codec_ids: set[int] | frozenset[int]) -> Header:
     """Parse and validate a single-tensor header."""
     magic, version, codec_id, code, ndim, seed = reader.unpack(_HEADER.format[1:], "header")
     if magic != MAGIC:

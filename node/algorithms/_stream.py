@@ -8,6 +8,7 @@
 # rejected, timed-out or abandoned exchange leaves the model exactly as it was.
 from __future__ import annotations
 
+import functools
 import hashlib
 import math
 import threading
@@ -97,6 +98,11 @@ class ChunkPlan:
 
     def __len__(self) -> int:
         return len(self.chunks)
+
+    @functools.cached_property
+    def shape_of(self) -> dict[str, tuple[int, ...]]:
+        """Each tensor's shape by name."""
+        return dict(self.shapes)
 
     @property
     def numel(self) -> int:
@@ -283,10 +289,15 @@ def decode_chunk(
     plan: ChunkPlan,
     index: int,
     device: torch.device,
+    squares: list[float] | None = None,
 ) -> list[torch.Tensor]:
     """A peer's chunk `index`: exactly the plan's slices, finite, decoded within its size.
     Uncompressed values on the CPU are views of `payload` when it is writable (a received
     message's own buffer): the caller reads them, or copies them before changing them.
+
+    Args:
+        squares: when given, each slice's squared L2 norm is appended to it (the finite check
+            computes them: no extra pass for a caller that needs them).
 
     Raises:
         compress.DecodeError: not a payload of `spec`'s family or bigger than the chunk.
@@ -307,10 +318,29 @@ def decode_chunk(
     for s, (_, t) in zip(expected, pairs, strict=True):
         if t.numel() != s.numel:
             raise RejectedUpdate("shape", f"chunk {index}: {s.label} has {t.numel()} elements")
-        if not t.is_floating_point() or not all_finite(t):
-            raise RejectedUpdate("nonfinite", f"chunk {index}: {s.label} holds NaN or inf")
+        if not t.is_floating_point():
+            raise RejectedUpdate("nonfinite", f"chunk {index}: {s.label} is not floating point")
         out.append(t.reshape(-1).float())
+    # NaN and inf carry into a norm: one multi-tensor pass checks every slice (a model with
+    # hundreds of small tensors paid a Python round per slice); a norm that overflowed from
+    # finite values is told apart by the exact check before anything is refused
+    norms = squared_norms(out)
+    for s, t, sq in zip(expected, out, norms, strict=True):
+        if not math.isfinite(sq) and not all_finite(t):
+            raise RejectedUpdate("nonfinite", f"chunk {index}: {s.label} holds NaN or inf")
+    if squares is not None:
+        squares.extend(norms)
     return out
+
+
+def squared_norms(tensors: list[torch.Tensor]) -> list[float]:
+    """Each tensor's squared L2 norm, in one multi-tensor call."""
+    if not tensors:
+        return []
+    return [n * n for n in torch.stack(torch._foreach_norm(tensors)).tolist()]
+
+
+SMALL_SLICE = 1 << 16  # elements: slices up to this are mixed with multi-tensor calls
 
 
 class SpareBuffers:
@@ -408,7 +438,7 @@ class PairwiseMix:
         slices = read_chunk(self.trainer, self.plan, index)
         self.sent[index] = [t.float() for _, t in slices]
         return encode_chunk(slices, self.spec, self.feedback, seed=self.seed + index,
-                            shapes=dict(self.plan.shapes))  # fmt: skip
+                            shapes=self.plan.shape_of)  # fmt: skip
 
     def receive(self, index: int, payload: bytes | bytearray | memoryview) -> bool:
         """Check the peer's chunk `index` and keep its share of the mix (a worker thread).
@@ -425,27 +455,36 @@ class PairwiseMix:
             if index in self.received or ours is None:
                 raise ValueError(f"chunk {index}: already received, or not sent by us")
             del self.sent[index]
-        theirs = decode_chunk(payload, self.spec, self.plan, index, self.device)
-        sums = [0.0, 0.0, 0.0]
-        for s, mine, other in zip(self.plan.chunks[index], ours, theirs, strict=True):
-            with self._lock:
-                buffer = self._delta.get(s.name)
-                if buffer is None:  # every element is written before the commit reads it
-                    shape = dict(self.plan.shapes)[s.name]
-                    buffer = self._delta[s.name] = (
-                        torch.empty(shape, device=self.device) if self.spare is None
-                        else self.spare.take(s.name, shape, self.device))  # fmt: skip
-            diff = buffer.reshape(-1)[s.start : s.stop]
-            torch.sub(other, mine, out=diff)  # straight into the mix buffer: no temporary
-            sums[0] += float(torch.linalg.vector_norm(mine)) ** 2
-            sums[1] += float(torch.linalg.vector_norm(other)) ** 2
-            sums[2] += float(torch.linalg.vector_norm(diff)) ** 2
+        theirs_sq: list[float] = []
+        theirs = decode_chunk(payload, self.spec, self.plan, index, self.device, theirs_sq)
+        slices = self.plan.chunks[index]
         with self._lock:
-            self._ours_sq += sums[0]
-            self._theirs_sq += sums[1]
-            self._diff_sq += sums[2]
+            diffs = [self._buffer(s.name).reshape(-1)[s.start : s.stop] for s in slices]
+        small = [i for i, s in enumerate(slices) if s.numel <= SMALL_SLICE]
+        if small:  # many small tensors: a few multi-tensor calls, not a Python round per slice
+            torch._foreach_copy_([diffs[i] for i in small], [theirs[i] for i in small])
+            torch._foreach_sub_([diffs[i] for i in small], [ours[i] for i in small])
+        for i, s in enumerate(slices):
+            if s.numel > SMALL_SLICE:  # straight into the mix buffer: no temporary, one pass
+                torch.sub(theirs[i], ours[i], out=diffs[i])
+        ours_sq, diff_sq = sum(squared_norms(ours)), sum(squared_norms(diffs))
+        with self._lock:
+            self._ours_sq += ours_sq
+            self._theirs_sq += sum(theirs_sq)
+            self._diff_sq += diff_sq
             self.received.add(index)
             return self.complete
+
+    def _buffer(self, name: str) -> torch.Tensor:
+        """Tensor `name`'s part of the mix buffer, made on first use (under the lock): every
+        element is written before the commit reads it."""
+        buffer = self._delta.get(name)
+        if buffer is None:
+            shape = self.plan.shape_of[name]
+            buffer = self._delta[name] = (
+                torch.empty(shape, device=self.device) if self.spare is None
+                else self.spare.take(name, shape, self.device))  # fmt: skip
+        return buffer
 
     def commit(self) -> float:
         """Check the whole peer model's norm and mix it in (a worker thread).
@@ -536,7 +575,7 @@ class ModelAssembly(_Arrivals):
             with self._lock:
                 buffer = self.tensors.get(s.name)
                 if buffer is None:
-                    shape = dict(self.plan.shapes)[s.name]
+                    shape = self.plan.shape_of[s.name]
                     buffer = self.tensors[s.name] = torch.empty(shape, device=self.device)
             buffer.reshape(-1)[s.start : s.stop] = t
         return self._count_in()
@@ -591,7 +630,7 @@ class EncodedAssembly(_Arrivals):
 
     def decoded(self) -> Tensors:
         """The whole update decoded into new tensors (a model's worth of float32)."""
-        shapes = dict(self.plan.shapes)
+        shapes = self.plan.shape_of
         out: Tensors = {}
         for name, offset, t in self.slices():
             if name not in out:
