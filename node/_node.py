@@ -31,7 +31,7 @@ from ._driver import LoopDriver, TrainingDriver
 from ._membership_service import MembershipService
 from ._memory import check_budget, fit_budget, tune_allocator
 from ._metrics import MetricsServer, NodeCollector
-from ._peer_choice import PeerChoice
+from ._peer_choice import PeerChoice, model_dtype
 from ._protocol import node_header_codec
 from ._state_sync import StateSync
 from ._status_report import Progress, StatusReporter, StatusSources
@@ -373,10 +373,12 @@ class Node:
             self.algorithm.peer_disconnected(peer_id)
 
     def _make_algorithm(self, trainer, membership, transport: Transport, nursery) -> Algorithm:
-        shapes = [(n, tuple(p.shape)) for n, p in trainer.params().items()]
+        params = trainer.params()
+        shapes = [(n, tuple(p.shape)) for n, p in params.items()]
         peers = PeerChoice(
             self.config.gossip, membership, self.links, self.selector, shapes,
             trainer.step_interval_s, client=not self.config.network.reachable,
+            model_dtype=model_dtype(p.dtype for p in params.values()),
         )  # fmt: skip
         ctx = AlgorithmContext(
             trainer=trainer,

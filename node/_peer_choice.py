@@ -6,7 +6,7 @@
 # behind NAT, nobody dials it) is never a partner: it is live, and exchanges only as the initiator.
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Protocol
 
 from geotrain import compress
@@ -18,6 +18,13 @@ from ._config import GossipConfig
 # sparse codec of a whole model (not of a change) would zero most weights; sparse codecs belong to
 # algorithms that send changes (choco, diloco), and only when the config names them.
 DENSE_LADDER = ("none", "fp16", "int8", "int4")
+HALF_CODECS = {"bfloat16": "bf16", "float16": "fp16"}  # a half-precision model's exact codec
+
+
+def model_dtype(dtypes: Iterable[object]) -> str | None:
+    """The one dtype every parameter has ("bfloat16", "float32", ...), or None when they differ."""
+    names = {str(d).removeprefix("torch.") for d in dtypes}
+    return names.pop() if len(names) == 1 else None
 DEFAULT_STEP_S = 0.05  # before two steps were timed: a guess that only sways the first codec
 
 
@@ -44,6 +51,9 @@ class PeerChoice:
         step_interval_s: seconds between two local steps lately (the trainer's measure).
         client: we are a client-mode node (network.reachable = false): nobody asks us, so an
             algorithm whose requests only pull (dpsgd) sends our model along with them.
+        model_dtype: "bfloat16" or "float16" when every parameter is of that half precision:
+            the codec ladder then starts at that codec, which carries the values exactly in
+            half the bytes of "none" (float32 on the wire).
     """
 
     def __init__(
@@ -56,8 +66,10 @@ class PeerChoice:
         step_interval_s: Callable[[], float | None],
         *,
         client: bool = False,
+        model_dtype: str | None = None,
     ) -> None:
         self.config = config
+        self._exact = HALF_CODECS.get(model_dtype or "")  # a half model's lossless codec
         self.client = client
         self.links = links
         self.selector = selector
@@ -115,6 +127,8 @@ class PeerChoice:
         fits in the compute it overlaps (see gossip's choose_codec)."""
         if self.fixed_codec is not None:
             return self.fixed_codec
+        if self._exact is not None and "none" in ladder:  # float32 adds nothing to half values
+            ladder = [self._exact, *(s for s in ladder if s not in ("none", "fp16", "bf16"))]
         return choose_codec(
             self.links.estimate(peer, now),
             self.numel,

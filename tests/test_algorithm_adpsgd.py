@@ -318,3 +318,29 @@ async def test_a_small_model_answers_while_it_exchanges_and_a_big_one_does_not(a
     wide = {"task": "wide-linear", "params": {"millions": 8.0}}  # 32 MB: 3 buffers are too many
     async with runtimes(2, algorithm="adpsgd", codec="none", **wide) as (net, (a, b)):
         assert a.max_exchanges == 1
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+async def test_a_half_precision_model_travels_in_its_own_precision_not_float32(autojump_clock,
+                                                                                dtype):
+    # codec auto on a fast link picks the least compression; for a bf16 (fp16) model that is
+    # bf16 (fp16), exact for its values, not "none" (float32 on the wire: twice the bytes)
+    from geotrain.node import GossipConfig
+    from geotrain.node.testing import algorithm_on, open_memory_network
+    from geotrain.node.training import LoopTrainer
+
+    def half(seed: int) -> LoopTrainer:
+        torch.manual_seed(seed)
+        return LoopTrainer(torch.nn.Linear(64, 64).to(dtype))
+
+    config = GossipConfig(algorithm="adpsgd", codec="auto")
+    async with open_memory_network() as net, trio.open_nursery() as nursery:
+        a, b = (algorithm_on(net, me, half(i), config, [other], nursery.start_soon, seed=i)
+                for i, (me, other) in enumerate((("p0", "p1"), ("p1", "p0"))))
+        before = {k: (model(a)[k].float() + model(b)[k].float()) / 2 for k in model(a)}
+        assert await a.exchange_once()
+        codec = "bf16" if dtype == torch.bfloat16 else "fp16"
+        assert a.counters.statistics().peers["p1"].codec == codec
+        assert net.bytes_sent[("p0", "p1")] < 0.6 * 4 * (64 * 64 + 64)  # 2 bytes a value
+        assert all(torch.allclose(model(a)[k].float(), before[k], atol=1e-2) for k in before)
+        nursery.cancel_scope.cancel()

@@ -20,7 +20,7 @@ from geotrain import compress
 from geotrain.gossip import ClipRadius, RejectedUpdate, check_update
 
 from .._config import GossipConfig
-from .._peer_choice import DENSE_LADDER, PeerChoice
+from .._peer_choice import DENSE_LADDER, HALF_CODECS, PeerChoice
 from ..training import StepResult, Trainer
 from ..transport import Header, PeerInfo
 
@@ -172,9 +172,10 @@ class AlgorithmContext:
         return trio.current_time()
 
     def acceptable(self, spec: str) -> bool:
-        """Whether a peer may make us encode with `spec`: our fixed codec or the dense ladder
-        (any other spec would cost us work we never agreed to)."""
-        return spec in {*DENSE_LADDER, self.gossip.codec} - {"auto"}
+        """Whether a peer may make us encode with `spec`: our fixed codec, the dense ladder or a
+        half-precision model's exact codec (any other spec would cost us work we never agreed
+        to)."""
+        return spec in {*DENSE_LADDER, *HALF_CODECS.values(), self.gossip.codec} - {"auto"}
 
     def encode(self, tensors: Tensors, spec: str, seed: int = 0) -> bytes:
         return compress.encode_named(sorted(tensors.items()), compress.get_codec(spec), seed=seed)

@@ -16,7 +16,7 @@ import trio
 from geotrain.gossip import LinkTable, PartnerSelector
 
 from .._config import GossipConfig
-from .._peer_choice import PeerChoice
+from .._peer_choice import PeerChoice, model_dtype
 from .._protocol import node_header_codec
 from ..algorithms import Algorithm, AlgorithmContext, ExchangeCounters, get_algorithm, inline
 from ..training import Trainer
@@ -204,9 +204,11 @@ def algorithm_on(
     """
     rng = random.Random(seed)
     membership = StaticMembership(list(peers))
+    params = trainer.params()
     choice = PeerChoice(
         gossip, membership, LinkTable(), PartnerSelector(gossip.policy, peer_id, rng=rng),
-        [(n, tuple(t.shape)) for n, t in trainer.params().items()], lambda: 0.01,
+        [(n, tuple(t.shape)) for n, t in params.items()], lambda: 0.01,
+        model_dtype=model_dtype(t.dtype for t in params.values()),
     )  # fmt: skip
     transport = network.add(peer_id, _unset)
     ctx = AlgorithmContext(
