@@ -85,5 +85,7 @@ def test_checks_and_mixes_hold_no_model_sized_temporary():
                           check=True, timeout=300)  # fmt: skip
     peaks = json.loads(done.stdout.strip().splitlines()[-1])
     tensor_mb = 5000 * 5000 * 4 / 2**20  # 95 MiB
-    too_big = {rule: round(mb) for rule, mb in peaks.items() if mb > 0.25 * tensor_mb}
-    assert not too_big, f"peak MiB above the {tensor_mb:.0f} MiB model's quarter: {too_big}"
+    # a whole-tensor temporary is 95 MiB or more; slices of 4 MiB and the allocator's arenas
+    # stay well under 40% (pairwise_mix peaked at 24 MiB once, with another process's load)
+    too_big = {rule: round(mb) for rule, mb in peaks.items() if mb > 0.4 * tensor_mb}
+    assert not too_big, f"peak MiB above 40% of the {tensor_mb:.0f} MiB model: {too_big}"
