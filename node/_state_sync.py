@@ -63,6 +63,10 @@ class _Failed(Exception):
     pass
 
 
+class _NothingYet(_Failed):
+    """The peer has no optimizer state yet (it has not stepped: a swarm starting together)."""
+
+
 class ModelMismatch(ConfigError):
     """The swarm's peers train another model (other parameter names or shapes): this node can
     never exchange with them. Raised at start, by state sync, instead of training alone."""
@@ -280,8 +284,10 @@ class StateSync:
             now = await self._to_thread(self._trainer.adopt_optimizer_state, layout.cls, staged,
                                         layout.scalars, layout.schedule_steps)  # fmt: skip
         except (*FETCH_ERRORS, ValueError) as exc:
-            log.warning("optimizer_state_skipped", peer=peer[:12], reason=str(exc)[:300],
-                        detail="the optimizer starts fresh")  # fmt: skip
+            # (a peer that has not stepped yet is the usual start of a swarm, not a problem)
+            say = log.info if isinstance(exc, _NothingYet) else log.warning
+            say("optimizer_state_skipped", peer=peer[:12], reason=str(exc)[:300],
+                detail="the optimizer starts fresh")
             return False
         log.info("optimizer_state_synced" if now else "optimizer_state_fetched", peer=peer[:12],
                  optimizer=layout.cls, tensors=len(staged), mb=round(progress.received / 1e6, 1),
@@ -298,6 +304,8 @@ class StateSync:
         reply, payload, _ = await self._network.request(
             address, OptimizerStateRequest(layout=True), b"", deadline_s=deadline,
             expect_peer=peer)  # fmt: skip
+        if isinstance(reply, ErrorReply) and reply.code == "busy":
+            raise _NothingYet(reply.reason)
         if not isinstance(reply, OptimizerStateReply):
             raise _Failed(getattr(reply, "reason", "") or type(reply).__name__)
         if len(payload) > MAX_LAYOUT_BYTES:
