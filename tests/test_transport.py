@@ -656,6 +656,31 @@ async def test_sessions_end_when_the_admission_expires(authority):
             assert [h.nonce for _, h in c.seen] == [2, 5]
 
 
+async def test_a_stranger_cannot_make_a_node_take_in_more_than_a_part(authority):
+    # a message above part_bytes only ever travels in parts, so nng refuses a bigger frame from
+    # anyone before allocating it: no stranger's unauthenticated 64 MiB (it could hold up to
+    # max_message_bytes, 320 MiB by default, per connection) while real peers' big messages,
+    # in parts, still go through
+    config = TransportConfig()  # the node's defaults: parts of 4 MiB, 10 s for a handshake
+    server, good = Node(authority), Node(authority)
+    async with _open(server, config) as ts, _open(good, config) as tg:
+        port = int(ts.address.rsplit(":", 1)[1])
+        sock = trio.socket.socket()
+        await sock.connect(("127.0.0.1", port))
+        await sock.send(b"\x00SP\x00\x00\x30\x00\x00")
+        assert len(await sock.recv(8)) == 8
+        await sock.send((64 << 20).to_bytes(8, "big") + b"\x00" * 64)
+        with trio.fail_after(3):  # (well before the unfinished handshake's 10 s)
+            try:
+                assert await sock.recv(1) == b""  # hung up at once
+            except ConnectionResetError:
+                pass
+        sock.close()
+        payload = bytes(range(256)) * (40 * 4096)  # 40 MiB: ten parts
+        reply, data, _ = await tg.request(ts.address, Ping(7), payload, deadline_s=60)
+        assert reply == Pong(7) and bytes(data) == payload[::-1]
+
+
 async def test_a_multi_part_request_the_peer_refuses_raises_our_error(authority):
     small = TransportConfig(part_bytes=64 * 1024, max_message_bytes=256 * 1024)
     large = TransportConfig(part_bytes=64 * 1024, max_message_bytes=1 << 20)

@@ -103,7 +103,11 @@ class TransportConfig:
 
     @property
     def recv_max_size(self) -> int:
-        return frame_length(self.max_header_bytes, self.max_message_bytes)
+        """The largest frame nng may take in: a part (a payload above part_bytes travels in
+        parts), not a whole message, so a stranger who has not even started a handshake cannot
+        make a node hold max_message_bytes per connection (it could: 256 MiB each, measured)."""
+        payload = min(self.part_bytes, self.max_message_bytes)
+        return frame_length(self.max_header_bytes, payload, part=True)
 
 
 @dataclass(frozen=True)
