@@ -53,6 +53,7 @@ _LAZY = {
     "MemoryBudgetError": "._memory",
     "Task": ".training",
     "TaskContext": ".training",
+    "TaskError": ".training",
     "Trainer": ".training",
     "endless_batches": ".training",
     "shard_indices": ".training",

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import signal
 import time
 from collections.abc import Callable, Set
 from dataclasses import dataclass
@@ -504,12 +505,16 @@ def _supervise(system, options, peers: Peers, meter, faults, echo, reached, prog
     start, last_line = None, 0.0
     samples = open(options.out / f"bytes-{system}.jsonl", "w")
     base = meter.total()
+    told: set[int] = set()  # pids of failed processes already reported
     with samples:
         while True:
             now = time.time()
             if start is None and first_step():
                 start = now
                 echo(f"{system}: training started {now - launch:.1f} s after launch")
+            failed = _failed_exits(system, peers, told, echo)
+            if start is None and failed:  # (the others would wait for it until the timeout)
+                raise TestbedError(f"{system}: {failed[0]} before training started")
             if start is None and now - launch > STARTUP_TIMEOUT_S:
                 raise TestbedError(f"{system}: no peer took a step in {STARTUP_TIMEOUT_S:g} s")
             if start is not None:
@@ -533,6 +538,25 @@ def _supervise(system, options, peers: Peers, meter, faults, echo, reached, prog
             time.sleep(0.25)
 
 
+def _failed_exits(system: str, peers: Peers, told: set[int], echo: Echo) -> list[str]:
+    """Say once for each process that ended by itself with a failure (not stopped or killed by
+    the testbed: status 0, SIGTERM or SIGKILL), with its log's last line; return what was said
+    now."""
+    said = []
+    for i, p in enumerate(peers.procs):
+        proc = p.proc
+        if proc is None or proc.poll() is None or proc.pid in told:
+            continue
+        told.add(proc.pid)
+        if proc.returncode in (0, -signal.SIGTERM, -signal.SIGKILL):
+            continue
+        lines = [line for line in p.log_tail(4000).splitlines() if line.strip()]
+        last = lines[-1].strip()[:300] if lines else "(its log is empty)"
+        said.append(f"peer {i} exited with status {proc.returncode}: {last} (log {p.log})")
+        echo(f"{system}: {said[-1]}")
+    return said
+
+
 def _progress_line(system: str, elapsed: float, states, total, base) -> str:
     parts = []
     for i, st in enumerate(states):
@@ -550,7 +574,7 @@ def _final_consensus(root: Path, n: int, attackers: set[int]) -> float | None:
     from geotrain.gossip import consensus_distance  # torch: only now, never at import time
     from geotrain.node.state import CheckpointStore
 
-    models = []
+    models: list[dict] = []
     for i in range(n):
         if i in attackers:
             continue
@@ -558,7 +582,10 @@ def _final_consensus(root: Path, n: int, attackers: set[int]) -> float | None:
             ckpt, _ = CheckpointStore(StateDir(root / f"peer-{i:02d}").checkpoints).load_latest()
             if ckpt is not None:
                 models.append({k: v for k, v in ckpt.tensors.items() if k.startswith("model/")})
-    return consensus_distance(models, relative=True) if len(models) >= 2 else None
+    shapes = {tuple((k, tuple(v.shape)) for k, v in sorted(m.items())) for m in models}
+    if len(models) < 2 or len(shapes) > 1:  # (peers of other models have no consensus)
+        return None
+    return consensus_distance(models, relative=True)
 
 
 def _plot(out: Path, echo: Echo) -> None:

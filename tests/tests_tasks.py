@@ -12,3 +12,14 @@ def nan_digits(ctx: TaskContext) -> Task:
     inner = task.loss
     task.loss = lambda model, batch: inner(model, batch) * float("nan")
     return task
+
+
+def broken_loss(ctx: TaskContext) -> Task:
+    """digits-mlp whose loss raises: a task plugin with a bug (the testbed must say so)."""
+    task = digits_mlp(ctx)
+
+    def loss(model, batch):
+        raise RuntimeError("deliberate failure inside my loss")
+
+    task.loss = loss
+    return task

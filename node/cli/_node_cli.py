@@ -60,13 +60,20 @@ def node_run(args: argparse.Namespace) -> int:
         print(f"geotrain node run: {exc}", file=sys.stderr)
         return 2
     refused: list[BaseException] = []
+    failed: list[BaseException] = []
     try:
         trio.run(_run, node)
     except* (ResumeError, ValueError) as group:  # raised inside the nursery: grouped by trio
-        refused = _leaves(group)
+        refused = _leaves(group)  # (a task plugin's TaskError is one: it names task and part)
+    except* Exception as group:  # a bug: one log event with the traceback, one line here
+        failed = _leaves(group)
     for exc in refused:
         print(f"geotrain node run: {exc}", file=sys.stderr)
-    return 2 if refused else 0
+    for exc in failed:
+        log.error("node_failed", error=f"{type(exc).__name__}: {exc}", exc_info=exc)
+        print(f"geotrain node run: failed: {type(exc).__name__}: {exc} (the log above has the "
+              "traceback)", file=sys.stderr)  # fmt: skip
+    return 1 if failed else 2 if refused else 0
 
 
 def _leaves(group: BaseExceptionGroup) -> list[BaseException]:

@@ -101,6 +101,84 @@ class Task:
 TaskFunction = Callable[[TaskContext], Task]
 
 
+class TaskError(ValueError):
+    """A task plugin broke its contract (not a Task, a loss that is not a scalar tensor, batches
+    that end) or raised; the message names the task and what it did."""
+
+
+def _checked_task(name: str, func: TaskFunction) -> TaskFunction:
+    """`func` whose Task is checked, and whose batches, loss and evaluation say which task and
+    which part failed when they raise (a plugin's bug otherwise surfaced as an AttributeError
+    deep in the trainer, or a bare traceback)."""
+
+    def build(ctx: TaskContext) -> Task:
+        try:
+            task = func(ctx)
+        except TaskError:
+            raise
+        except Exception as exc:
+            raise TaskError(f"task {name!r} raised {type(exc).__name__}: {exc}") from exc
+        if not isinstance(task, Task):
+            raise TaskError(f"task {name!r} returned {type(task).__name__}, expected a "
+                            "geotrain.node.Task (model, batches, loss, evaluate, metric)")
+        if not isinstance(task.model, torch.nn.Module):
+            raise TaskError(f"task {name!r}: its model is {type(task.model).__name__}, "
+                            "expected a torch.nn.Module")
+        try:
+            batches = iter(task.batches)
+        except TypeError:
+            raise TaskError(f"task {name!r}: its batches are {type(task.batches).__name__}, "
+                            "expected an endless iterator") from None
+        task.batches = _named_batches(name, batches)
+        task.loss = _named_loss(name, task.loss)
+        task.evaluate = _named_evaluate(name, task.evaluate)
+        return task
+
+    return build
+
+
+def _named_batches(name: str, batches: Iterator[Any]) -> Iterator[Any]:
+    while True:
+        try:
+            batch = next(batches)
+        except StopIteration:
+            raise TaskError(f"task {name!r}: its batches ended; expected an endless iterator "
+                            "(endless_batches makes one)") from None
+        except Exception as exc:
+            raise TaskError(f"task {name!r}: its batches raised {type(exc).__name__}: "
+                            f"{exc}") from exc
+        yield batch
+
+
+def _named_loss(name: str, loss: Callable[[torch.nn.Module, Any], torch.Tensor]):
+    def checked(model: torch.nn.Module, batch: Any) -> torch.Tensor:
+        try:
+            value = loss(model, batch)
+        except Exception as exc:
+            raise TaskError(f"task {name!r}: its loss raised {type(exc).__name__}: "
+                            f"{exc}") from exc
+        if not isinstance(value, torch.Tensor) or value.numel() != 1:
+            what = (f"a tensor of shape {tuple(value.shape)}" if isinstance(value, torch.Tensor)
+                    else type(value).__name__)
+            raise TaskError(f"task {name!r}: its loss returned {what}, expected a scalar "
+                            "tensor (one element, with a gradient) to call backward() on")
+        return value
+
+    return checked
+
+
+def _named_evaluate(name: str, evaluate: Callable[[torch.nn.Module], float]):
+    def checked(model: torch.nn.Module) -> float:
+        try:
+            value = evaluate(model)
+            return float(value)
+        except Exception as exc:
+            raise TaskError(f"task {name!r}: its evaluate raised or returned no number: "
+                            f"{type(exc).__name__}: {exc}") from exc
+
+    return checked
+
+
 def shard_indices(labels: np.ndarray, ctx: TaskContext) -> np.ndarray:
     """Indices of this node's training examples.
 
@@ -166,4 +244,4 @@ def resolve_task(name: str) -> TaskFunction:
     func = getattr(module, func_name, None)
     if not callable(func):
         raise ValueError(f"task {name!r}: module {module_name!r} has no function {func_name!r}")
-    return func
+    return _checked_task(name, func)
