@@ -195,7 +195,8 @@ class PartnerSelector:
             peer = self._random_available(view, now)
         else:
             peer = self._fastest(view, links, payload_nbytes_for, now)
-        self._note(peer)
+        if peer is not None:
+            self._note(peer)
         return peer
 
     def _refresh(self, candidates: Candidates | Sequence[str]) -> Candidates:
@@ -231,14 +232,21 @@ class PartnerSelector:
             if peer != self.self_id:
                 return peer
 
-    def _random_available(self, view: Candidates, now: float) -> str:
+    def _random_available(self, view: Candidates, now: float) -> str | None:
+        fallback = None
         for _ in range(8):
             peer = self._random_other(view)
             if self._available(peer, now):
                 return peer
-        return self._random_other(view)  # everyone tried is busy: any will do
+            if fallback is None and self._cool.get(peer, (0.0, 0))[1] == 0:
+                fallback = peer  # busy or much chosen, but not failing
+        # everyone tried is busy or much chosen: one of them will do; peers that failed wait out
+        # their pause (taken at once, a node whose only peer was gone retried it every step)
+        return fallback
 
-    def _fastest(self, view: Candidates, links: LinkTable, payload: PayloadSize, now: float) -> str:
+    def _fastest(
+        self, view: Candidates, links: LinkTable, payload: PayloadSize, now: float
+    ) -> str | None:
         cfg, rng, ids = self.config, self._rng, view.ids
         # a sample with replacement: a repeat is only scored once; O(sample_size) at any size
         sampled = [ids[int(rng.random() * len(ids))] for _ in range(cfg.sample_size)]

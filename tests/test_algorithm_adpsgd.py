@@ -261,7 +261,9 @@ async def test_the_responder_drops_an_exchange_its_initiator_gave_up(autojump_cl
         await trio.sleep(2.5)  # a's "gave up" message reached b long before b would idle out
         assert not b._sessions and b.counters.statistics().failed == 1
         assert same(model(b), before_b)
-        assert await a.exchange_once()
+        assert not await a.exchange_once()  # a failed partner waits out its pause (5 s) ...
+        await trio.sleep(5)
+        assert await a.exchange_once()  # ... and is taken again after it
 
 
 async def test_a_plan_finer_than_max_chunks_is_refused_before_it_is_built(autojump_clock):

@@ -127,6 +127,21 @@ def test_failed_and_busy_partners_are_skipped_for_a_while():
     assert fast[0] in [selector.choose(PEERS, links, 10 * MB, 7.0) for _ in range(100)]
 
 
+@pytest.mark.parametrize("policy", ["bandwidth", "uniform"])
+def test_a_failed_only_peer_waits_out_its_pause_a_busy_one_does_not(policy):
+    # with nobody else to choose, a busy peer is still taken (its exchange may succeed now),
+    # but one that failed is not before its pause ends: a node whose only peer was gone
+    # retried it at every step (373 "connection refused" lines in 5 s)
+    config = PartnerConfig(busy_cooldown_s=5.0)
+    selector = PartnerSelector(policy, "p00", config, random.Random(0))
+    pair = ("p00", "p01")
+    selector.record_busy("p01", now=0.0)
+    assert selector.choose(pair, LinkTable(), MB, 1.0) == "p01"
+    selector.record_outcome("p01", ok=False, now=2.0)
+    assert [selector.choose(pair, LinkTable(), MB, t) for t in (2.5, 4.0, 6.9)] == [None] * 3
+    assert selector.choose(pair, LinkTable(), MB, 7.1) == "p01"
+
+
 def test_payload_size_per_peer_changes_the_choice():
     links = _two_clusters("p00", slow_factor=20.0)
     config = PartnerConfig(exploration=0.01, long_range_every=0)
