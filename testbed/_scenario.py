@@ -444,19 +444,30 @@ def scenario_from_dict(data: Mapping[str, Any], name: str = "custom") -> Testbed
         raise _fail("regions", regions_data, "a list of {name, peers} tables")
     regions = tuple(_region_from(r, i) for i, r in enumerate(regions_data))
     links = data.get("links", {})
+    if not isinstance(links, Mapping) or set(links) - {"inside", "between"}:
+        odd = sorted(set(links) - {"inside", "between"}) if isinstance(links, Mapping) else links
+        raise _fail("links", odd, "only the tables links.inside and [[links.between]]")
+    names = [r.name for r in regions]
     inside_data = links.get("inside", {})
     if isinstance(inside_data, Mapping) and set(inside_data) <= set(LINK_FIELDS):
         inside = {r.name: _link(inside_data, "links.inside") for r in regions}  # one for all
-    else:
+    elif isinstance(inside_data, Mapping) and set(inside_data) <= set(names):  # per region
         inside = {k: _link(v, f"links.inside.{k}") for k, v in inside_data.items()}
+    else:
+        odd = sorted(set(inside_data) - set(LINK_FIELDS) - set(names)) if isinstance(
+            inside_data, Mapping) else inside_data  # fmt: skip
+        raise _fail("links.inside", odd, f"a link spec (fields {sorted(LINK_FIELDS)}) for every "
+                    f"region, or one per region name ({names})")  # fmt: skip
     between = {}
     for i, item in enumerate(links.get("between", [])):
         pair = item.get("regions") if isinstance(item, Mapping) else None
         if not isinstance(pair, list) or len(pair) != 2:
             raise _fail(f"links.between[{i}].regions", pair, "two region names")
+        if set(pair) - set(names):
+            raise _fail(f"links.between[{i}].regions", pair, f"two of the regions {names}")
         spec = {k: v for k, v in item.items() if k != "regions"}
         between[frozenset(pair)] = _link(spec, f"links.between[{i}]")
-    slowdowns = {s.get("peer"): s.get("slowdown") for s in data.get("stragglers", [])}
+    slowdowns = dict(_straggler_from(s, i) for i, s in enumerate(data.get("stragglers", [])))
     faults = tuple(_fault_from(f, i) for i, f in enumerate(data.get("faults", [])))
     try:
         return TestbedScenario(
@@ -483,6 +494,20 @@ def scenario_from_dict(data: Mapping[str, Any], name: str = "custom") -> Testbed
         )
     except TypeError as exc:
         raise ScenarioError(f"scenario: {exc}") from exc
+
+
+def _straggler_from(item: Any, i: int) -> tuple[int, float]:
+    """A [[stragglers]] table ({peer, slowdown}) as (peer, slowdown); the ranges are the
+    scenario's to check."""
+    if not isinstance(item, Mapping) or set(item) != {"peer", "slowdown"}:
+        odd = sorted(set(item) ^ {"peer", "slowdown"}) if isinstance(item, Mapping) else item
+        raise _fail(f"stragglers[{i}]", odd, "exactly the fields peer and slowdown")
+    peer, slowdown = item["peer"], item["slowdown"]
+    if not isinstance(peer, int) or isinstance(peer, bool):
+        raise _fail(f"stragglers[{i}].peer", peer, "a peer index (an integer)")
+    if not isinstance(slowdown, int | float) or isinstance(slowdown, bool):
+        raise _fail(f"stragglers[{i}].slowdown", slowdown, "a number >= 1.0")
+    return peer, float(slowdown)
 
 
 def _region_from(item: Any, i: int) -> Region:

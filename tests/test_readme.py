@@ -61,3 +61,16 @@ def test_the_own_training_script_example_runs(tmp_path, monkeypatch):
     namespace["train"](model, loader, compute_loss)
     checkpoints = list((tmp_path / "state" / "checkpoints").glob("ckpt-*.safetensors"))
     assert checkpoints  # closed cleanly: the final checkpoint
+
+
+def test_the_scenario_file_example_is_a_valid_scenario():
+    import tomllib
+
+    from geotrain.testbed._scenario import scenario_from_dict
+
+    section = README[README.index("A scenario of your own") :]
+    text = re.search(r"```toml\n(.*?)```", section, re.S).group(1)
+    scenario = scenario_from_dict(tomllib.loads(re.sub(r"(?m)^  ", "", text)))
+    assert scenario.peer_regions == ("us", "us", "us", "eu", "eu")
+    assert scenario.slowdown(4) == 3.0 and [f.action for f in scenario.faults] == ["kill",
+                                                                                   "restart"]

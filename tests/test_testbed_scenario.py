@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import re
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -284,3 +286,20 @@ def test_partition_flags_reach_every_system_and_the_run_files(tmp_path: Path, mo
     with pytest.raises(ScenarioError, match="scenario.partition"):
         scenario_from_dict({**_base(), "partition": "shards"})
     assert load_scenario("demo").partition == "iid"  # unchanged unless asked for
+
+
+@pytest.mark.parametrize("change, field", [
+    (lambda d: d["links"].update(insde=d["links"].pop("inside")), "links"),
+    (lambda d: d["links"]["between"].append({"regions": ["a", "mars"], "delay_ms": 5}),
+     "links.between[1].regions"),
+    (lambda d: d["links"].update(inside={"delay_ms": 5, "rate": 100}), "links.inside"),
+    (lambda d: d["stragglers"].append({"peer": 1, "slowdwon": 2.0}), "stragglers[1]"),
+    (lambda d: d["stragglers"].append({"peer": "1", "slowdown": 2.0}), "stragglers[1].peer"),
+])  # fmt: skip
+def test_scenario_mistakes_a_stranger_made_are_refused_naming_the_field(change, field):
+    # each of these was accepted silently (an unshaped 0 ms inside link, a link to nowhere) or
+    # refused with a message about something else
+    data = tomllib.loads(GOOD_TOML)
+    change(data)
+    with pytest.raises(ScenarioError, match=re.escape(f"scenario.{field}")):
+        scenario_from_dict(data)
