@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 from collections.abc import Callable, Sequence
@@ -93,6 +94,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         structlog.get_logger().warning("interrupted")
         return 130
+    except BrokenPipeError:  # `geotrain status | head`: the reader left, nothing is wrong
+        with contextlib.suppress(OSError):  # (Python would complain again flushing stdout)
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
 
 
 if __name__ == "__main__":
