@@ -4,6 +4,7 @@ Bad peers are built by hand from pynng and node._noise (the test may import pynn
 rule is about the project's packages).
 """
 
+import contextlib
 import functools
 import random
 import socket
@@ -765,3 +766,25 @@ async def test_a_peer_is_reported_gone_only_when_its_last_connection_closes(auth
         while not gone:
             await trio.sleep(0.01)
     assert gone == [a.identity.peer_id]
+
+
+async def test_a_stranger_flooding_bad_frames_costs_the_log_a_few_lines_a_minute(authority):
+    # every bad message is counted; the log says at most WARNINGS_PER_MINUTE of them a minute,
+    # where they came from, and how many it left out
+    from structlog.testing import capture_logs
+
+    from geotrain.node.transport._inbound import WARNINGS_PER_MINUTE
+
+    server = Node(authority)
+    async with _open(server) as ts:
+        with capture_logs() as logs:
+            for _ in range(WARNINGS_PER_MINUTE + 10):
+                with pynng.Req0(dial=ts.address, recv_timeout=300, send_timeout=2000) as s:
+                    s.resend_time = -1  # (one request each)
+                    s.send(b"")  # an empty message before any handshake
+                    with contextlib.suppress(pynng.NNGException):  # (hung up on)
+                        await trio.to_thread.run_sync(s.recv)
+        said = [e for e in logs if e["event"] == "frame_rejected"]
+        assert ts.statistics().frames_rejected["unexpected"] == WARNINGS_PER_MINUTE + 10
+        assert len(said) == WARNINGS_PER_MINUTE
+        assert "empty message" in said[0]["detail"] and said[0]["remote"].startswith("127.0.0.1")

@@ -37,6 +37,30 @@ from ._wire import (
 )
 
 log = structlog.get_logger()
+WARNINGS_PER_MINUTE = 20  # lines a stranger's bad frames or handshakes may cost the log
+
+
+class _Quota:
+    """How many warnings of one kind may be written a minute; the rest are counted and the
+    next line written says how many were left out (the counters count them all)."""
+
+    def __init__(self, per_minute: int = WARNINGS_PER_MINUTE) -> None:
+        self.per_minute = per_minute
+        self._window_start = -60.0
+        self._written = self.suppressed = 0
+
+    def allow(self, now: float) -> bool:
+        if now - self._window_start >= 60.0:
+            self._window_start, self._written = now, 0
+        if self._written < self.per_minute:
+            self._written += 1
+            return True
+        self.suppressed += 1
+        return False
+
+    def take_suppressed(self) -> int:
+        n, self.suppressed = self.suppressed, 0
+        return n
 
 
 class _InboundSession:
@@ -60,6 +84,24 @@ class _Inbound:
         self.handler, self.counters, self.token = handler, counters, token
         self.on_disconnect = on_disconnect  # an authenticated peer's connection to us closed
         self.sessions: dict[int, _InboundSession] = {}
+        self._quotas = {"frame_rejected": _Quota(), "handshake_failed": _Quota()}
+
+    def _warn(self, event: str, session: _InboundSession, **fields: object) -> None:
+        """A warning about what a connection sent, within its quota, naming the connection."""
+        quota = self._quotas[event]
+        if not quota.allow(trio.current_time()):
+            return
+        if session.peer is not None:
+            fields["peer"] = session.peer.short_id
+        else:  # (not authenticated: where it came from is all there is)
+            try:
+                fields["remote"] = str(session.pipe.remote_address)
+            except Exception:  # (a pipe nng already closed: nothing to name)
+                fields["remote"] = "?"
+        left_out = quota.take_suppressed()
+        if left_out:
+            fields["left_out"] = left_out
+        log.warning(event, **fields)
 
     # -- pipe callbacks: run on nng's threads, only hand a note to the trio loop --
     def note_connect(self, pipe: pynng.Pipe) -> None:
@@ -138,7 +180,8 @@ class _Inbound:
             for session in list(self.sessions.values()):
                 if session.channel is None and now - session.started >= timeout:
                     self.counters.handshakes_failed["deadline"] += 1
-                    log.warning("handshake_failed", direction="inbound", reason="deadline")
+                    self._warn("handshake_failed", session, direction="inbound",
+                               reason="deadline")  # fmt: skip
                     self._drop(session)
 
     async def _on_message(self, msg: pynng.Message) -> pynng.Message | None:
@@ -153,7 +196,9 @@ class _Inbound:
                 # every frame out is counted here: replies, part acknowledgements, pulled parts
                 self.counters.moved(session.peer, 0, len(reply._buffer))
                 return reply
-            kind = view[0] if len(view) else -1
+            if not len(view):
+                raise FrameRejected("unexpected", "an empty message before the session exists")
+            kind = view[0]
             if kind == HS1 and session.handshake is None:
                 session.handshake = self.creds.handshake(initiator=False)
                 session.handshake.read_message(bytes(view[1:]))
@@ -163,12 +208,11 @@ class _Inbound:
             raise FrameRejected("unexpected", f"kind {kind:#x} before the session exists")
         except FrameRejected as exc:
             self.counters.frames_rejected[exc.reason] += 1
-            peer = session.peer.short_id if session.peer else None
-            log.warning("frame_rejected", peer=peer, reason=exc.reason, detail=str(exc))
+            self._warn("frame_rejected", session, reason=exc.reason, detail=str(exc))
             self._drop(session)
         except HandshakeFailed as exc:
             self.counters.handshakes_failed[exc.kind] += 1
-            log.warning("handshake_failed", direction="inbound", reason=exc.reason)
+            self._warn("handshake_failed", session, direction="inbound", reason=exc.reason)
             session.handshake = None
             refusal = exc.reason.encode("utf-8", "replace")[:MAX_REFUSAL_CHARS]
             return self._reply(session, HS_REFUSED, refusal)
@@ -265,9 +309,7 @@ class _Inbound:
             header = self.codec.decode(header_bytes)
         except HeaderDecodeError as exc:
             self.counters.frames_rejected["header"] += 1
-            log.warning(
-                "frame_rejected", peer=session.peer.short_id, reason="header", detail=exc.reason
-            )
+            self._warn("frame_rejected", session, reason="header", detail=exc.reason)
             reply_header, reply_payload = ErrorReply(exc.code, exc.reason[:200]), b""
         else:
             reply_header, reply_payload = await self._call_handler(session.peer, header, payload)
