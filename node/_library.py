@@ -11,7 +11,6 @@ from __future__ import annotations
 import atexit
 import contextlib
 import threading
-import weakref
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -261,7 +260,7 @@ def _stop_unready(node: Node, thread: threading.Thread, box: dict[str, Any]) -> 
     thread.join(60)
 
 
-_open_swarms: weakref.WeakSet[Swarm] = weakref.WeakSet()
+_open_swarms: set[Swarm] = set()  # (held here: a swarm whose node runs is open whoever holds it)
 
 
 @atexit.register
