@@ -143,7 +143,7 @@ class PartnerSelector:
             self._cool.pop(peer, None)
             return
         failures = self._cool.get(peer, (0.0, 0))[1] + 1
-        pause = self.config.busy_cooldown_s * 2 ** min(failures - 1, 4)
+        pause = self.config.busy_cooldown_s * 2 ** min(failures - 1, 4)  # (_may_retry too)
         self._cool[peer] = (now + pause, failures)
         self._known.pop(peer, None)
 
@@ -238,11 +238,21 @@ class PartnerSelector:
             peer = self._random_other(view)
             if self._available(peer, now):
                 return peer
-            if fallback is None and self._cool.get(peer, (0.0, 0))[1] == 0:
-                fallback = peer  # busy or much chosen, but not failing
-        # everyone tried is busy or much chosen: one of them will do; peers that failed wait out
-        # their pause (taken at once, a node whose only peer was gone retried it every step)
+            if fallback is None and self._may_retry(peer, now):
+                fallback = peer
+        # everyone tried is pausing: a busy or much-chosen one will do at once, one that failed
+        # only once its last failure is busy_cooldown_s old (taken at once, a node whose only
+        # peer was gone retried it at every step; held to its whole pause, up to 16 times that,
+        # a node whose only peer came back waited minutes)
         return fallback
+
+    def _may_retry(self, peer: str, now: float) -> bool:
+        """Whether `peer` may be taken when nobody else can (see _random_available)."""
+        until, failures = self._cool.get(peer, (0.0, 0))
+        if not failures:
+            return True
+        pause = self.config.busy_cooldown_s * 2 ** min(failures - 1, 4)
+        return now - (until - pause) >= self.config.busy_cooldown_s
 
     def _fastest(
         self, view: Candidates, links: LinkTable, payload: PayloadSize, now: float

@@ -140,6 +140,10 @@ def test_a_failed_only_peer_waits_out_its_pause_a_busy_one_does_not(policy):
     selector.record_outcome("p01", ok=False, now=2.0)
     assert [selector.choose(pair, LinkTable(), MB, t) for t in (2.5, 4.0, 6.9)] == [None] * 3
     assert selector.choose(pair, LinkTable(), MB, 7.1) == "p01"
+    for t in (8.0, 14.0, 20.0):  # three more failures: paused 40 s, but the only peer there is
+        selector.record_outcome("p01", ok=False, now=t)  # is tried again 5 s after each
+    assert selector.choose(pair, LinkTable(), MB, 24.0) is None
+    assert selector.choose(pair, LinkTable(), MB, 25.1) == "p01"
 
 
 def test_payload_size_per_peer_changes_the_choice():

@@ -47,6 +47,10 @@ def _script(tmp_path: Path, wait: int) -> list[str]:
     return [sys.executable, str(path)]
 
 
+def _default_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def test_a_script_that_never_closes_its_swarm_ends_cleanly(tmp_path):
     run = subprocess.run(_script(tmp_path, 0), capture_output=True, text=True, timeout=180)
     assert run.returncode == 0, run.stderr[-3000:]
@@ -60,8 +64,10 @@ def test_a_script_that_never_closes_its_swarm_ends_cleanly(tmp_path):
 def test_ctrl_c_while_join_waits_for_peers_stops_the_node_first(tmp_path):
     log = tmp_path / "stderr.txt"
     with log.open("w") as err:
+        # (a runner started in the background passes SIGINT on ignored, and Python then
+        # installs no KeyboardInterrupt: the script gets Ctrl-C as a terminal gives it)
         proc = subprocess.Popen(_script(tmp_path, 1), stdout=subprocess.PIPE, stderr=err,
-                                text=True)  # fmt: skip
+                                text=True, preexec_fn=_default_sigint)  # fmt: skip
         try:
             deadline = time.monotonic() + 120
             while "node_started" not in log.read_text():  # join waits now: nobody comes
