@@ -153,8 +153,11 @@ async def test_at_expiry_a_node_stops_dialling_and_resumes_with_a_renewed_file(
                     while not any(e["event"] == "certificate_expired" for e in logs):
                         await trio.sleep(0.1)
                 expired_at = time.monotonic()
+                # An exchange already under way at expiry may still finish (its frames passed the
+                # admission check before it ended); none may start after it.
+                await trio.sleep(1)
                 ok_then = a.status().exchanges_ok
-                await trio.sleep(6)  # a expired: what does it cost the swarm?
+                await trio.sleep(5)  # a expired: what does it cost the swarm?
                 window = time.monotonic() - expired_at
                 refused = sum(1 for e in logs if e["event"] == "handshake_failed")
                 assert a.status().exchanges_ok == ok_then
