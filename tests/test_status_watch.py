@@ -377,3 +377,19 @@ def test_watch_without_a_status_explains_and_retries(where, tmp_path):
     last = err.strip().splitlines()[-1]
     assert "never read a status" in last and expected in last, err
     assert out.count(expected) >= 2 and "waiting for a first status" in out
+
+
+def test_status_and_the_command_line_load_no_torch(real_node):
+    """`geotrain status` is what an operator runs over and over, often under `watch`: it reads a
+    JSON file and must not pay for importing torch (seconds on a busy machine)."""
+    script = (
+        "import sys\n"
+        "from geotrain.node.cli import main\n"
+        f"rc = main(['status', '--node', {str(real_node.state_dir)!r}])\n"
+        "assert 'torch' not in sys.modules, 'geotrain status imported torch'\n"
+        "sys.exit(rc)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=120)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert "exchanges ok" in done.stdout

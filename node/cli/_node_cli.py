@@ -10,18 +10,20 @@ import math
 import signal
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import structlog
 import trio
 
-from .._checkpointer import ResumeError
 from .._config import ConfigError, NodeConfig, load_config
 from .._credentials import load_identity
-from .._node import Node
 from ..state import render_status
 from ._node_init import register_node_init
 from ._status_client import StatusFile
 from ._status_client import fetch_status as fetch_status
+
+if TYPE_CHECKING:  # the node (torch) loads only for `node run`: `status` and `keygen` stay quick
+    from .._node import Node
 
 log = structlog.get_logger()
 
@@ -29,6 +31,8 @@ WATCH_INTERVAL_S = 2.0  # often enough to follow training, rare enough to cost a
 
 
 def load_node(config: NodeConfig) -> Node:
+    from .._node import Node
+
     return Node(config, *load_identity(config))
 
 
@@ -53,6 +57,8 @@ async def _run(node: Node) -> None:
 
 
 def node_run(args: argparse.Namespace) -> int:
+    from .._checkpointer import ResumeError
+
     try:
         config = load_config(args.config, args.set or ())
         node = load_node(config)

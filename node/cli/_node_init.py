@@ -10,7 +10,6 @@ from pathlib import Path
 
 from .._config import ConfigError, config_from_toml
 from ..identity import Identity, KeyFileError
-from ..training import resolve_task
 
 TEMPLATE = """\
 # A geotrain node: `geotrain node run --config {config}`. Every key and its default:
@@ -68,6 +67,8 @@ def node_init(args: argparse.Namespace) -> int:
     try:
         config_from_toml(text, base=folder)
         if ":" not in args.task:  # a module of the user's own may only import on the machine
+            from ..training import resolve_task  # torch: only here, not for every command
+
             resolve_task(args.task)
     except (ConfigError, ValueError) as exc:
         print(f"geotrain node init: {exc}", file=sys.stderr)
