@@ -165,7 +165,13 @@ def as_buffer(t: torch.Tensor) -> memoryview:
     return memoryview(flat.view(torch.uint8).numpy())
 
 
-def check_finite_scales(scales: torch.Tensor, what: str) -> None:
+def check_finite_scales(scales: torch.Tensor | np.ndarray, what: str) -> None:
     """Raise DecodeError unless every scale is finite and non-negative."""
-    if scales.numel() and not bool(torch.isfinite(scales).all() & (scales >= 0).all()):
+    if isinstance(scales, torch.Tensor):
+        if scales.device.type != "cpu" or scales.numel() > 64:
+            if scales.numel() and not bool(torch.isfinite(scales).all() & (scales >= 0).all()):
+                raise DecodeError(f"{what} contain a negative, NaN or infinite value")
+            return
+        scales = scales.numpy()  # a few scales: numpy's checks cost a fraction of torch's
+    if not (np.isfinite(scales).all() and (scales >= 0).all()):
         raise DecodeError(f"{what} contain a negative, NaN or infinite value")

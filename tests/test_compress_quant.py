@@ -104,3 +104,45 @@ def test_half_precision_inputs_work(codec):
     x = _x(500).to(torch.bfloat16)
     y = decode(codec.encode(x), max_numel=500)
     assert y.dtype == torch.bfloat16 and y.shape == x.shape
+
+
+@pytest.mark.parametrize(
+    "codec", [Int8(), Int8(block=7), Int4(), Int4(block=5)], ids=lambda c: c.spec
+)
+@pytest.mark.parametrize("n", [1, 6, 64, 333, 4096])
+def test_small_tensors_take_numpy_and_give_the_bytes_and_values_of_the_torch_path(
+    codec, n, monkeypatch
+):
+    """Small CPU tensors are quantized and dequantized with numpy (a model of hundreds of them
+    spent most of an exchange in torch's per-call cost): the bytes and the decoded values must
+    be exactly the torch path's, so peers that take either path agree."""
+    from geotrain.compress import _quant
+
+    x = _x(n, seed=n) * 3
+    x[: n // 3] = 0.0  # an all-zero block, one of -0.0, and rows of one sign only
+    x[: n // 6] = -0.0
+    x[n // 3 : n // 2] = -x[n // 3 : n // 2].abs() - 0.5
+    small_bytes = codec.encode(x)
+    small_values = decode(bytearray(small_bytes), max_numel=n)
+    monkeypatch.setattr(_quant, "SMALL_NUMEL", 0)
+    torch_bytes = codec.encode(x)
+    assert small_bytes == torch_bytes
+    assert torch.equal(decode(bytearray(torch_bytes), max_numel=n), small_values)
+    bound = x.abs().max() / (127 if codec.name == "int8" else 7) / 2 + 1e-6
+    assert (small_values - x).abs().max() <= bound
+
+
+def test_small_tensors_refuse_non_finite_input_and_bad_scales():
+    """The numpy path keeps the checks: NaN or inf is refused when encoding, and a payload whose
+    scale is negative or NaN is refused when decoding."""
+    from geotrain.compress import DecodeError
+
+    for bad in (float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="NaN or infinite"):
+            Int8().encode(torch.tensor([1.0, bad, 2.0]))
+    data = bytearray(Int8().encode(_x(10)))
+    scale_at = 14 + 8 + 5
+    for bad_scale in (-1.0, float("nan")):
+        data[scale_at : scale_at + 4] = torch.tensor([bad_scale]).numpy().tobytes()
+        with pytest.raises(DecodeError, match="negative, NaN or infinite"):
+            decode(data, max_numel=10)
