@@ -61,6 +61,27 @@ def test_flipped_byte_is_detected(tmp_path):
     assert latest is not None and latest.step == 10 and "SHA-256" in skipped[0]
 
 
+def test_unreadable_newer_checkpoints_never_cost_the_new_ones(tmp_path):
+    """A run that resumed below `keep` unreadable checkpoints (the newer ones did not verify)
+    keeps every checkpoint it writes: counting the unreadable ones had each new checkpoint
+    deleted right after it was written, so every restart began at step 0 again."""
+    store = CheckpointStore(tmp_path, keep=3)
+    for step in (100, 125, 150):
+        store.save(_ckpt(step)).write_bytes(b"\xff" * 40)  # corrupt
+    assert store.load_latest()[0] is None
+    for step in (25, 50, 60):
+        store.save(_ckpt(step))
+    latest, skipped = store.load_latest()
+    assert latest is not None and latest.step == 60 and len(skipped) == 3
+    names = [p.name for p in store.paths()]
+    assert names[3:] == [f"ckpt-{s:010d}.safetensors" for s in (60, 50, 25)]
+    store.save(_ckpt(75))  # the oldest at or below the new step goes; the higher ones stay
+    assert [p.name for p in store.paths()][3:] == [
+        f"ckpt-{s:010d}.safetensors" for s in (75, 60, 50)]
+    store.save(_ckpt(125))  # reaching a corrupt one's step replaces it with a good one
+    assert store.load_latest()[0].step == 125
+
+
 def test_no_checkpoint_and_garbage(tmp_path):
     store = CheckpointStore(tmp_path)
     assert store.load_latest() == (None, [])

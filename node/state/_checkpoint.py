@@ -187,9 +187,14 @@ class CheckpointStore:
         return sorted(found, key=lambda p: p.name, reverse=True)
 
     def save(self, ckpt: Checkpoint) -> Path:
+        """Write `ckpt`, then delete the oldest of those at or below its step beyond `keep`.
+        Files of higher steps are neither counted nor deleted: they are there because the run
+        resumed from below them (they did not verify), and counting them had every new
+        checkpoint deleted as soon as it was written when `keep` of them were unreadable."""
         path = self.directory / f"ckpt-{ckpt.step:010d}.safetensors"
         write_atomically(path, lambda f: write_checkpoint(f, ckpt))
-        for old in self.paths()[self.keep :]:
+        older = [p for p in self.paths() if p.name <= path.name]
+        for old in older[self.keep :]:
             old.unlink(missing_ok=True)
         return path
 
