@@ -397,7 +397,9 @@ class Node:
         cfg = self.config
         t = cfg.training
         await membership.wait_for_peers(t.wait_for_peers, t.wait_for_peers_s, self._stop)
-        if ckpt is None and cfg.gossip.state_sync and cfg.network.bootstrap:
+        # a checkpoint of step 0 (a run stopped before its first step) holds nothing learned:
+        # the swarm's state is still fetched, as for a node that never ran
+        if (ckpt is None or ckpt.step == 0) and cfg.gossip.state_sync and cfg.network.bootstrap:
             await state_sync.fetch(self._stop)
         cadence = {"eval_every": t.eval_every, "checkpoint_every": cfg.state.checkpoint_every,
                    "stop": self._stop}  # fmt: skip

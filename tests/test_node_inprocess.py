@@ -152,6 +152,34 @@ async def test_a_checkpoint_of_the_previous_layout_is_resumed(tmp_path):
             assert torch.equal(restored[name].float(), value)
 
 
+async def test_a_node_stopped_before_its_first_step_still_fetches_the_swarms_state(tmp_path):
+    """A joiner stopped while it waited (Ctrl-C before its first step) left a checkpoint of
+    step 0; started again, it resumed from that and never fetched the swarm's model."""
+    from structlog.testing import capture_logs
+
+    admission = Admission.open_swarm("geotrain")
+    b_id = Identity.generate()
+    alone = config(tmp_path, "b", 'network.bootstrap=["tcp://127.0.0.1:9"]',
+                   "training.wait_for_peers=1")  # fmt: skip
+    async with geotrain.open_node(alone, identity=b_id, admission=admission) as b:
+        await trio.sleep(0.5)
+    assert b.trainer.step == 0
+    assert [p.name for p in (tmp_path / "b" / "checkpoints").iterdir()] == [
+        "ckpt-0000000000.safetensors"]
+    async with geotrain.open_node(config(tmp_path, "a"), identity=Identity.generate(),
+                                  admission=admission) as a:  # fmt: skip
+        with trio.fail_after(60):
+            while a.trainer.step < 20:
+                await trio.sleep(0.1)
+        again = config(tmp_path, "b", f'network.bootstrap=["{a.address}"]')
+        with capture_logs() as logs:
+            async with geotrain.open_node(again, identity=b_id, admission=admission) as b:
+                with trio.fail_after(60):
+                    while not any(e["event"] == "state_synced" for e in logs):
+                        await trio.sleep(0.1)
+                assert b.trainer.step >= 20  # it goes on from the donor's step
+
+
 async def test_a_config_that_cannot_fit_its_memory_limit_is_refused_with_the_figures(tmp_path):
     cfg = config(tmp_path, "big", 'training.task="wide-linear"', "training.params.millions=10.0",
                  "limits.memory_gb=0.6")  # fmt: skip
