@@ -16,6 +16,7 @@ import time
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
+from typing import BinaryIO
 
 import structlog
 import torch
@@ -119,6 +120,7 @@ class Node:
         self._token: trio.lowlevel.TrioToken | None = None
         self._transport: Transport | None = None
         self._prepared: tuple[Task, Trainer, Checkpoint | None, CheckpointStore] | None = None
+        self._state_lock: BinaryIO | None = None  # held while this node runs on its state.dir
 
     def request_stop(self) -> None:
         """Ask the node to stop (idempotent); `run()` returns after a clean shutdown. A loop of
@@ -228,6 +230,7 @@ class Node:
         try:
             await self._run(task_status)
         finally:
+            self._release_state()
             self._stopped.set()
 
     async def prepare(self) -> None:
@@ -238,15 +241,26 @@ class Node:
         Raises:
             MemoryBudgetError: the config does not fit limits.memory_gb. ResumeError: the state
                 directory holds another algorithm's checkpoint. ValueError: a bad task.
-                ConfigError: the node's membership certificate has expired, or the metrics port
-                is taken.
+                StateDirInUse: another node runs on state.dir. ConfigError: the node's membership
+                certificate has expired, or the metrics port is taken.
         """
         if self._prepared is None:
             self._check_certificate()
             tune_allocator()
-            self._start_metrics()
             self.state.create()
-            self._prepared = await trio.to_thread.run_sync(self._build_training)
+            if self._state_lock is None:
+                self._state_lock = self.state.lock()
+            try:
+                self._start_metrics()
+                self._prepared = await trio.to_thread.run_sync(self._build_training)
+            except BaseException:
+                self._release_state()
+                raise
+
+    def _release_state(self) -> None:
+        if self._state_lock is not None:
+            self._state_lock.close()
+            self._state_lock = None
 
     def _check_certificate(self) -> None:
         cert = self.admission.certificate

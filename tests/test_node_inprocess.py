@@ -173,11 +173,33 @@ async def test_a_node_stopped_before_its_first_step_still_fetches_the_swarms_sta
                 await trio.sleep(0.1)
         again = config(tmp_path, "b", f'network.bootstrap=["{a.address}"]')
         with capture_logs() as logs:
-            async with geotrain.open_node(again, identity=b_id, admission=admission) as b:
+            async with geotrain.open_node(again, identity=b_id, admission=admission):
                 with trio.fail_after(60):
-                    while not any(e["event"] == "state_synced" for e in logs):
+                    while not (synced := [e for e in logs if e["event"] == "state_synced"]):
                         await trio.sleep(0.1)
-                assert b.trainer.step >= 20  # it goes on from the donor's step
+        assert synced[0]["peer_step"] >= 20  # the model of a node that had trained
+
+
+async def test_a_second_node_on_a_state_directory_in_use_is_refused(tmp_path):
+    """Two nodes on one state.dir overwrote each other's checkpoints and status unnoticed: the
+    second is refused naming the directory and the first one's pid, and once the first has
+    stopped the directory is free again."""
+    import os
+
+    from geotrain.node.state import StateDirInUse
+
+    admission = Admission.open_swarm("geotrain")
+    async with geotrain.open_node(config(tmp_path, "a"), identity=Identity.generate(),
+                                  admission=admission):  # fmt: skip
+        with pytest.raises(StateDirInUse, match=rf"state.dir = '.*/a' is in use by another node "
+                                                rf"\(pid {os.getpid()}\)"):  # fmt: skip
+            async with geotrain.open_node(config(tmp_path, "a"), identity=Identity.generate(),
+                                          admission=admission):  # fmt: skip
+                pass
+    cfg = config(tmp_path, "a", "training.max_steps=3")
+    async with geotrain.open_node(cfg, identity=Identity.generate(), admission=admission) as n:
+        with trio.fail_after(60):
+            await n.wait_stopped()
 
 
 async def test_a_config_that_cannot_fit_its_memory_limit_is_refused_with_the_figures(tmp_path):

@@ -7,6 +7,7 @@ from importlib import import_module
 
 from ._files import write_atomically as write_atomically
 from ._statedir import StateDir as StateDir
+from ._statedir import StateDirInUse as StateDirInUse
 from ._status import NodeStatus as NodeStatus
 from ._status import PeerStatus as PeerStatus
 from ._status import append_metrics as append_metrics
