@@ -653,7 +653,21 @@ def config_from_toml(text: str, *, base: Path, overrides: typing.Sequence[str] =
             _fail(name, doc[name], f"one of the sections {sorted(sections)}")
     hints = typing.get_type_hints(NodeConfig)
     built = {name: _section(hints[name], doc[name], name, base) for name in doc}
-    return NodeConfig(**built)
+    config = NodeConfig(**built)
+    # the defaults' relative paths too are the config file's, not wherever the node was started
+    # from (a node started from another folder began from scratch in a state/ of its own there)
+    return dataclasses.replace(
+        config,
+        identity=_rebased(config.identity, "key", base),
+        state=_rebased(config.state, "dir", base),
+    )
+
+
+def _rebased(section: Any, field: str, base: Path) -> Any:
+    path = getattr(section, field)
+    if path.is_absolute():
+        return section
+    return dataclasses.replace(section, **{field: base / path})
 
 
 def _apply_preset(doc: dict) -> None:
