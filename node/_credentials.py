@@ -3,8 +3,14 @@
 # field, raised before anything starts.
 from __future__ import annotations
 
+from collections.abc import Callable
+from pathlib import Path
+from typing import TypeVar
+
 from ._config import ConfigError, IdentityConfig, NodeConfig
-from .identity import Admission, Identity, MembershipCertificate, SwarmInfo
+from .identity import Admission, Identity, KeyFileError, MembershipCertificate, SwarmInfo
+
+T = TypeVar("T")
 
 
 def admission_from_config(cfg: IdentityConfig) -> Admission:
@@ -13,16 +19,28 @@ def admission_from_config(cfg: IdentityConfig) -> Admission:
     Raises:
         ConfigError: a file is missing or unreadable, or the pieces do not fit together.
     """
+    if cfg.swarm is not None and cfg.certificate is not None:
+        swarm = _load("identity.swarm", cfg.swarm, SwarmInfo.load)
+        cert = _load("identity.certificate", cfg.certificate, MembershipCertificate.load)
+        try:
+            return Admission.with_certificate(swarm, cert)
+        except ValueError as exc:
+            raise ConfigError(f"identity: {exc}") from exc
     try:
-        if cfg.swarm is not None and cfg.certificate is not None:
-            return Admission.with_certificate(
-                SwarmInfo.load(cfg.swarm), MembershipCertificate.load(cfg.certificate)
-            )
         if cfg.allow:
             return Admission.with_allow_list(cfg.swarm_id, cfg.allow)
         return Admission.open_swarm(cfg.swarm_id)
     except (OSError, ValueError) as exc:
         raise ConfigError(f"identity: {exc}") from exc
+
+
+def _load(field: str, path: Path, load: Callable[[Path], T]) -> T:
+    """`load(path)`, or a ConfigError naming the field and the file (an empty, truncated or
+    malformed file was a KeyFileError traceback)."""
+    try:
+        return load(path)
+    except (KeyFileError, OSError, ValueError) as exc:
+        raise ConfigError(f"{field} = {str(path)!r}: {exc}") from exc
 
 
 def load_identity(config: NodeConfig) -> tuple[Identity, Admission]:

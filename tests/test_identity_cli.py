@@ -131,3 +131,31 @@ def test_durations_and_peer_forms():
     key = Identity.generate().public_key
     assert parse_peer(base64.b64encode(key).decode()) == key
     assert parse_peer(key.hex()) == key
+
+
+@pytest.mark.parametrize("content", ["", "{", "{}", "[]"], ids=["empty", "truncated", "{}", "[]"])
+@pytest.mark.parametrize("broken", ["certificate", "swarm"])
+def test_a_malformed_certificate_or_swarm_file_is_one_line_naming_the_field(
+    tmp_path, capsys, broken, content
+):
+    """An empty, truncated or otherwise malformed certificate or swarm.json stops the node with
+    one line naming the field and the file, exit status 2, before anything starts (it was a
+    KeyFileError traceback and exit status 1)."""
+    swarm = tmp_path / "swarm"
+    assert main(["swarm", "init", "--out", str(swarm)]) == 0
+    assert main(["keygen", "--out", str(tmp_path / "me.key")]) == 0
+    peer = Identity.load(tmp_path / "me.key").peer_id
+    assert main(["swarm", "admit", "--swarm", str(swarm), peer, "--expires", "1d", "--out",
+                 str(tmp_path / "me.cert")]) == 0  # fmt: skip
+    files = {"certificate": tmp_path / "me.cert", "swarm": swarm / "swarm.json"}
+    assert files["swarm"].exists()
+    files[broken].write_text(content)
+    (tmp_path / "node.toml").write_text(
+        f'[identity]\nkey = "me.key"\ncertificate = "me.cert"\nswarm = "{files["swarm"]}"\n'
+        '[training]\ntask = "synthetic-linreg"\nmax_steps = 1\n'
+    )
+    capsys.readouterr()
+    assert main(["node", "run", "--config", str(tmp_path / "node.toml")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "Traceback" not in err[0]
+    assert f"identity.{broken} = '{files[broken]}'" in err[0]
