@@ -40,7 +40,15 @@ from .algorithms import Algorithm, AlgorithmContext, get_algorithm
 from .identity import Admission, Identity
 from .state import Checkpoint, CheckpointStore, NodeStatus, StateDir, write_atomically
 from .training import LoopTrainer, Task, TaskContext, Trainer, resolve_device, resolve_task
-from .transport import ErrorReply, Header, PeerInfo, Transport, TransportConfig, open_transport
+from .transport import (
+    ErrorReply,
+    Header,
+    ListenError,
+    PeerInfo,
+    Transport,
+    TransportConfig,
+    open_transport,
+)
 
 STOP_GRACE_S = 5.0
 log = structlog.get_logger()
@@ -311,24 +319,30 @@ class Node:
         task, trainer, ckpt, store = self._prepared
         self.trainer = trainer
         cfg = self.config
-        async with open_transport(
-            self._transport_config(), self.identity, self.admission, self.router.handle,
-            codec=node_header_codec(), on_disconnect=self._peer_disconnected,
-        ) as transport:  # fmt: skip
-            self.address = cfg.network.advertise or transport.address
-            # a client (network.reachable = false) announces an address nobody dials; its own
-            # address stays the loopback one, for the local `geotrain status`
-            announced = self.address if cfg.network.reachable else client_address(
-                self.identity.peer_id)  # fmt: skip
-            self.membership = membership = MembershipService(
-                self.identity.peer_id, announced, cfg.network.bootstrap,
-                cfg.gossip.probe_interval_s, transport, self.links, self.selector, self.rng,
-            )  # fmt: skip
-            try:
-                await self._serve(task_status, task, trainer, ckpt, store, transport, membership)
-            finally:
-                if self.metrics is not None:
-                    self.metrics.close()
+        try:
+            async with open_transport(
+                self._transport_config(), self.identity, self.admission, self.router.handle,
+                codec=node_header_codec(), on_disconnect=self._peer_disconnected,
+            ) as transport:  # fmt: skip
+                self.address = cfg.network.advertise or transport.address
+                # a client (network.reachable = false) announces an address nobody dials; its own
+                # address stays the loopback one, for the local `geotrain status`
+                announced = self.address if cfg.network.reachable else client_address(
+                    self.identity.peer_id)  # fmt: skip
+                self.membership = membership = MembershipService(
+                    self.identity.peer_id, announced, cfg.network.bootstrap,
+                    cfg.gossip.probe_interval_s, transport, self.links, self.selector, self.rng,
+                )  # fmt: skip
+                try:
+                    await self._serve(task_status, task, trainer, ckpt, store, transport,
+                                      membership)  # fmt: skip
+                finally:
+                    if self.metrics is not None:
+                        self.metrics.close()
+        except ListenError as exc:  # an operator's mistake, said as one: in use, not ours
+            if self.metrics is not None:
+                self.metrics.close()
+            raise ConfigError(f"network.listen = {cfg.network.listen!r}: {exc}") from None
         log.info("node_stopped", step=trainer.step)
 
     async def _serve(self, task_status, task, trainer, ckpt, store, transport, membership) -> None:

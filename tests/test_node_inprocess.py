@@ -202,6 +202,23 @@ async def test_a_second_node_on_a_state_directory_in_use_is_refused(tmp_path):
             await n.wait_stopped()
 
 
+async def test_a_listen_address_in_use_is_refused_naming_network_listen(tmp_path):
+    """An operator's port in use is one ConfigError naming network.listen (it was a node
+    failure: 'TransportError: Address in use' with a traceback)."""
+    from geotrain.node import ConfigError
+
+    admission = Admission.open_swarm("geotrain")
+    async with geotrain.open_node(config(tmp_path, "a"), identity=Identity.generate(),
+                                  admission=admission) as a:  # fmt: skip
+        taken = config(tmp_path, "b", f'network.listen="{a.address}"')
+        with pytest.RaisesGroup(pytest.RaisesExc(
+                ConfigError, match=rf"network.listen = '{a.address}': cannot listen on .*in use"),
+                flatten_subgroups=True, allow_unwrapped=True):  # fmt: skip
+            async with geotrain.open_node(taken, identity=Identity.generate(),
+                                          admission=admission):  # fmt: skip
+                pass
+
+
 async def test_a_config_that_cannot_fit_its_memory_limit_is_refused_with_the_figures(tmp_path):
     cfg = config(tmp_path, "big", 'training.task="wide-linear"', "training.params.millions=10.0",
                  "limits.memory_gb=0.6")  # fmt: skip

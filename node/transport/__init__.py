@@ -25,6 +25,7 @@ from ._transport import open_raw_pynng_pair as open_raw_pynng_pair
 from ._transport import open_transport as open_transport
 from ._types import Handler as Handler
 from ._types import HandshakeError as HandshakeError
+from ._types import ListenError as ListenError
 from ._types import LocalTransportError as LocalTransportError
 from ._types import PeerInfo as PeerInfo
 from ._types import PeerUnreachable as PeerUnreachable

@@ -32,6 +32,7 @@ from ._noise import HandshakeFailed
 from ._outbound import _Outbound, _rpc
 from ._types import Handler as Handler
 from ._types import HandshakeError as HandshakeError
+from ._types import ListenError as ListenError
 from ._types import LocalTransportError as LocalTransportError
 from ._types import PeerInfo as PeerInfo
 from ._types import PeerUnreachable as PeerUnreachable
@@ -348,7 +349,7 @@ async def open_transport(
         try:
             listener = sock.listen(config.listen)
         except pynng.NNGException as exc:
-            raise TransportError(f"cannot listen on {config.listen}: {exc}") from None
+            raise ListenError(f"cannot listen on {config.listen}: {exc}") from None
         address = _bound_address(config.listen, str(listener.local_address))
         transport = None
         try:

@@ -39,6 +39,10 @@ class LocalTransportError(TransportError):
     """We were asked to do something invalid (a bug of the caller), e.g. an oversized message."""
 
 
+class ListenError(TransportError):
+    """The listen address cannot be taken (in use, not ours, malformed)."""
+
+
 @dataclass(frozen=True)
 class TransportConfig:
     """Settings of one transport.
