@@ -74,7 +74,16 @@ class Checkpointer:
         tensors = dict(ckpt.tensors)
         if ckpt.meta.get("layout", 1) < 2:  # layout 1: adpsgd's residuals at the top level
             tensors.update({f"algo/{k}": v for k, v in tensors.items() if k.startswith("ef/")})
-        self._trainer.restore(tensors, ckpt.meta, ckpt.step)
+        try:
+            self._trainer.restore(tensors, ckpt.meta, ckpt.step)
+        except (RuntimeError, KeyError, ValueError, TypeError, IndexError) as exc:
+            # torch's own words (a size mismatch, an optimizer of another kind) on one line
+            said = "; ".join(line.strip() for line in str(exc).splitlines() if line.strip())
+            raise ResumeError(
+                f"{self._store.directory}: the checkpoint of step {ckpt.step} does not fit this "
+                f"configuration's model or optimizer ({type(exc).__name__}: {said[:300]}): run "
+                "it with the settings that wrote it, or use another state.dir"
+            ) from exc
         algo = {k[5:]: v for k, v in tensors.items() if k.startswith("algo/")}
         self._algorithm.load_state(algo, ckpt.meta.get("algo") or {})
         links = ckpt.meta.get("links")

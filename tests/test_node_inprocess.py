@@ -219,6 +219,38 @@ async def test_a_listen_address_in_use_is_refused_naming_network_listen(tmp_path
                 pass
 
 
+@pytest.mark.parametrize(("change", "said"), [
+    ("training.params.features=16", "size mismatch"),
+    ('training.optimizer="adam"', "KeyError"),
+], ids=["model", "optimizer"])  # fmt: skip
+async def test_a_checkpoint_of_another_model_or_optimizer_is_one_clear_resume_error(
+    tmp_path, change, said
+):
+    """Restarting on a checkpoint after changing the model or the optimizer is refused with one
+    line saying so (it was torch's multi-line size mismatch, or KeyError: 'step'), and the
+    checkpoint is left as it was."""
+    from geotrain.node import ResumeError
+
+    admission = Admission.open_swarm("geotrain")
+    first = config(tmp_path, "m", "training.max_steps=3", 'training.optimizer="sgd"')
+    async with geotrain.open_node(first, identity=Identity.generate(), admission=admission) as n:
+        with trio.fail_after(60):
+            await n.wait_stopped()
+    before = {p.name: p.read_bytes() for p in (tmp_path / "m" / "checkpoints").iterdir()}
+    changed = config(tmp_path, "m", 'training.optimizer="sgd"', change)
+    with pytest.RaisesGroup(pytest.RaisesExc(ResumeError, match=(
+            rf"the checkpoint of step 3 does not fit this configuration's model or optimizer "
+            rf"\(.*{said}.*\): run it with the settings that wrote it, or use another "
+            rf"state.dir$")), flatten_subgroups=True, allow_unwrapped=True) as caught:  # fmt: skip
+        async with geotrain.open_node(changed, identity=Identity.generate(), admission=admission):
+            pass
+    leaves = caught.value.exceptions if isinstance(caught.value, BaseExceptionGroup) else [
+        caught.value]  # fmt: skip
+    assert all("\n" not in str(exc) for exc in leaves)
+    after = {p.name: p.read_bytes() for p in (tmp_path / "m" / "checkpoints").iterdir()}
+    assert after == before
+
+
 async def test_a_config_that_cannot_fit_its_memory_limit_is_refused_with_the_figures(tmp_path):
     cfg = config(tmp_path, "big", 'training.task="wide-linear"', "training.params.millions=10.0",
                  "limits.memory_gb=0.6")  # fmt: skip
