@@ -393,3 +393,27 @@ def test_status_and_the_command_line_load_no_torch(real_node):
                           timeout=120)  # fmt: skip
     assert done.returncode == 0, done.stderr
     assert "exchanges ok" in done.stdout
+
+
+def test_a_status_left_running_by_a_node_that_died_says_stopped(real_node, tmp_path, capsys):
+    """A node that crashed (or was killed) left "running" in its status.json; no node holds
+    the directory's lock any more, so `geotrain status` says it stopped."""
+    import json
+    import shutil
+
+    from geotrain.node.cli._main import main
+    from geotrain.node.state import StateDir
+
+    copy = tmp_path / "crashed"
+    shutil.copytree(real_node.state_dir, copy)
+    doc = json.loads((copy / "status.json").read_text())
+    (copy / "status.json").write_text(json.dumps({**doc, "running": True}))
+    assert (copy / "lock").exists()
+    assert main(["status", "--node", str(copy)]) == 0
+    assert "(stopped)" in capsys.readouterr().out
+    held = StateDir(copy).lock()  # a node holds it: running, as its status says
+    try:
+        assert main(["status", "--node", str(copy)]) == 0
+        assert "(stopped)" not in capsys.readouterr().out
+    finally:
+        held.close()

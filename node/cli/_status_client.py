@@ -45,6 +45,9 @@ class StatusFile:
             age_s = max(0.0, time.time() - file.stat().st_mtime)
         except OSError:  # replaced between the read and the stat: it is fresh
             age_s = 0.0
+        if (data.get("running") and state is not None and state.lock_path.exists()
+                and not state.locked()):  # fmt: skip
+            data = {**data, "running": False}  # its node ended without saying so (a crash)
         return data, age_s
 
 
