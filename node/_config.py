@@ -80,6 +80,24 @@ class IdentityConfig:
             )
 
 
+_UNSPECIFIED_HOSTS = {"0.0.0.0", "::", "*", ""}
+
+
+def _check_address(name: str, addr: Any, *, dialled: bool) -> None:
+    """tcp://HOST:PORT with a port in 0..65535 (1..65535 and a host one can dial for an address
+    peers dial: advertise, bootstrap)."""
+    expected = ("an address peers can dial, like tcp://HOST:PORT" if dialled
+                else "an address like tcp://HOST:PORT")  # fmt: skip
+    _check(isinstance(addr, str) and addr.startswith("tcp://"), name, addr, expected)
+    host, sep, port = addr[len("tcp://") :].rpartition(":")
+    ok = bool(sep) and "/" not in host and port.isdigit() and int(port) <= 65535
+    if ok and dialled:
+        ok = int(port) > 0 and host.strip("[]") not in _UNSPECIFIED_HOSTS
+    elif ok:
+        ok = host != ""
+    _check(ok, name, addr, expected + (" (port 1..65535)" if dialled else " (port 0..65535)"))
+
+
 @dataclass(frozen=True)
 class NetworkConfig:
     """Where this node listens and whom it first contacts.
@@ -128,11 +146,11 @@ class NetworkConfig:
         return max(1, int(mb * 2**20) // 4)
 
     def __post_init__(self) -> None:
-        for name, addr in [("network.listen", self.listen), ("network.advertise", self.advertise)]:
-            if addr is not None:
-                _check(addr.startswith("tcp://"), name, addr, "an address like tcp://HOST:PORT")
+        if self.advertise is not None:  # first: `node init` makes listen's port from it
+            _check_address("network.advertise", self.advertise, dialled=True)
         for addr in self.bootstrap:
-            _check(addr.startswith("tcp://"), "network.bootstrap", addr, "tcp://HOST:PORT items")
+            _check_address("network.bootstrap", addr, dialled=True)
+        _check_address("network.listen", self.listen, dialled=False)
         _check(
             0 < self.max_message_mb <= 4096,
             "network.max_message_mb",

@@ -63,6 +63,19 @@ def test_overrides_take_toml_values_and_bare_strings():
         ("gossip.policy=random", "gossip.policy = 'random': expected uniform or ring"),
         ("gossip.exchange_every=0", "gossip.exchange_every = 0: expected >= 1"),
         ("network.listen=localhost:7", "network.listen = 'localhost:7': expected an address"),
+        # addresses that reached nng (or the peers) before: a port out of range, a URL twice
+        ('network.listen="tcp://127.0.0.1:99999"', "network.listen = 'tcp://127.0.0.1:99999': "
+         "expected an address like tcp://HOST:PORT (port 0..65535)"),
+        ('network.listen="tcp://0.0.0.0://127.0.0.1"', "network.listen = "
+         "'tcp://0.0.0.0://127.0.0.1': expected an address like"),
+        ('network.advertise="tcp://127.0.0.1"', "network.advertise = 'tcp://127.0.0.1': "
+         "expected an address peers can dial, like tcp://HOST:PORT (port 1..65535)"),
+        ('network.advertise="tcp://0.0.0.0:7000"', "network.advertise = 'tcp://0.0.0.0:7000': "
+         "expected an address peers can dial"),
+        ('network.bootstrap=["tcp://[::]:7000"]', "network.bootstrap = 'tcp://[::]:7000': "
+         "expected an address peers can dial"),
+        ('network.bootstrap=["tcp://h:0"]', "network.bootstrap = 'tcp://h:0': expected an "
+         "address peers can dial"),
         ("training.speed=3", "training.speed = 3: expected one of the keys"),
         ("trainign.lr=3", "trainign = {'lr': 3}: expected one of the sections"),
         ("training.threads=true", "training.threads = True: expected an integer"),

@@ -29,6 +29,10 @@ def test_it_writes_a_key_and_a_config_the_node_accepts(tmp_path, capsys):
 def test_refusals_name_the_problem_and_write_nothing(tmp_path, capsys):
     assert main(["node", "init", str(tmp_path / "a"), "--advertise", "here"]) == 2
     assert "network.advertise = 'here'" in capsys.readouterr().err
+    for advertise in ("tcp://127.0.0.1", "tcp://0.0.0.0:7000", "tcp://h:99999"):  # were written
+        assert main(["node", "init", str(tmp_path / "a"), "--advertise", advertise]) == 2
+        assert f"network.advertise = '{advertise}': expected an address peers can dial" in (
+            capsys.readouterr().err)  # fmt: skip
     assert main(["node", "init", str(tmp_path / "a"), "--advertise", "tcp://h:1",
                  "--task", "nosuch"]) == 2  # fmt: skip
     assert "task 'nosuch'" in capsys.readouterr().err
