@@ -184,3 +184,12 @@ async def test_a_lost_connection_frees_the_link_of_an_unfinished_exchange(autoju
         await trio.sleep(1)  # (the restart runs in a worker)
         assert b.links["p0"].stream is None and not b.links["p0"].busy
         assert b.links["p0"].seq == 0 and b.resyncs == resyncs + 1
+
+
+def test_the_initial_models_digest_takes_a_scalar_parameter():
+    """A model with a 0-dim parameter (a learned temperature) crashed choco at join."""
+    from geotrain.node.algorithms.choco import model_digest
+
+    a = {"t": torch.tensor(0.5), "w": torch.ones(2, 2)}
+    assert model_digest(a) == model_digest({k: v.clone() for k, v in a.items()})
+    assert model_digest(a) != model_digest({**a, "t": torch.tensor(0.25)})

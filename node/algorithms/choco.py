@@ -89,12 +89,20 @@ class ChocoStatistics:
     exchange_interval: int = field(default=0, metadata={"gauge": True})
 
 
+INITIAL_MODELS_DIFFER = (
+    "initial models differ: choco needs every node to start from the same weights (a task: the "
+    "same training.seed; a model of your own: torch.manual_seed(the same seed) before building "
+    "it); it never mixes with this peer"
+)
+
+
 def model_digest(params: Tensors) -> int:
     """A 63-bit digest of the parameters' names and bytes."""
     h = hashlib.sha256()
     for name in sorted(params):
         h.update(name.encode())
-        h.update(params[name].detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+        flat = params[name].detach().cpu().reshape(-1).contiguous()  # 1-D: a 0-dim one too
+        h.update(flat.view(torch.uint8).numpy().tobytes())
     return int.from_bytes(h.digest()[:8], "big") >> 1
 
 
@@ -123,6 +131,7 @@ class Choco(Algorithm):
         self.resyncs = 0
         self._plans: dict[int, ChunkPlan] = {}
         self.pacer = make_pacer(ctx)
+        self._said_base = False  # the warning that a peer's initial model differs: said once
 
     def statistics(self) -> ChocoStatistics:
         return ChocoStatistics(self.resyncs, len(self.links), self.pacer.interval)
@@ -333,8 +342,11 @@ class Choco(Algorithm):
         if not ctx.acceptable(header.codec):
             return ErrorReply(code="bad_request", reason=f"codec {header.codec!r} refused"), b""
         if header.base != self.base_digest:
-            reason = "initial models differ: every node of a swarm needs the same training.seed"
-            return ErrorReply(code="bad_request", reason=reason), b""
+            if not self._said_base:
+                self._said_base = True
+                log.warning("choco_initial_models_differ", peer=peer.peer_id[:12],
+                            why=INITIAL_MODELS_DIFFER)  # fmt: skip
+            return ErrorReply(code="bad_request", reason=INITIAL_MODELS_DIFFER), b""
         plan, why = plan_refusal(self._plans, ctx.trainer, header.chunk_numel,
                                  ctx.max_chunk_numel, header.plan, header.chunks,
                                  header.index)  # fmt: skip
