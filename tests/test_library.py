@@ -333,3 +333,63 @@ def test_a_diverged_loss_is_said_once_and_again_every_thousand_steps():
     said = [e for e in logs if e["event"] == "loss_not_finite"]
     assert [e["step"] for e in said] == [2, 1002, 1005]  # first, 1000 later, after a good one
     assert said[0]["log_level"] == "warning" and "diverged" in said[0]["detail"]
+
+
+def _stepped_loop(make_opt, steps=3):
+    from geotrain.node.training import LoopTrainer
+
+    torch.manual_seed(0)
+    model = make_model()
+    opt = make_opt(model)
+    loop = LoopTrainer(model)
+    loop.attach(opt)
+    x, y = torch.randn(16, 8), torch.randn(16, 1)
+    for _ in range(steps):
+        def closure():
+            opt.zero_grad()
+            loss = ((model(x) - y) ** 2).mean()
+            loss.backward()
+            return loss
+
+        closure()
+        loop.stepped(lambda: opt.step(closure), 0.0)
+    return loop, opt
+
+
+def test_a_tensor_learning_rate_goes_through_a_checkpoint():
+    """AdamW(lr=torch.tensor(...)) (a documented torch option) stopped the node at its first
+    checkpoint: 'Object of type Tensor is not JSON serializable'."""
+    from geotrain.node.state import Checkpoint
+    from geotrain.node.state._checkpoint import decode_checkpoint, encode_checkpoint
+
+    def adamw(model):
+        return torch.optim.AdamW(model.parameters(), lr=torch.tensor(1e-3))
+
+    loop, opt = _stepped_loop(adamw)
+    tensors, meta = loop.state_tensors()
+    back = decode_checkpoint(encode_checkpoint(Checkpoint(3, "adpsgd", tensors, meta)))
+    fresh, fresh_opt = _stepped_loop(adamw, steps=0)
+    fresh.restore(back.tensors, back.meta, back.step)
+    lr = fresh_opt.param_groups[0]["lr"]
+    assert isinstance(lr, torch.Tensor) and float(lr) == pytest.approx(1e-3)
+    saved, loaded = opt.state_dict()["state"], fresh_opt.state_dict()["state"]
+    assert saved.keys() == loaded.keys()
+    for i in saved:
+        assert torch.equal(saved[i]["exp_avg"], loaded[i]["exp_avg"])
+        assert float(saved[i]["step"]) == float(loaded[i]["step"]) == 3
+
+
+def test_an_optimizer_state_no_checkpoint_can_hold_leaves_the_model_saved(capsys):
+    """LBFGS keeps lists of tensors in its state: the checkpoint holds the model without the
+    optimizer (said once) instead of stopping the node."""
+    from structlog.testing import capture_logs
+
+    loop, _ = _stepped_loop(lambda model: torch.optim.LBFGS(model.parameters(), lr=0.1))
+    with capture_logs() as logs:
+        tensors, meta = loop.state_tensors()
+        loop.state_tensors()
+    assert "optimizer" not in meta and any(k.startswith("model/") for k in tensors)
+    said = [e for e in logs if e["event"] == "optimizer_not_checkpointed"]
+    assert len(said) == 1 and "a checkpoint holds an optimizer's tensors and numbers" in (
+        said[0]["reason"])  # fmt: skip
+    assert loop.optimizer_layout() is None  # nothing to hand a joiner either

@@ -20,6 +20,7 @@ _CHECKPOINT_NAMES = (
     "Checkpoint",
     "CheckpointError",
     "CheckpointStore",
+    "OptimizerStateError",
     "adopt_optimizer_state",
     "check_optimizer_state",
     "optimizer_from_checkpoint",

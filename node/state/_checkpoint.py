@@ -219,8 +219,45 @@ def optimizer_to_checkpoint(opt: torch.optim.Optimizer) -> tuple[dict[str, torch
             if isinstance(value, torch.Tensor):
                 tensors[f"optim/{index}/{key}"] = value
             else:
+                _check_json(value, f"the optimizer's state {key!r} of parameter {index}")
                 scalars.setdefault(str(index), {})[key] = value
-    return tensors, {"param_groups": sd["param_groups"], "scalars": scalars}
+    groups = []
+    for i, group in enumerate(sd["param_groups"]):
+        kept = {}
+        for key, value in group.items():
+            if isinstance(value, torch.Tensor):  # a tensor lr (a documented torch option)
+                value = {_TENSOR: value.detach().cpu().tolist(),
+                         "dtype": str(value.dtype).removeprefix("torch.")}  # fmt: skip
+            else:
+                _check_json(value, f"param_groups[{i}][{key!r}]")
+            kept[key] = value
+        groups.append(kept)
+    return tensors, {"param_groups": groups, "scalars": scalars}
+
+
+_TENSOR = "__tensor__"  # marks a param group's tensor value in a checkpoint's JSON
+
+
+def _check_json(value: Any, what: str) -> None:
+    """Raise OptimizerStateError unless JSON holds `value` as it is (numbers, strings, lists,
+    dicts of them): LBFGS's history (lists of tensors) or a set cannot be checkpointed."""
+    try:
+        json.dumps(value, allow_nan=True)
+    except (TypeError, ValueError):
+        raise OptimizerStateError(
+            f"{what} is a {type(value).__name__}: a checkpoint holds an optimizer's tensors and "
+            "numbers only") from None
+
+
+def _group_tensor(saved: dict) -> torch.Tensor:
+    dtype = getattr(torch, str(saved.get("dtype")), None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"a param group's tensor of dtype {saved.get('dtype')!r}")
+    return torch.tensor(saved[_TENSOR], dtype=dtype)
+
+
+class OptimizerStateError(ValueError):
+    """An optimizer's state holds something a checkpoint cannot (see optimizer_to_checkpoint)."""
 
 
 def optimizer_from_checkpoint(
@@ -233,7 +270,9 @@ def optimizer_from_checkpoint(
         state.setdefault(int(index), {})[key] = value
     for index, scalars in meta.get("scalars", {}).items():
         state.setdefault(int(index), {}).update(scalars)
-    opt.load_state_dict({"state": state, "param_groups": meta["param_groups"]})
+    groups = [{key: _group_tensor(v) if isinstance(v, dict) and _TENSOR in v else v
+               for key, v in group.items()} for group in meta["param_groups"]]  # fmt: skip
+    opt.load_state_dict({"state": state, "param_groups": groups})
 
 
 def optimizer_layout(opt: torch.optim.Optimizer) -> dict[str, Any]:

@@ -21,6 +21,7 @@ import structlog
 import torch
 
 from ..state import (
+    OptimizerStateError,
     adopt_optimizer_state,
     optimizer_from_checkpoint,
     optimizer_to_checkpoint,
@@ -86,6 +87,7 @@ class LoopTrainer(OptimizerSync):
         self.optimizer: torch.optim.Optimizer | None = None
         self.scheduler: Any = None
         self._optimizer_state: tuple[dict, dict] | None = None  # from a checkpoint, until wrap
+        self._said_optimizer_unsaved = False  # optimizer_not_checkpointed: warned once
         self._scheduler_state: dict | None = None  # likewise
         self._last_end: float | None = None  # perf_counter at the end of the last step
         self._bad_losses = 0  # steps in a row whose reported loss was NaN or infinite
@@ -210,7 +212,15 @@ class LoopTrainer(OptimizerSync):
             tensors = {f"model/{k}": v.detach() for k, v in self.model.state_dict().items()}
             meta: dict[str, Any] = {"step": self.step}
             if self.optimizer is not None:
-                opt_tensors, meta["optimizer"] = optimizer_to_checkpoint(self.optimizer)
+                try:
+                    opt_tensors, meta["optimizer"] = optimizer_to_checkpoint(self.optimizer)
+                except OptimizerStateError as exc:  # the model is saved; the optimizer cannot be
+                    if not self._said_optimizer_unsaved:
+                        self._said_optimizer_unsaved = True
+                        log.warning("optimizer_not_checkpointed", reason=str(exc),
+                                    detail="checkpoints hold the model; a resume starts the "
+                                    "optimizer fresh")  # fmt: skip
+                    opt_tensors = {}
                 tensors.update({k: v.detach() for k, v in opt_tensors.items()})
             elif self._optimizer_state is not None:  # restored, not wrapped yet: keep it
                 opt_tensors, meta["optimizer"] = self._optimizer_state

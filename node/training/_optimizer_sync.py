@@ -12,7 +12,12 @@ from typing import Any, TypeVar
 
 import torch
 
-from ..state import check_optimizer_state, optimizer_layout, optimizer_to_checkpoint
+from ..state import (
+    OptimizerStateError,
+    check_optimizer_state,
+    optimizer_layout,
+    optimizer_to_checkpoint,
+)
 
 T = TypeVar("T")
 
@@ -32,12 +37,20 @@ class OptimizerSync:
                 return None
             steps = getattr(self.scheduler, "last_epoch", None)
             schedule = steps if isinstance(steps, int) and steps >= 0 else None
-            return {**optimizer_layout(self.optimizer), "schedule_steps": schedule}
+            try:
+                layout = optimizer_layout(self.optimizer)
+            except OptimizerStateError:  # state no checkpoint holds (LBFGS): none to hand over
+                return None
+            return {**layout, "schedule_steps": schedule}
 
     def optimizer_tensors(self, fn: Callable[[dict[str, torch.Tensor]], T]) -> T:
         """Run `fn(the optimizer's state tensors by name)` under the lock (a reader)."""
         with self._lock, torch.no_grad():
-            tensors = {} if self.optimizer is None else optimizer_to_checkpoint(self.optimizer)[0]
+            try:
+                tensors = {} if self.optimizer is None else optimizer_to_checkpoint(
+                    self.optimizer)[0]  # fmt: skip
+            except OptimizerStateError:
+                tensors = {}
             return fn(tensors)
 
     def optimizer_fits(self, cls: str, shapes: dict[str, tuple[int, ...]], scalars: dict) -> None:
