@@ -580,6 +580,9 @@ def _coerce(name: str, value: Any, hint: Any, base: Path) -> Any:
         _check(
             isinstance(value, int | float) and not isinstance(value, bool), name, value, "a number"
         )
+        # inf and nan are TOML numbers, but no setting means them: lr = inf ran to a NaN loss,
+        # and a timer of inf failed far from the setting that made it
+        _check(math.isfinite(value), name, value, "a finite number")
         return float(value)
     if hint is int:
         _check(isinstance(value, int) and not isinstance(value, bool), name, value, "an integer")
