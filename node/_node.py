@@ -174,6 +174,7 @@ class Node:
             params=t.params,
         )
         task = resolve_task(t.task)(ctx)
+        self._check_params(t.task, ctx)
         # unset settings (None) take the task's recipe; with [privacy] its per-sample clipping
         # replaces the recipe's clipping of the whole gradient
         clip = 0.0 if self.config.privacy.enabled else t.clip_grad_norm
@@ -187,6 +188,20 @@ class Node:
         self._fit_memory(trainer, trainer.recipe.optimizer)
         ckpt = load_checkpoint(store, self.config.gossip.algorithm)
         return task, trainer, ckpt, store
+
+    @staticmethod
+    def _check_params(task: str, ctx: TaskContext) -> None:
+        """A [training.params] key the task never asked for: refused for a built-in task (it
+        was ignored: a typo'd hidden size trained the default one), warned for a plugin (it
+        may read ctx.params itself)."""
+        unasked = ctx.unasked()
+        if not unasked:
+            return
+        known = ", ".join(sorted(ctx.asked)) or "none"
+        if ":" not in task:
+            raise ConfigError(f"training.params.{unasked[0]}: task {task!r} has no such "
+                              f"parameter (its parameters: {known})")  # fmt: skip
+        log.warning("task_params_unused", task=task, unused=unasked, asked=sorted(ctx.asked))
 
     def _fit_memory(self, trainer: LoopTrainer, optimizer: str | None) -> None:
         """Estimate the memory this node needs, lower the algorithm's settings that grow with it

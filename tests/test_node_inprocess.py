@@ -251,6 +251,20 @@ async def test_a_checkpoint_of_another_model_or_optimizer_is_one_clear_resume_er
     assert after == before
 
 
+async def test_a_task_parameter_the_task_does_not_have_is_refused_naming_it(tmp_path):
+    """A typo'd [training.params] key of a built-in task was ignored (the default trained)."""
+    from geotrain.node import ConfigError
+
+    cfg = config(tmp_path, "p", "training.params.featurs=16")
+    with pytest.raises(ConfigError, match=r"training.params.featurs: task 'synthetic-linreg' has "
+                                          r"no such parameter \(its parameters: batch_size, "
+                                          r"features, samples\)"):  # fmt: skip
+        async with geotrain.open_node(cfg, identity=Identity.generate(),
+                                      admission=Admission.open_swarm("geotrain")):  # fmt: skip
+            pass
+    assert not list((tmp_path / "p" / "checkpoints").iterdir())
+
+
 async def test_a_config_that_cannot_fit_its_memory_limit_is_refused_with_the_figures(tmp_path):
     cfg = config(tmp_path, "big", 'training.task="wide-linear"', "training.params.millions=10.0",
                  "limits.memory_gb=0.6")  # fmt: skip

@@ -111,3 +111,18 @@ def test_user_task_by_module_and_function():
 def test_bad_context_is_refused(kwargs, message):
     with pytest.raises(ValueError, match=message):
         TaskContext(**kwargs)
+
+
+def test_a_task_module_that_fails_to_import_is_a_clear_error(tmp_path, monkeypatch):
+    """A plugin module with a syntax error, or one that raises on import, was a traceback."""
+    from geotrain.node.training import resolve_task
+
+    (tmp_path / "broken_syntax.py").write_text("def task(ctx:\n")
+    (tmp_path / "raises_at_import.py").write_text("raise RuntimeError('no GPU here')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(ValueError, match=r"task 'broken_syntax:task': cannot import module "
+                                         r"'broken_syntax': SyntaxError"):  # fmt: skip
+        resolve_task("broken_syntax:task")
+    with pytest.raises(ValueError, match=r"cannot import module 'raises_at_import': "
+                                         r"RuntimeError: no GPU here"):  # fmt: skip
+        resolve_task("raises_at_import:task")

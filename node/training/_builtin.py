@@ -143,7 +143,8 @@ def charlm(ctx: TaskContext) -> Task:
     """
     context = ctx.param("context", 64, int)
     batch_size = ctx.param("batch_size", 32, int)
-    text = stdlib_corpus(ctx.param("max_bytes", 2_000_000, int), ctx.params.get("corpus"))  # type: ignore[arg-type]
+    corpus = ctx.param("corpus", "", str) or None
+    text = stdlib_corpus(ctx.param("max_bytes", 2_000_000, int), corpus)
     data = torch.frombuffer(bytearray(text), dtype=torch.uint8).long()
     n_eval = max(len(data) // 20, context + 1)
     train, held_out = data[:-n_eval], data[-n_eval:]

@@ -38,6 +38,8 @@ class TaskContext:
     alpha: float = 0.5
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     params: TaskParams = field(default_factory=dict)
+    # the names `param` was asked for (a given parameter never asked for is likely a typo)
+    asked: set[str] = field(default_factory=set, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.num_shards < 1:
@@ -53,6 +55,7 @@ class TaskContext:
 
     def param(self, name: str, default: Any, kind: type) -> Any:
         """A task parameter, checked against the expected type (int accepted where float is)."""
+        self.asked.add(name)
         value = self.params.get(name, default)
         ok = isinstance(value, kind) and not (kind is int and isinstance(value, bool))
         if kind is float and isinstance(value, int) and not isinstance(value, bool):
@@ -60,6 +63,10 @@ class TaskContext:
         if not ok:
             raise ValueError(f"task.params.{name}={value!r}: expected {kind.__name__}")
         return value
+
+    def unasked(self) -> list[str]:
+        """Given parameters the task never asked for through `param` (typos, most likely)."""
+        return sorted(set(self.params) - self.asked)
 
 
 @dataclass
@@ -239,8 +246,9 @@ def resolve_task(name: str) -> TaskFunction:
         )
     try:
         module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise ValueError(f"task {name!r}: cannot import module {module_name!r}: {exc}") from exc
+    except Exception as exc:  # ImportError, or the module's own error (a SyntaxError, a raise)
+        raise ValueError(f"task {name!r}: cannot import module {module_name!r}: "
+                         f"{type(exc).__name__}: {exc}") from exc  # fmt: skip
     func = getattr(module, func_name, None)
     if not callable(func):
         raise ValueError(f"task {name!r}: module {module_name!r} has no function {func_name!r}")
