@@ -105,8 +105,20 @@ class Swarm:
             pass  # the node stopped (a signal, an error): the loop's steps go on unheard
 
     def status(self) -> NodeStatus:
-        """The node's status now (what `geotrain status` shows)."""
-        return trio.from_thread.run_sync(self.node.status, trio_token=self._token)
+        """The node's status now (what `geotrain status` shows).
+
+        Raises:
+            LoopClosed: the swarm is closed, or its node has stopped (its last status is in
+                state.dir's status.json).
+        """
+        if self._closed:
+            raise LoopClosed("status() after the swarm was closed (its last status is in "
+                             f"{self.node.state.status})")  # fmt: skip
+        try:
+            return trio.from_thread.run_sync(self.node.status, trio_token=self._token)
+        except trio.RunFinishedError:
+            raise LoopClosed("status(): the geotrain node has stopped (its last status is in "
+                             f"{self.node.state.status})") from None  # fmt: skip
 
     def close(self, timeout_s: float = 120.0) -> None:
         """Stop the node cleanly (checkpoint, leave the swarm) and wait for it. Idempotent.

@@ -141,6 +141,8 @@ def test_bad_use_gets_a_clear_error(tmp_path):
         swarm.close()
     with pytest.raises(geotrain.LoopClosed):
         opt.step()
+    with pytest.raises(geotrain.LoopClosed, match=r"status\(\) after the swarm was closed"):
+        swarm.status()  # was trio's RunFinishedError
 
 
 @pytest.mark.parametrize(
@@ -393,3 +395,24 @@ def test_an_optimizer_state_no_checkpoint_can_hold_leaves_the_model_saved(capsys
     assert len(said) == 1 and "a checkpoint holds an optimizer's tensors and numbers" in (
         said[0]["reason"])  # fmt: skip
     assert loop.optimizer_layout() is None  # nothing to hand a joiner either
+
+
+def test_wrap_refuses_a_scheduler_that_is_not_one_or_not_its_optimizers_and_a_second_optimizer():
+    """Each was accepted: "cosine" as a scheduler failed at close(), another optimizer's scheduler
+    was silently checkpointed, and a second wrap() silently took over from the first."""
+    from geotrain.node.training import LoopTrainer
+
+    model = make_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    other = torch.optim.SGD(model.parameters(), lr=0.1)
+    loop = LoopTrainer(model)
+    with pytest.raises(ValueError, match="'cosine': expected a torch learning-rate scheduler"):
+        loop.attach(opt, "cosine")
+    with pytest.raises(ValueError, match="the scheduler schedules another optimizer"):
+        loop.attach(opt, torch.optim.lr_scheduler.StepLR(other, 10))
+    schedule = torch.optim.lr_scheduler.StepLR(opt, 10)
+    loop.attach(opt, schedule)
+    loop.attach(opt, schedule)  # the same optimizer again: fine
+    with pytest.raises(ValueError, match="an optimizer is wrapped already"):
+        loop.attach(other)
+    assert loop.optimizer is opt and loop.scheduler is schedule

@@ -298,6 +298,17 @@ class LoopTrainer(OptimizerSync):
         if not theirs or any(id(p) not in mine for p in theirs):
             raise ValueError("the optimizer's parameters are not (all) the joined model's: wrap "
                              "the optimizer of the model given to geotrain.join")  # fmt: skip
+        if scheduler is not None:
+            if not (callable(getattr(scheduler, "step", None))
+                    and callable(getattr(scheduler, "state_dict", None))):  # fmt: skip
+                raise ValueError(f"scheduler {scheduler!r:.60}: expected a torch learning-rate "
+                                 "scheduler (with step() and state_dict())")  # fmt: skip
+            if getattr(scheduler, "optimizer", optimizer) is not optimizer:
+                raise ValueError("the scheduler schedules another optimizer than the one "
+                                 "wrapped: pass the scheduler made for this optimizer")  # fmt: skip
+        if self.optimizer is not None and self.optimizer is not optimizer:
+            raise ValueError("an optimizer is wrapped already: wrap one optimizer per swarm (a "
+                             "second would take over its checkpoints and state sync)")  # fmt: skip
         with self._lock:
             self._load_saved_state(optimizer, scheduler)
             self.optimizer, self.scheduler = optimizer, scheduler
