@@ -71,6 +71,14 @@ class IdentityConfig:
             f"{modes} set",
             "exactly one way to admit peers: a swarm file, an allow-list, or open_swarm = true",
         )
+        from .identity import public_key_from_peer_id  # noqa: PLC0415 (identity imports config)
+
+        for peer in self.allow:  # a typo'd ID was accepted: that peer was refused, unexplained
+            try:
+                public_key_from_peer_id(peer)
+            except ValueError:
+                _fail("identity.allow", peer, "peer IDs as `geotrain keygen` prints them "
+                      "('gt' and 52 base32 characters)")  # fmt: skip
         if self.swarm is not None:
             _check(
                 self.certificate is not None,

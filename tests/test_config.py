@@ -251,3 +251,15 @@ def test_a_gossip_preset_fills_what_the_table_leaves_unset():
     assert config_from_toml(GOOD, base=Path("/x")).gossip.algorithm == "adpsgd"
     with pytest.raises(ConfigError, match=r"gossip.preset = 'thrifty': expected one of"):
         config_from_toml(GOOD, base=Path("/x"), overrides=["gossip.preset=thrifty"])
+
+
+def test_an_allow_list_takes_peer_ids_only():
+    """A typo'd peer ID was accepted, and that peer was then refused without a word."""
+    from geotrain.node import Identity
+
+    good = Identity.generate().peer_id
+    cfg = config_from_toml(f'[identity]\nallow = ["{good}"]\n', base=Path("/x"))
+    assert cfg.identity.allow == (good,)
+    for bad in ("nonsense", good[:-1], good[:-1] + "1"):
+        with pytest.raises(ConfigError, match=rf"identity.allow = '{bad}': expected peer IDs"):
+            config_from_toml(f'[identity]\nallow = ["{good}", "{bad}"]\n', base=Path("/x"))
