@@ -220,12 +220,16 @@ def join(
     Raises:
         ConfigError: a bad config or identity files (before anything starts), or a model that
             does not fit limits.memory_gb. ResumeError: the state directory holds another
-            algorithm's checkpoint. TimeoutError: not ready in `ready_timeout_s`.
+            algorithm's checkpoint. TimeoutError: not ready in `ready_timeout_s`. ValueError: a
+            model without parameters.
     """
     if not isinstance(config, NodeConfig):
         config = load_config(Path(config), overrides)
     elif overrides:
         raise ConfigError("overrides: give them with a config file, or build the NodeConfig")
+    if not isinstance(model, torch.nn.Module) or not any(True for _ in model.parameters()):
+        raise ValueError(f"model {type(model).__name__}: expected a torch.nn.Module with "
+                         "parameters (there is nothing to train or average)")  # fmt: skip
     if identity is None or admission is None:
         identity, admission = load_identity(config)
     if not structlog.is_configured():  # (its defaults print every debug line to stdout)

@@ -131,6 +131,10 @@ def test_bad_use_gets_a_clear_error(tmp_path):
     toml.write_text(CONFIG + '[identity.x]\n')
     with pytest.raises(geotrain.ConfigError, match="identity.x"):
         geotrain.join(toml, model)
+    good = tmp_path / "good.toml"
+    good.write_text(CONFIG)
+    with pytest.raises(ValueError, match="model ReLU: expected a torch.nn.Module with param"):
+        geotrain.join(good, nn.ReLU())  # was a bare StopIteration
     swarm = joined(tmp_path, "y", model)
     try:
         stranger = torch.optim.SGD(make_model().parameters(), lr=0.1)
