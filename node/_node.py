@@ -270,9 +270,14 @@ class Node:
         if self._prepared is None:
             self._check_certificate()
             tune_allocator()
-            self.state.create()
-            if self._state_lock is None:
-                self._state_lock = self.state.lock()
+            try:
+                self.state.create()
+                if self._state_lock is None:
+                    self._state_lock = self.state.lock()
+            except OSError as exc:  # read-only, a file in the way, no permission, no space
+                why = exc.strerror or str(exc)
+                raise ConfigError(f"state.dir = {str(self.state.root)!r}: cannot keep the "
+                                  f"node's state there: {why}") from None  # fmt: skip
             try:
                 self._start_metrics()
                 self._prepared = await trio.to_thread.run_sync(self._build_training)

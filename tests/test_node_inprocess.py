@@ -265,6 +265,18 @@ async def test_a_task_parameter_the_task_does_not_have_is_refused_naming_it(tmp_
     assert not list((tmp_path / "p" / "checkpoints").iterdir())
 
 
+async def test_a_state_dir_that_cannot_be_used_is_one_config_error(tmp_path):
+    """A file where state.dir should be (or a read-only folder) was an OSError traceback."""
+    from geotrain.node import ConfigError
+
+    (tmp_path / "taken").write_text("not a folder")
+    with pytest.raises(ConfigError, match=r"state.dir = '.*/taken': cannot keep the node's "
+                                          r"state there: File exists"):  # fmt: skip
+        async with geotrain.open_node(config(tmp_path, "taken"), identity=Identity.generate(),
+                                      admission=Admission.open_swarm("geotrain")):  # fmt: skip
+            pass
+
+
 async def test_a_config_that_cannot_fit_its_memory_limit_is_refused_with_the_figures(tmp_path):
     cfg = config(tmp_path, "big", 'training.task="wide-linear"', "training.params.millions=10.0",
                  "limits.memory_gb=0.6")  # fmt: skip
