@@ -79,6 +79,7 @@ class MembershipService:
             peer_id, address, self.config, rng, incarnation=int(time.time())
         )
         self._bootstrap = tuple(bootstrap)
+        self._said_unanswered: set[str] = set()  # bootstrap addresses warned about (once each)
         self._address = address
         self._transport = transport
         self._links = links
@@ -171,6 +172,11 @@ class MembershipService:
             )
         except TransportError as exc:
             log.debug("gossip_undelivered", address=send.address, reason=str(exc))
+            if send.address in self._bootstrap and send.address not in self._said_unanswered:
+                self._said_unanswered.add(send.address)  # a typo'd or dead bootstrap: say it
+                log.warning("bootstrap_unanswered", address=send.address, reason=str(exc),
+                            hint="check network.bootstrap: is a node listening there, and is "
+                            "it of this swarm? (tried again as membership goes on)")  # fmt: skip
             return
         if isinstance(reply, Delivered) and reply.messages:
             self._receive_carried(peer, reply.messages)

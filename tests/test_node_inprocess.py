@@ -277,6 +277,23 @@ async def test_a_state_dir_that_cannot_be_used_is_one_config_error(tmp_path):
             pass
 
 
+async def test_a_bootstrap_address_nobody_answers_at_is_named_in_a_warning(tmp_path):
+    """A wrong bootstrap address was silent for 30 s, then 'no peer answered' without naming
+    it."""
+    from structlog.testing import capture_logs
+
+    nowhere = "tcp://127.0.0.1:9"
+    cfg = config(tmp_path, "w", f'network.bootstrap=["{nowhere}"]', "training.max_steps=5")
+    with capture_logs() as logs:
+        async with geotrain.open_node(cfg, identity=Identity.generate(),
+                                      admission=Admission.open_swarm("geotrain")):  # fmt: skip
+            with trio.fail_after(30):
+                while not [e for e in logs if e["event"] == "bootstrap_unanswered"]:
+                    await trio.sleep(0.1)
+    said = [e for e in logs if e["event"] == "bootstrap_unanswered"]
+    assert len(said) == 1 and said[0]["address"] == nowhere and said[0]["log_level"] == "warning"
+
+
 async def test_a_config_that_cannot_fit_its_memory_limit_is_refused_with_the_figures(tmp_path):
     cfg = config(tmp_path, "big", 'training.task="wide-linear"', "training.params.millions=10.0",
                  "limits.memory_gb=0.6")  # fmt: skip
