@@ -260,7 +260,9 @@ class Membership:
         if not is_peer_id(sender_id):
             raise RemoteProtocolError(f"bad sender id {sender_id!r:.200}")
         if sender_id == self._table.self_id:
-            raise RemoteProtocolError("a message claims to come from this node itself")
+            raise RemoteProtocolError(
+                "a message from a node with this node's own identity: another node runs with "
+                "this identity (its key file), or a bootstrap address is this node's own")
         if self._table.left:
             return []
         out: list[Send] = []

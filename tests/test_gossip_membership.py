@@ -416,3 +416,10 @@ def test_a_restarted_peer_rejoins_even_below_its_old_incarnation():
     net.run_until(net.now + 120.0, stop=lambda: _all_see_alive(net, peers))
     assert _all_see_alive(net, peers)
     assert fresh.incarnation == 0
+
+
+def test_a_message_from_our_own_identity_says_what_that_means():
+    """Two nodes started with one key saw only 'claims to come from this node itself'."""
+    node = Membership("p0", "addr0", CONFIG, random.Random(0))
+    with pytest.raises(RemoteProtocolError, match="another node runs with this identity"):
+        node.receive(Ping(1, "addr9"), "p0", 0.0)
