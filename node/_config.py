@@ -271,6 +271,10 @@ class TrainingConfig:
             self.optimizer,
             "sgd, adam or adamw",
         )
+        cuda, colon, index = self.device.partition(":")
+        _check(self.device in ("auto", "cpu", "cuda") or (cuda == "cuda" and colon
+               and index.isdigit()), "training.device", self.device,
+               "auto, cpu, cuda or cuda:N")  # fmt: skip
         # unset (None) takes the task's recipe, checked when the trainer merges them
         wd, warmup, total = self.weight_decay, self.warmup_steps, self.total_steps
         _check(wd is None or wd >= 0, "training.weight_decay", wd, ">= 0")

@@ -60,6 +60,8 @@ def test_overrides_take_toml_values_and_bare_strings():
         ("training.step_time_ms=-5", "training.step_time_ms = -5.0: expected milliseconds >= 0"),
         ("training.step_time_ms=inf", "training.step_time_ms = inf: expected a finite number"),
         ("training.lr=inf", "training.lr = inf: expected a finite number"),
+        ("training.device=gpu", "training.device = 'gpu': expected auto, cpu, cuda or cuda:N"),
+        ("training.device=cuda:x", "training.device = 'cuda:x': expected auto, cpu, cuda or"),
         ("training.lr=nan", "training.lr = nan: expected a finite number"),
         ("gossip.diloco.outer_lr=inf", "gossip.diloco.outer_lr = inf: expected a finite number"),
         ("gossip.probe_interval_s=inf", "gossip.probe_interval_s = inf: expected a finite"),

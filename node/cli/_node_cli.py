@@ -157,7 +157,7 @@ def register_status(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--timeout",
-        type=float,
+        type=_seconds,
         default=10.0,
         help="seconds to wait for an answer (with --watch: at each refresh)",
     )
