@@ -270,20 +270,27 @@ class Node:
         if self._prepared is None:
             self._check_certificate()
             tune_allocator()
+            self._start_metrics()  # first: a port in use stops the node before it writes a file
             try:
-                self.state.create()
-                if self._state_lock is None:
-                    self._state_lock = self.state.lock()
-            except OSError as exc:  # read-only, a file in the way, no permission, no space
-                why = exc.strerror or str(exc)
-                raise ConfigError(f"state.dir = {str(self.state.root)!r}: cannot keep the "
-                                  f"node's state there: {why}") from None  # fmt: skip
-            try:
-                self._start_metrics()
+                self._take_state_dir()
                 self._prepared = await trio.to_thread.run_sync(self._build_training)
             except BaseException:
                 self._release_state()
+                if self.metrics is not None:
+                    self.metrics.close()
+                    self.metrics = None
                 raise
+
+    def _take_state_dir(self) -> None:
+        """Create state.dir and hold it (StateDirInUse when another node does)."""
+        try:
+            self.state.create()
+            if self._state_lock is None:
+                self._state_lock = self.state.lock()
+        except OSError as exc:  # read-only, a file in the way, no permission, no space
+            why = exc.strerror or str(exc)
+            raise ConfigError(f"state.dir = {str(self.state.root)!r}: cannot keep the node's "
+                              f"state there: {why}") from None  # fmt: skip
 
     def _release_state(self) -> None:
         if self._state_lock is not None:
