@@ -7,10 +7,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
 
+import structlog
+
 from ._config import ConfigError, IdentityConfig, NodeConfig
 from .identity import Admission, Identity, KeyFileError, MembershipCertificate, SwarmInfo
 
 T = TypeVar("T")
+log = structlog.get_logger()
 
 
 def admission_from_config(cfg: IdentityConfig) -> Admission:
@@ -43,6 +46,18 @@ def _load(field: str, path: Path, load: Callable[[Path], T]) -> T:
         raise ConfigError(f"{field} = {str(path)!r}: {exc}") from exc
 
 
+def _warn_if_readable(path: Path) -> None:
+    """A private key others on the machine can read is said (keygen writes 0600)."""
+    try:
+        mode = path.stat().st_mode & 0o777
+    except OSError:
+        return
+    if mode & 0o077:
+        log.warning("identity_key_readable", path=str(path), mode=oct(mode),
+                    hint=f"others on this machine can read the node's private key: chmod 600 "
+                    f"{path}")  # fmt: skip
+
+
 def load_identity(config: NodeConfig) -> tuple[Identity, Admission]:
     """The node's key and admission policy, checked against each other.
 
@@ -53,6 +68,7 @@ def load_identity(config: NodeConfig) -> tuple[Identity, Admission]:
         identity = Identity.load(config.identity.key)
     except Exception as exc:  # KeyFileError, OSError: say which file and why
         raise ConfigError(f"identity.key = {str(config.identity.key)!r}: {exc}") from exc
+    _warn_if_readable(config.identity.key)
     admission = admission_from_config(config.identity)
     if admission.certificate is not None and (
         admission.certificate.peer_public_key != identity.public_key

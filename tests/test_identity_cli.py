@@ -159,3 +159,21 @@ def test_a_malformed_certificate_or_swarm_file_is_one_line_naming_the_field(
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "Traceback" not in err[0]
     assert f"identity.{broken} = '{files[broken]}'" in err[0]
+
+
+def test_a_private_key_others_can_read_is_warned_about(tmp_path):
+    from structlog.testing import capture_logs
+
+    from geotrain.node import config_from_toml
+    from geotrain.node._credentials import load_identity
+
+    assert main(["keygen", "--out", str(tmp_path / "me.key")]) == 0
+    cfg = config_from_toml('[identity]\nkey = "me.key"\nopen_swarm = true\n', base=tmp_path)
+    with capture_logs() as logs:
+        load_identity(cfg)
+    assert not [e for e in logs if e["event"] == "identity_key_readable"]  # keygen's 0600
+    (tmp_path / "me.key").chmod(0o644)
+    with capture_logs() as logs:
+        load_identity(cfg)
+    said = [e for e in logs if e["event"] == "identity_key_readable"]
+    assert len(said) == 1 and said[0]["mode"] == "0o644" and "chmod 600" in said[0]["hint"]
