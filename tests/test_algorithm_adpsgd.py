@@ -346,3 +346,18 @@ async def test_a_half_precision_model_travels_in_its_own_precision_not_float32(a
         assert net.bytes_sent[("p0", "p1")] < 0.6 * 4 * (64 * 64 + 64)  # 2 bytes a value
         assert all(torch.allclose(model(a)[k].float(), before[k], atol=1e-2) for k in before)
         nursery.cancel_scope.cancel()
+
+
+async def test_a_peer_of_another_model_is_warned_about_once(autojump_clock):
+    """Peers of other parameter names (torch.compile's '_orig_mod.') refused each other at
+    info level only and trained alone unnoticed."""
+    from structlog.testing import capture_logs
+
+    async with runtimes(2, **CHUNKED) as (net, (a, b)):
+        peer = PeerInfo("p0", b"", "mem://p0", "inbound")
+        with capture_logs() as logs:
+            for _ in range(3):
+                reply, _ = await b.handle(peer, _opening(a, plan=123), memoryview(_chunks(a)[0]))
+                assert isinstance(reply, ErrorReply) and "models differ" in reply.reason
+    said = [e for e in logs if e["event"] == "models_differ"]
+    assert len(said) == 1 and said[0]["log_level"] == "warning" and "_orig_mod." in said[0]["hint"]

@@ -12,9 +12,11 @@ import functools
 import hashlib
 import math
 import threading
+import weakref
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
 
+import structlog
 import torch
 import trio
 
@@ -31,6 +33,7 @@ from geotrain.gossip import (
 from ..training import Trainer
 from ._base import Tensors
 
+log = structlog.get_logger()
 DEFAULT_CHUNK_BYTES = 8 * 2**20  # of float32: small enough to pipeline, big enough per round trip
 CHUNKS_IN_FLIGHT = 4  # requests of one stream on the wire at once
 MAX_CHUNKS = 1 << 16  # the most chunks a plan may have: a peer cannot make us cut a model finely
@@ -143,7 +146,20 @@ async def in_window(
 
 
 PEER_CHUNK_HINT = "the asked node's network.peer_chunk_mb"
+_SAID_DIFFER: weakref.WeakSet = weakref.WeakSet()  # the trainers (nodes) that warned it
 MODELS_DIFFER = "models differ"  # how a refusal for another model's plan begins
+
+
+def models_differ(trainer: Trainer) -> str:
+    """Why a peer's request for a plan of another model is refused; warned once per node (the
+    refusals alone went by at info level, and peers of other names trained alone unnoticed)."""
+    if trainer not in _SAID_DIFFER:
+        _SAID_DIFFER.add(trainer)
+        log.warning("models_differ", hint="a peer asked to exchange a model of other parameter "
+                    "names or shapes: neither mixes with the other. Every node must train the "
+                    "same architecture under the same names (torch.compile adds '_orig_mod.', "
+                    "DataParallel 'module.': join with the inner model)")  # fmt: skip
+    return f"{MODELS_DIFFER}: other parameter names or shapes (or a wrong chunk count)"
 
 
 def plan_refusal(
@@ -160,7 +176,7 @@ def plan_refusal(
     except ValueError as exc:  # cut too finely
         return None, str(exc)
     if digest != plan.digest or (chunks is not None and chunks != len(plan)):
-        return None, f"{MODELS_DIFFER}: other parameter names or shapes (or a wrong chunk count)"
+        return None, models_differ(trainer)
     if index >= len(plan):
         return None, f"chunk {index} of a {len(plan)}-chunk plan"
     return plan, ""

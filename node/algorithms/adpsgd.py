@@ -32,6 +32,7 @@ from ._stream import (
     SpareBuffers,
     cached_plan,
     in_window,
+    models_differ,
 )
 
 SMALL_EXCHANGES_BYTES = 64 * 2**20  # mix buffers of concurrent exchanges a small model may hold
@@ -432,8 +433,7 @@ class Adpsgd(Algorithm):
         except ValueError as exc:  # cut too finely: MAX_CHUNKS
             return ErrorReply(code="bad_request", reason=str(exc)[:500]), b""
         if header.plan != plan.digest or header.chunks != len(plan):
-            reason = "models differ: other parameter names or shapes (or a wrong chunk count)"
-            return ErrorReply(code="bad_request", reason=reason), b""
+            return ErrorReply(code="bad_request", reason=models_differ(ctx.trainer)), b""
         old = self._sessions.get(peer.peer_id)
         if old is not None and not old.committing:  # the peer started anew: its old one is over
             self.counters.record_failed(old.peer, old.mix.spec)
