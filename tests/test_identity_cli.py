@@ -128,6 +128,9 @@ def test_swarm_init_refuses_an_existing_swarm(tmp_path, capsys):
 
 def test_durations_and_peer_forms():
     assert [parse_duration(d) for d in ("90s", "15m", "12h", "30d")] == [90, 900, 43200, 2592000]
+    assert parse_duration("36500d") == 36500 * 86400
+    with pytest.raises(ValueError, match="at most 100 years"):  # was a struct.error at admit
+        parse_duration("99999999999999999d")
     key = Identity.generate().public_key
     assert parse_peer(base64.b64encode(key).decode()) == key
     assert parse_peer(key.hex()) == key

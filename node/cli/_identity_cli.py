@@ -32,7 +32,13 @@ def parse_duration(text: str) -> int:
     match = _DURATION.match(text.strip())
     if not match or int(match.group(1)) == 0:
         raise ValueError(f"duration {text!r}: expected a positive number and s, m, h or d (30d)")
-    return int(match.group(1)) * _UNIT_S[match.group(2)]
+    seconds = int(match.group(1)) * _UNIT_S[match.group(2)]
+    if seconds > MAX_DURATION_S:  # an absurd one overflowed the certificate's time field
+        raise ValueError(f"duration {text!r}: expected at most 100 years (36500d)")
+    return seconds
+
+
+MAX_DURATION_S = 36500 * 86400
 
 
 def parse_peer(text: str) -> bytes:
