@@ -126,3 +126,18 @@ def test_a_task_module_that_fails_to_import_is_a_clear_error(tmp_path, monkeypat
     with pytest.raises(ValueError, match=r"cannot import module 'raises_at_import': "
                                          r"RuntimeError: no GPU here"):  # fmt: skip
         resolve_task("raises_at_import:task")
+
+
+@pytest.mark.parametrize(("params", "message"), [
+    ({"hidden": -4}, r"task.params.hidden=-4: expected int >= 1"),
+    ({"batch_size": 0}, r"task.params.batch_size=0: expected int >= 1"),
+    ({"layers": -1}, r"task.params.layers=-1: expected int >= 0"),
+])  # fmt: skip
+def test_a_built_in_tasks_size_out_of_range_is_refused_naming_it(params, message):
+    """hidden = -4 passed the type check and failed inside torch with a traceback."""
+    from geotrain.node.training import TaskContext, resolve_task
+
+    with pytest.raises(ValueError, match=message):
+        resolve_task("digits-mlp")(TaskContext(params=params))
+    task = resolve_task("digits-mlp")(TaskContext(params={"layers": 0}))  # a linear model
+    assert len(list(task.model.parameters())) == 2

@@ -50,9 +50,9 @@ def digits_mlp(ctx: TaskContext) -> Task:
     Params: hidden (width, default 64), layers (hidden layers, default 1), batch_size (default 32).
     `hidden=1024, layers=2` gives a model of about 1.1M parameters, where communication matters.
     """
-    hidden = ctx.param("hidden", 64, int)
-    layers = ctx.param("layers", 1, int)
-    batch_size = ctx.param("batch_size", 32, int)
+    hidden = ctx.param("hidden", 64, int, at_least=1)
+    layers = ctx.param("layers", 1, int, at_least=0)  # 0: a linear model
+    batch_size = ctx.param("batch_size", 32, int, at_least=1)
     images, labels = load_digits()
     train, held_out = _split_eval(len(labels), ctx.seed, 0.2)
     mine = train[shard_indices(labels[train], ctx)]
@@ -83,9 +83,9 @@ def synthetic_linreg(ctx: TaskContext) -> Task:
     Params: features (default 32), samples (default 4096), batch_size (default 32). The metric is
     the held-out mean squared error; the noise floor is 0.01.
     """
-    features = ctx.param("features", 32, int)
-    samples = ctx.param("samples", 4096, int)
-    batch_size = ctx.param("batch_size", 32, int)
+    features = ctx.param("features", 32, int, at_least=1)
+    samples = ctx.param("samples", 4096, int, at_least=1)
+    batch_size = ctx.param("batch_size", 32, int, at_least=1)
     gen = torch.Generator().manual_seed(ctx.seed)
     w_star = torch.randn(features, 1, generator=gen)
     x = torch.randn(samples, features, generator=gen)
@@ -141,10 +141,10 @@ def charlm(ctx: TaskContext) -> Task:
     context (default 64), d_model (default 128), layers (default 2), heads (default 4),
     batch_size (default 32). The last 5% of the corpus is held out for evaluation.
     """
-    context = ctx.param("context", 64, int)
-    batch_size = ctx.param("batch_size", 32, int)
+    context = ctx.param("context", 64, int, at_least=1)
+    batch_size = ctx.param("batch_size", 32, int, at_least=1)
     corpus = ctx.param("corpus", "", str) or None
-    text = stdlib_corpus(ctx.param("max_bytes", 2_000_000, int), corpus)
+    text = stdlib_corpus(ctx.param("max_bytes", 2_000_000, int, at_least=1), corpus)
     data = torch.frombuffer(bytearray(text), dtype=torch.uint8).long()
     n_eval = max(len(data) // 20, context + 1)
     train, held_out = data[:-n_eval], data[-n_eval:]
@@ -156,8 +156,10 @@ def charlm(ctx: TaskContext) -> Task:
     eval_starts = torch.arange(0, len(held_out) - context - 1, context)[:256]
     eval_seqs = held_out[eval_starts[:, None] + offsets].to(ctx.device)
     torch.manual_seed(ctx.seed)
-    d_model, heads = ctx.param("d_model", 128, int), ctx.param("heads", 4, int)
-    model = CharTransformer(context, d_model, ctx.param("layers", 2, int), heads).to(ctx.device)
+    d_model = ctx.param("d_model", 128, int, at_least=1)
+    heads = ctx.param("heads", 4, int, at_least=1)
+    layers = ctx.param("layers", 2, int, at_least=0)
+    model = CharTransformer(context, d_model, layers, heads).to(ctx.device)
 
     shard_seed = ctx.seed * 1000 + ctx.shard_index
 
@@ -199,7 +201,7 @@ def wide_linear(ctx: TaskContext) -> Task:
     start, 0 when learned); one step costs about 6 x batch_size x parameters floating-point ops.
     """
     millions = ctx.param("millions", 100.0, float)
-    batch_size = ctx.param("batch_size", 8, int)
+    batch_size = ctx.param("batch_size", 8, int, at_least=1)
     if not 1e-6 <= millions <= 1e5:
         raise ValueError(f"task.params.millions={millions!r}: expected 1e-6..1e5")
     width = max(1, round(math.sqrt(millions * 1e6)))

@@ -53,8 +53,9 @@ class TaskContext:
         if not self.alpha > 0:
             raise ValueError(f"alpha={self.alpha}: expected > 0")
 
-    def param(self, name: str, default: Any, kind: type) -> Any:
-        """A task parameter, checked against the expected type (int accepted where float is)."""
+    def param(self, name: str, default: Any, kind: type, at_least: float | None = None) -> Any:
+        """A task parameter, checked against the expected type (int accepted where float is)
+        and, when given, a lower bound (a size of 0 or -4 failed inside torch)."""
         self.asked.add(name)
         value = self.params.get(name, default)
         ok = isinstance(value, kind) and not (kind is int and isinstance(value, bool))
@@ -62,6 +63,9 @@ class TaskContext:
             value, ok = float(value), True
         if not ok:
             raise ValueError(f"task.params.{name}={value!r}: expected {kind.__name__}")
+        if at_least is not None and not value >= at_least:
+            raise ValueError(f"task.params.{name}={value!r}: expected {kind.__name__} >= "
+                             f"{at_least}")  # fmt: skip
         return value
 
     def unasked(self) -> list[str]:
