@@ -82,7 +82,9 @@ def _quantize_rows(xs, scale_out, code_out, work, levels, gen, l2) -> None:
         norm = torch.maximum(xs.amax(dim=1), xs.amin(dim=1).neg_())
     norm.add_(0.0)  # -0.0 becomes 0.0: an all-zero block's scale is the same bytes on any path
     torch.div(norm, levels, out=scale_out)
-    inv = torch.where(norm > 0, levels / norm, 0.0)
+    # levels x (1 / norm), spelled out: `levels / norm` is that inside torch, and the numpy path
+    # below must round the same way (an exact division differs by an ulp at .5 ties)
+    inv = torch.where(norm > 0, norm.reciprocal() * levels, 0.0)
     y = torch.mul(xs, inv[:, None], out=work[0])  # in [-levels, levels] up to rounding
     if gen is not None:
         y.add_(torch.rand(y.shape, generator=gen, device=y.device, out=work[1])).floor_()
@@ -106,9 +108,11 @@ def _quantize_small(a: np.ndarray, block: int, levels: int) -> tuple[np.ndarray,
         norm = np.maximum(rows.max(axis=1), -rows.min(axis=1)) + np.float32(0)  # as below
         r0 = 0 if i == 0 else full
         np.divide(norm, np.float32(levels), out=scales[r0 : r0 + len(norm)])
-        inv = np.divide(np.float32(levels), norm, out=np.zeros_like(norm), where=norm > 0)
-        y = np.rint(rows * inv[:, None])
-        codes[at : at + y.size] = y.reshape(-1)
+        with np.errstate(all="ignore"):  # subnormal norms overflow 1 / norm as torch's do
+            inv = np.reciprocal(norm, out=np.zeros_like(norm), where=norm > 0)
+            inv *= np.float32(levels)
+            y = np.rint(rows * inv[:, None])
+            codes[at : at + y.size] = y.reshape(-1)
         at += y.size
     if not np.isfinite(scales).all():
         raise ValueError("cannot quantize a tensor holding NaN or infinite values")
