@@ -9,6 +9,7 @@ from __future__ import annotations
 import time
 
 import structlog
+import torch
 import trio
 
 from geotrain.gossip import LinkTable
@@ -76,6 +77,8 @@ class Checkpointer:
             tensors.update({f"algo/{k}": v for k, v in tensors.items() if k.startswith("ef/")})
         try:
             self._trainer.restore(tensors, ckpt.meta, ckpt.step)
+        except torch.OutOfMemoryError:  # the checkpoint is fine: the device is too small
+            raise
         except (RuntimeError, KeyError, ValueError, TypeError, IndexError) as exc:
             # torch's own words (a size mismatch, an optimizer of another kind) on one line
             said = "; ".join(line.strip() for line in str(exc).splitlines() if line.strip())

@@ -16,6 +16,7 @@ import time
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import BinaryIO
 
 import structlog
@@ -283,6 +284,7 @@ class Node:
 
     def _take_state_dir(self) -> None:
         """Create state.dir and hold it (StateDirInUse when another node does)."""
+        self._warn_if_state_moved()
         try:
             self.state.create()
             if self._state_lock is None:
@@ -291,6 +293,20 @@ class Node:
             why = exc.strerror or str(exc)
             raise ConfigError(f"state.dir = {str(self.state.root)!r}: cannot keep the node's "
                               f"state there: {why}") from None  # fmt: skip
+
+    def _warn_if_state_moved(self) -> None:
+        """The default state.dir followed the working directory before 2026-12-03; it is the
+        config file's folder's now. A node that would start afresh there while ./state holds
+        checkpoints says so (it was likely started from that folder before)."""
+        old = Path.cwd() / "state"
+        if self.state.root.resolve() == old.resolve() or any(
+                self.state.checkpoints.glob("ckpt-*")):  # fmt: skip
+            return
+        if (old / "checkpoints").is_dir() and any((old / "checkpoints").glob("ckpt-*")):
+            log.warning("state_dir_moved", state_dir=str(self.state.root), found=str(old),
+                        hint="checkpoints lie in ./state of the working directory, not in "
+                        "state.dir (the default is now relative to the config file): set "
+                        f"state.dir = {str(old)!r} to resume from them")  # fmt: skip
 
     def _release_state(self) -> None:
         if self._state_lock is not None:

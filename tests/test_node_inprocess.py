@@ -294,6 +294,38 @@ async def test_a_bootstrap_address_nobody_answers_at_is_named_in_a_warning(tmp_p
     assert len(said) == 1 and said[0]["address"] == nowhere and said[0]["log_level"] == "warning"
 
 
+async def test_checkpoints_left_in_the_working_directorys_state_are_pointed_to(
+    tmp_path, monkeypatch
+):
+    """The default state.dir is the config file's folder's now, not the working directory's: a
+    node that would start afresh while ./state holds checkpoints says where they are."""
+    from structlog.testing import capture_logs
+
+    from geotrain.node.state import CheckpointStore
+
+    work = tmp_path / "work"
+    CheckpointStore(work / "state" / "checkpoints").save(_old_checkpoint())
+    monkeypatch.chdir(work)
+    cfg = config(tmp_path, "elsewhere", "training.max_steps=2")
+    admission = Admission.open_swarm("geotrain")
+    with capture_logs() as logs:
+        async with geotrain.open_node(cfg, identity=Identity.generate(),
+                                      admission=admission) as node:  # fmt: skip
+            with trio.fail_after(60):
+                await node.wait_stopped()
+    said = [e for e in logs if e["event"] == "state_dir_moved"]
+    assert len(said) == 1 and said[0]["found"] == str(work / "state")
+
+
+def _old_checkpoint():
+    from geotrain.node import TaskContext, Trainer, resolve_task
+    from geotrain.node.state import Checkpoint
+
+    trainer = Trainer(resolve_task("synthetic-linreg")(TaskContext()))
+    tensors, meta = trainer.state_tensors()
+    return Checkpoint(0, "adpsgd", tensors, meta)
+
+
 async def test_a_config_that_cannot_fit_its_memory_limit_is_refused_with_the_figures(tmp_path):
     cfg = config(tmp_path, "big", 'training.task="wide-linear"', "training.params.millions=10.0",
                  "limits.memory_gb=0.6")  # fmt: skip

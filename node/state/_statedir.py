@@ -2,11 +2,15 @@
 # under its state directory is named here, nowhere else.
 from __future__ import annotations
 
+import errno
 import fcntl
 import os
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
+
+LOCK_TRIES = 10  # 0.5 s in all
 
 
 @dataclass(frozen=True)
@@ -43,17 +47,30 @@ class StateDir:
     def lock_path(self) -> Path:
         return self.root / "lock"
 
-    def lock(self) -> BinaryIO:
+    def lock(self) -> BinaryIO | None:
         """Take the directory for this process: an exclusive flock on `lock` (with our pid in
         it), released when the returned file is closed or the process ends, however it ends.
+        None where the filesystem has no flock (the node runs unguarded there, as before).
 
         Raises:
             StateDirInUse: another node holds it (two nodes on one directory overwrote each
                 other's checkpoints and status unnoticed).
+            OSError: the lock file cannot be made.
         """
         f = open(self.lock_path, "a+b")  # noqa: SIM115 (held open for the node's life)
         try:
-            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            for attempt in range(LOCK_TRIES):  # a `geotrain status` may hold it for a moment
+                try:
+                    fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    if attempt == LOCK_TRIES - 1:
+                        raise
+                    time.sleep(0.05)
+            f.truncate(0)
+            f.write(f"{os.getpid()}\n".encode())
+            f.flush()
+            return f
         except BlockingIOError:
             f.seek(0)
             holder = f.read(32).decode("ascii", "replace").strip() or "unknown"
@@ -62,10 +79,14 @@ class StateDir:
                 f"state.dir = {str(self.root)!r} is in use by another node (pid {holder}): "
                 "each node needs a state directory of its own"
             ) from None
-        f.truncate(0)
-        f.write(f"{os.getpid()}\n".encode())
-        f.flush()
-        return f
+        except OSError as exc:
+            f.close()
+            if exc.errno in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS):
+                return None  # no flock on this filesystem (some network mounts)
+            raise
+        except BaseException:
+            f.close()
+            raise
 
     def locked(self) -> bool:
         """Whether a node holds the directory now (a status that says running may be stale)."""
