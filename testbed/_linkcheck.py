@@ -21,7 +21,7 @@ if TYPE_CHECKING:
     from ._linkspec import AccessLink
     from ._namespaces import NamespaceSet
 
-PORT = 47_000
+PORT = 0  # the server takes a free port and says which: a fixed one could still be held (see serve)
 CHUNK = 1 << 20
 TIMEOUT_S = 60.0
 
@@ -103,7 +103,11 @@ def _recv_exact(conn: socket.socket, n: int) -> bytes:
 
 
 def serve(host: str, port: int, connections: int) -> None:
-    """Answer `connections` probe connections, then exit. Prints "ready" once listening.
+    """Answer `connections` probe connections, then exit. Prints "ready PORT" once listening.
+
+    Port 0 takes a free port. A fixed one (47000 once) lies inside Linux's ephemeral range, so an
+    earlier check's client connection from this namespace could still hold it (TIME_WAIT, without
+    SO_REUSEADDR) and the bind failed with EADDRINUSE (seen once in CI).
 
     A connection starts with one byte: b"p" = echo every byte back until the peer closes;
     b"b" = bulk: an 8-byte length, that many bytes in, then a JSON line with the receiver's timing;
@@ -111,7 +115,7 @@ def serve(host: str, port: int, connections: int) -> None:
     """
     with socket.create_server((host, port), backlog=16) as listener:
         listener.settimeout(TIMEOUT_S)
-        print("ready", flush=True)
+        print(f"ready {listener.getsockname()[1]}", flush=True)
         for _ in range(connections):
             conn, _ = listener.accept()
             with conn:
@@ -186,7 +190,7 @@ def measure_link(
         dst: index of the receiving peer (runs the server).
         bulk_bytes: size of the bulk transfer; see `bulk_bytes_for`.
         pings: number of connect probes and of ping-pongs (medians are reported).
-        port: TCP port of the server inside `dst`'s namespace.
+        port: TCP port of the server inside `dst`'s namespace (0: a free one).
 
     Raises:
         RuntimeError: a side failed; the message names the side and its error.
@@ -200,8 +204,10 @@ def measure_link(
         text=True,
     )
     try:
-        if server.stdout is None or server.stdout.readline().strip() != "ready":
+        ready = server.stdout.readline().split() if server.stdout is not None else []
+        if len(ready) != 2 or ready[0] != "ready":
             raise RuntimeError(f"link check server failed: {_last_line(server.communicate()[1])}")
+        port = int(ready[1])
         client = namespaces.run(
             src,
             _worker_argv("probe", namespaces[dst].address, port, pings, bulk_bytes),
