@@ -256,8 +256,10 @@ def tcp_reaches(nss: NamespaceSet, src: int, dst: int, timeout_s: float = 1.0) -
     server = nss.popen(dst, [sys.executable, "-c", LISTEN, str(nss[dst].address)],
                        stdout=subprocess.PIPE, text=True)  # fmt: skip
     try:
-        assert server.stdout is not None and server.stdout.readline().strip() == "ready"
-        client = nss.run(src, [sys.executable, "-c", CONNECT, str(nss[dst].address),
+        assert server.stdout is not None
+        ready, port = server.stdout.readline().split()
+        assert ready == "ready"
+        client = nss.run(src, [sys.executable, "-c", CONNECT, str(nss[dst].address), port,
                                str(timeout_s)], capture_output=True, text=True)  # fmt: skip
         return client.returncode == 0
     finally:
@@ -268,11 +270,11 @@ def tcp_reaches(nss: NamespaceSet, src: int, dst: int, timeout_s: float = 1.0) -
 
 LISTEN = """
 import socket, sys
-s = socket.create_server((sys.argv[1], 47100)); print("ready", flush=True); s.accept()
+s = socket.create_server((sys.argv[1], 0)); print("ready", s.getsockname()[1], flush=True); s.accept()
 """
 CONNECT = """
 import socket, sys
-socket.create_connection((sys.argv[1], 47100), timeout=float(sys.argv[2])).sendall(b"x")
+socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=float(sys.argv[3])).sendall(b"x")
 """
 
 
