@@ -64,10 +64,7 @@ def load_identity(config: NodeConfig) -> tuple[Identity, Admission]:
     Raises:
         ConfigError: a file is missing or unreadable, or the certificate names another key.
     """
-    try:
-        identity = Identity.load(config.identity.key)
-    except Exception as exc:  # KeyFileError, OSError: say which file and why
-        raise ConfigError(f"identity.key = {str(config.identity.key)!r}: {exc}") from exc
+    identity = _load("identity.key", config.identity.key, Identity.load)
     _warn_if_readable(config.identity.key)
     admission = admission_from_config(config.identity)
     if admission.certificate is not None and (

@@ -9,7 +9,7 @@ import os
 import pathlib
 from dataclasses import dataclass
 
-from cryptography.exceptions import InvalidSignature
+from cryptography.exceptions import InvalidSignature, UnsupportedAlgorithm
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
@@ -92,7 +92,7 @@ def load_private_key(path: pathlib.Path) -> Ed25519PrivateKey:
         raise KeyFileError(f"{path}: cannot read ({exc.strerror})") from None
     try:
         key = serialization.load_pem_private_key(data, password=None)
-    except (ValueError, TypeError) as exc:
+    except (ValueError, TypeError, UnsupportedAlgorithm) as exc:
         raise KeyFileError(f"{path}: not an unencrypted PEM private key ({exc})") from None
     if not isinstance(key, Ed25519PrivateKey):
         raise KeyFileError(f"{path}: holds a {type(key).__name__}, expected an Ed25519 key")
