@@ -180,3 +180,30 @@ def test_a_private_key_others_can_read_is_warned_about(tmp_path):
         load_identity(cfg)
     said = [e for e in logs if e["event"] == "identity_key_readable"]
     assert len(said) == 1 and said[0]["mode"] == "0o644" and "chmod 600" in said[0]["hint"]
+
+
+@pytest.mark.parametrize("kind", ["missing", "empty", "garbage", "ec-key"])
+def test_a_bad_identity_key_is_one_line_naming_the_field(tmp_path, capsys, kind):
+    """A missing, empty, non-PEM or non-Ed25519 identity.key stops the node with one line naming
+    the field and the file, exit status 2."""
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+
+    key = tmp_path / "me.key"
+    if kind == "empty":
+        key.write_bytes(b"")
+    elif kind == "garbage":
+        key.write_bytes(b"-----BEGIN PRIVATE KEY-----\nnot base64\n-----END PRIVATE KEY-----\n")
+    elif kind == "ec-key":
+        key.write_bytes(ec.generate_private_key(ec.SECP256R1()).private_bytes(
+            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+            serialization.NoEncryption()))  # fmt: skip
+    (tmp_path / "node.toml").write_text(
+        '[identity]\nkey = "me.key"\nopen_swarm = true\n'
+        '[training]\ntask = "synthetic-linreg"\nmax_steps = 1\n'
+    )
+    capsys.readouterr()
+    assert main(["node", "run", "--config", str(tmp_path / "node.toml")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "Traceback" not in err[0]
+    assert f"identity.key = '{key}'" in err[0]
