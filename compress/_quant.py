@@ -103,11 +103,11 @@ def _quantize_small(a: np.ndarray, block: int, levels: int) -> tuple[np.ndarray,
         parts.append(a[full * block :].reshape(1, -1))
     scales = np.empty(full + (n % block > 0), dtype=np.float32)
     codes = np.empty(n, dtype=np.int8)
-    at = 0
-    for i, rows in enumerate(parts):
+    at = row = 0
+    for rows in parts:
         norm = np.maximum(rows.max(axis=1), -rows.min(axis=1)) + np.float32(0)  # as below
-        r0 = 0 if i == 0 else full
-        np.divide(norm, np.float32(levels), out=scales[r0 : r0 + len(norm)])
+        np.divide(norm, np.float32(levels), out=scales[row : row + len(norm)])
+        row += len(norm)
         with np.errstate(all="ignore"):  # subnormal norms overflow 1 / norm as torch's do
             inv = np.reciprocal(norm, out=np.zeros_like(norm), where=norm > 0)
             inv *= np.float32(levels)
@@ -121,30 +121,29 @@ def _quantize_small(a: np.ndarray, block: int, levels: int) -> tuple[np.ndarray,
 
 def dequantize_blocks(scales: torch.Tensor, codes: torch.Tensor, block: int) -> torch.Tensor:
     """Inverse of `quantize_blocks`: float32 values, shape of `codes`."""
-    n = codes.numel()
-    full = n // block
-    out = torch.empty(n, dtype=torch.float32, device=codes.device)
-    torch.mul(
-        codes[: full * block].view(full, block),
-        scales[:full, None],
-        out=out[: full * block].view(full, block),
-    )
-    if n % block:
-        torch.mul(codes[full * block :], scales[full], out=out[full * block :])
+    out = torch.empty(codes.numel(), dtype=torch.float32, device=codes.device)
+    _dequantize_into(out, scales, codes, block, torch.mul)
     return out
 
 
 def _dequantize_small(scales: np.ndarray, codes: np.ndarray, block: int) -> np.ndarray:
     """`dequantize_blocks` of small numpy arrays (same results)."""
-    n = codes.size
-    full = n // block
-    out = np.empty(n, dtype=np.float32)
-    if full:
-        np.multiply(codes[: full * block].reshape(full, block), scales[:full, None],
-                    out=out[: full * block].reshape(full, block))  # fmt: skip
-    if n % block:
-        np.multiply(codes[full * block :], scales[full], out=out[full * block :])
+    out = np.empty(codes.size, dtype=np.float32)
+    with np.errstate(over="ignore"):  # a huge scale gives inf as torch's path does, silently
+        _dequantize_into(out, scales, codes, block, np.multiply)
     return out
+
+
+def _dequantize_into(out, scales, codes, block: int, multiply) -> None:
+    """out = codes x their block's scale, for 1-D torch tensors (torch.mul) or numpy arrays
+    (np.multiply): one multiply over the full blocks, one over the short last block."""
+    n = codes.shape[0]
+    full = n // block
+    if full:
+        multiply(codes[: full * block].reshape(full, block), scales[:full, None],
+                 out=out[: full * block].reshape(full, block))  # fmt: skip
+    if n % block:
+        multiply(codes[full * block :], scales[full], out=out[full * block :])
 
 
 def _pack_nibbles_small(codes: np.ndarray) -> np.ndarray:
