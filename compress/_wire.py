@@ -167,11 +167,11 @@ def as_buffer(t: torch.Tensor) -> memoryview:
 
 def check_finite_scales(scales: torch.Tensor | np.ndarray, what: str) -> None:
     """Raise DecodeError unless every scale is finite and non-negative."""
-    if isinstance(scales, torch.Tensor):
-        if scales.device.type != "cpu" or scales.numel() > 64:
-            if scales.numel() and not bool(torch.isfinite(scales).all() & (scales >= 0).all()):
-                raise DecodeError(f"{what} contain a negative, NaN or infinite value")
-            return
+    if isinstance(scales, torch.Tensor) and scales.device.type == "cpu" and scales.numel() <= 64:
         scales = scales.numpy()  # a few scales: numpy's checks cost a fraction of torch's
-    if not (np.isfinite(scales).all() and (scales >= 0).all()):
+    if isinstance(scales, torch.Tensor):
+        ok = bool(torch.isfinite(scales).all() & (scales >= 0).all())
+    else:
+        ok = bool(np.isfinite(scales).all() and (scales >= 0).all())
+    if not ok:
         raise DecodeError(f"{what} contain a negative, NaN or infinite value")
