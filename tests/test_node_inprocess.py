@@ -202,6 +202,37 @@ async def test_a_second_node_on_a_state_directory_in_use_is_refused(tmp_path):
             await n.wait_stopped()
 
 
+def test_a_forked_child_does_not_keep_the_state_directory_locked(tmp_path):
+    """A child forked while the node held its state directory (a DataLoader worker) kept the
+    flock after the node had closed, and the next node on the directory was refused."""
+    import os
+
+    from geotrain.node.state import StateDir
+
+    state = StateDir(tmp_path).create()
+    held = state.lock()
+    assert held is not None
+    ready, go = os.pipe()
+    started_r, started_w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: say it runs, wait until told, touching nothing
+        os.write(started_w, b"x")
+        os.read(ready, 1)
+        os._exit(0)
+    try:
+        assert os.read(started_r, 1) == b"x"
+        held.close()
+        assert not state.locked()  # the child runs on, without the lock
+        again = state.lock()
+        assert again is not None
+        again.close()
+    finally:
+        os.write(go, b"x")
+        os.waitpid(pid, 0)
+        for fd in (ready, go, started_r, started_w):
+            os.close(fd)
+
+
 async def test_a_listen_address_in_use_is_refused_naming_network_listen(tmp_path):
     """An operator's port in use is one ConfigError naming network.listen (it was a node
     failure: 'TransportError: Address in use' with a traceback)."""

@@ -6,11 +6,27 @@ import errno
 import fcntl
 import os
 import time
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
 LOCK_TRIES = 10  # 0.5 s in all
+
+# The lock files this process holds. A forked child (a DataLoader worker, a user's subprocess
+# started by fork) closes its copies at once: a flock belongs to the open file, so a child still
+# running with a copy kept the directory locked after the node had closed (its next join on the
+# same directory was refused as "in use").
+_HELD: weakref.WeakSet[BinaryIO] = weakref.WeakSet()
+
+
+def _close_inherited_locks() -> None:
+    for f in list(_HELD):
+        f.close()  # the child's copy only: the parent's lock stays
+    _HELD.clear()
+
+
+os.register_at_fork(after_in_child=_close_inherited_locks)
 
 
 @dataclass(frozen=True)
@@ -49,7 +65,8 @@ class StateDir:
 
     def lock(self) -> BinaryIO | None:
         """Take the directory for this process: an exclusive flock on `lock` (with our pid in
-        it), released when the returned file is closed or the process ends, however it ends.
+        it), released when the returned file is closed or the process ends, however it ends;
+        a child forked from this process does not hold it.
         None where the filesystem has no flock (the node runs unguarded there, as before).
 
         Raises:
@@ -70,6 +87,7 @@ class StateDir:
             f.truncate(0)
             f.write(f"{os.getpid()}\n".encode())
             f.flush()
+            _HELD.add(f)
             return f
         except BlockingIOError:
             f.seek(0)
