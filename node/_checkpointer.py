@@ -69,6 +69,7 @@ class Checkpointer:
         self._links = links
         self._written_step = -1
         self.written_at: float | None = None  # time.monotonic() of the last write
+        self.failures = 0  # writes that failed (OSError: a full disk, a vanished directory)
 
     def restore(self, ckpt: Checkpoint) -> None:
         """Load a checkpoint's model, optimizer, algorithm state and link estimates."""
@@ -98,7 +99,9 @@ class Checkpointer:
         self._written_step = ckpt.step
 
     async def write(self) -> None:
-        """Write a checkpoint unless one of this step exists already."""
+        """Write a checkpoint unless one of this step exists already. A write that fails with an
+        OSError (a full disk) is logged and counted, and leaves the older checkpoints as they
+        were: it stopped the node, whose work since the last checkpoint was lost with it."""
         if self._trainer.step == self._written_step:
             return
         links = self._links.state_dict(trio.current_time())
@@ -117,7 +120,15 @@ class Checkpointer:
                 self._store.save(Checkpoint(step, self._name, tensors, meta))
                 return step, time.perf_counter() - started
 
-        step, seconds = await trio.to_thread.run_sync(write)
+        try:
+            step, seconds = await trio.to_thread.run_sync(write)
+        except OSError as exc:  # a full or failing disk: the run goes on, the older files stay
+            self.failures += 1
+            log.error("checkpoint_failed", step=self._trainer.step, error=str(exc),
+                      directory=str(self._store.directory),
+                      hint="training goes on and the previous checkpoint is kept; the next one "
+                      "is tried at the next checkpoint_every (free space, or see the error)")  # fmt: skip
+            return
         self._written_step = step
         self.written_at = time.monotonic()
         log.info("checkpoint_written", step=step, seconds=round(seconds, 3))

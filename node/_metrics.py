@@ -28,6 +28,8 @@ class NodeCollector:
         snapshot: returns the node's status now (called in the HTTP server's thread; it must do
             the hop to the node's loop itself).
         checkpoint_age_s: seconds since the last checkpoint, or None before the first.
+        refusals: what the node refused from the network, by kind and reason.
+        checkpoint_failures: checkpoint writes that failed (a full disk).
     """
 
     def __init__(
@@ -35,8 +37,10 @@ class NodeCollector:
         snapshot: Callable[[], NodeStatus],
         checkpoint_age_s: Callable[[], float | None] = lambda: None,
         refusals: Callable[[], Mapping[str, Mapping[str, int]]] = dict,
+        checkpoint_failures: Callable[[], int] = lambda: 0,
     ) -> None:
         self._snapshot = snapshot
+        self._checkpoint_failures = checkpoint_failures
         self._checkpoint_age_s = checkpoint_age_s
         self._refusals = refusals
         self._labels = PeerLabels()
@@ -110,6 +114,9 @@ class NodeCollector:
         if age is not None:
             yield _gauge("geotrain_checkpoint_age_seconds", "Seconds since the last checkpoint",
                          age)  # fmt: skip
+        yield CounterMetricFamily("geotrain_checkpoint_failures", "Checkpoint writes that failed "
+                                  "(a full disk): the older checkpoints stay",
+                                  value=self._checkpoint_failures())  # fmt: skip
         for name, value in s.algorithm_stats.items():
             if isinstance(value, int | float) and not isinstance(value, bool):
                 metric = re.sub(r"[^a-zA-Z0-9_]", "_", f"geotrain_{s.algorithm}_{name}")

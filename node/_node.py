@@ -328,8 +328,9 @@ class Node:
         listen = self.config.metrics.listen
         if listen is None or self.metrics is not None:
             return
-        self.metrics = MetricsServer(listen, NodeCollector(self._metrics_snapshot, self._age,
-                                                           self._metrics_refusals))
+        self.metrics = MetricsServer(listen, NodeCollector(
+            self._metrics_snapshot, self._age, self._metrics_refusals,
+            lambda: self._checkpointer.failures if self._checkpointer is not None else 0))
         log.info("metrics_listening", address=f"{listen.rpartition(':')[0]}:{self.metrics.port}")
 
     def _metrics_snapshot(self) -> NodeStatus:

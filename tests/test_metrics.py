@@ -247,3 +247,48 @@ def test_algorithm_counts_are_counters_and_levels_are_gauges():
     assert families["geotrain_selsync_comm_fraction"].samples[0].value == 0.25
     assert families["geotrain_selsync_last_relative_change"].type == "gauge"
     assert families["geotrain_not_dialled_back"].samples[0].value == 1.0  # behind NAT, reachable
+
+
+async def test_a_checkpoint_that_cannot_be_written_is_logged_counted_and_training_goes_on(
+    tmp_path, monkeypatch
+):
+    """A full disk at a checkpoint stopped the node (its work since the last checkpoint lost):
+    now the failure is logged and counted, the older checkpoint and no partial file stay,
+    training goes on, and the next write that succeeds is a checkpoint again."""
+    import errno
+
+    from structlog.testing import capture_logs
+
+    from geotrain.node.state import _checkpoint
+
+    real_write, calls, seen = _checkpoint.write_checkpoint, [], []
+    folder = tmp_path / "d" / "checkpoints"
+
+    def write(f, ckpt):
+        calls.append(ckpt.step)
+        if len(calls) in (2, 3):  # the first succeeds, the next two find the disk full
+            f.write(b"x" * 1000)
+            raise OSError(errno.ENOSPC, "No space left on device")
+        seen.append(sorted(p.name for p in folder.iterdir() if not p.name.endswith(".tmp")))
+        return real_write(f, ckpt)
+
+    monkeypatch.setattr(_checkpoint, "write_checkpoint", write)
+    cfg = config(tmp_path, "d", "state.checkpoint_every=5", "training.max_steps=30")
+    with capture_logs() as logs:
+        async with geotrain.open_node(cfg, identity=Identity.generate(),
+                                      admission=Admission.open_swarm("geotrain")) as node:  # fmt: skip
+            with trio.fail_after(60):
+                while len(calls) < 3:
+                    await trio.sleep(0.02)
+            samples = await trio.to_thread.run_sync(scrape, node.metrics.port)
+            with trio.fail_after(60):
+                await node.wait_stopped()
+            final = node.status()
+    assert final.step == 30
+    failed = [e for e in logs if e["event"] == "checkpoint_failed"]
+    assert [e["step"] for e in failed] == calls[1:3] == [10, 15]
+    assert "No space left" in failed[0]["error"] and failed[0]["log_level"] == "error"
+    assert samples[("geotrain_checkpoint_failures_total", ())] == 2
+    assert seen[1] == ["ckpt-0000000005.safetensors"]  # kept through both failures, nothing else
+    assert sorted(p.name for p in folder.iterdir()) == [
+        f"ckpt-{s:010d}.safetensors" for s in (20, 25, 30)]  # fmt: skip
