@@ -104,7 +104,12 @@ class _SymmetricState:
             try:
                 out = self.key.decrypt(_nonce(self.n), data, self.h)
             except InvalidTag:
-                raise HandshakeFailed("handshake message failed authentication") from None
+                # the swarm ID is the prologue: a peer of another swarm fails here, as does a
+                # message altered on the way (the two cannot be told apart by design)
+                raise HandshakeFailed(
+                    "handshake message failed authentication: the peer is of another swarm "
+                    "(its swarm ID differs from identity.swarm_id / the swarm file's), or the "
+                    "message was altered on the way") from None
             self.n += 1
         self.mix_hash(data)
         return out
