@@ -39,12 +39,25 @@ from ._protocol import (
     unwrap_gossip,
     wrap_gossip,
 )
-from .transport import ErrorReply, Header, PeerInfo, Ping, Pong, Transport, TransportError
+from .transport import (
+    ErrorReply,
+    HandshakeError,
+    Header,
+    PeerInfo,
+    Ping,
+    Pong,
+    Transport,
+    TransportError,
+)
 
 # A reachable node that has dialled out to peers but has been dialled by nobody after this long
 # (and after several probe periods) says it probably cannot be dialled: behind NAT or a firewall
 # that drops inbound connections, it never becomes anyone's member and waits or trains alone.
 NOT_DIALLED_AFTER_S = 15.0
+# A bootstrap peer that does not answer is warned about once it has not for this long (at once
+# when it answered and refused us): swarms start in any order, and a peer not up yet was warned
+# about as if its address were wrong
+BOOTSTRAP_PATIENCE_S = 10.0
 NOT_DIALLED_PROBE_PERIODS = 5
 PROBE_BYTES = 256 * 1024  # above the link table's smallest goodput sample, small on any link
 log = structlog.get_logger()
@@ -80,6 +93,8 @@ class MembershipService:
         )
         self._bootstrap = tuple(bootstrap)
         self._said_unanswered: set[str] = set()  # bootstrap addresses warned about (once each)
+        self._said_waiting: set[str] = set()  # ... said (info) not to answer yet
+        self._started_at: float | None = None
         self._address = address
         self._transport = transport
         self._links = links
@@ -117,7 +132,8 @@ class MembershipService:
         """Join, then keep membership and link probes going until cancelled."""
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
-            sends = self.membership.join(self._bootstrap, trio.current_time())
+            self._started_at = trio.current_time()
+            sends = self.membership.join(self._bootstrap, self._started_at)
             nursery.start_soon(self._probe_loop)
             if self._bootstrap and not is_client_address(self._address):
                 nursery.start_soon(self._watch_dialled)
@@ -173,13 +189,30 @@ class MembershipService:
         except TransportError as exc:
             log.debug("gossip_undelivered", address=send.address, reason=str(exc))
             if send.address in self._bootstrap and send.address not in self._said_unanswered:
-                self._said_unanswered.add(send.address)  # a typo'd or dead bootstrap: say it
-                log.warning("bootstrap_unanswered", address=send.address, reason=str(exc),
-                            hint="check network.bootstrap: is a node listening there, and is "
-                            "it of this swarm? (tried again as membership goes on)")  # fmt: skip
+                self._bootstrap_failed(send.address, exc)
             return
+        if send.address in self._bootstrap:
+            self._said_unanswered.add(send.address)  # it answered: a later silence is a peer's
         if isinstance(reply, Delivered) and reply.messages:
             self._receive_carried(peer, reply.messages)
+
+    def _bootstrap_failed(self, address: str, exc: TransportError) -> None:
+        """Say that a bootstrap address does not answer: a warning once it has not for
+        BOOTSTRAP_PATIENCE_S, or at once if it refused us (another swarm, not admitted); before
+        that, an info line (the peer may not be up yet)."""
+        waited = trio.current_time() - (self._started_at or trio.current_time())
+        refused = isinstance(exc, HandshakeError) and exc.definite
+        if refused or waited >= BOOTSTRAP_PATIENCE_S:
+            self._said_unanswered.add(address)  # a typo'd, dead or foreign bootstrap: say it
+            log.warning("bootstrap_unanswered", address=address, reason=str(exc),
+                        waited_s=round(waited, 1),
+                        hint="check network.bootstrap: is a node listening there, and is it of "
+                        "this swarm? (tried again as membership goes on)")  # fmt: skip
+        elif address not in self._said_waiting:
+            self._said_waiting.add(address)
+            log.info("bootstrap_waiting", address=address, reason=str(exc),
+                     hint=f"not answering yet; warned about if it still does not in "
+                     f"{BOOTSTRAP_PATIENCE_S:g} s")  # fmt: skip
 
     def _receive_carried(self, peer: PeerInfo, messages: Sequence[Gossip]) -> None:
         """Membership messages that came back with a Delivered (we are a client): from `peer`."""

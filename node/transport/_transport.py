@@ -157,7 +157,8 @@ class Transport:
                     del self._dial_locks[address]
         if expect_peer is not None and conn.peer.peer_id != expect_peer:
             raise HandshakeError(
-                f"peer ID mismatch at {address}: expected {expect_peer}, proved {conn.peer.peer_id}"
+                f"peer ID mismatch at {address}: expected {expect_peer}, proved {conn.peer.peer_id}",
+                definite=True,
             )
         return conn
 
@@ -277,7 +278,8 @@ class Transport:
             retry = self._backoff.failed(address, trio.current_time())
             log.warning("handshake_failed", direction="outbound", address=address,
                         reason=exc.reason, retry_in_s=round(retry, 1))  # fmt: skip
-            raise HandshakeError(f"handshake with {address} failed: {exc.reason}") from None
+            raise HandshakeError(f"handshake with {address} failed: {exc.reason}",
+                                 definite=True) from None
         self._backoff.succeeded(address)
         self._counters.handshakes_ok += 1
         log.info("handshake_ok", peer=peer.short_id, direction="outbound", address=address)

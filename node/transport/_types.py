@@ -28,7 +28,15 @@ class RequestTimeout(TransportError):
 
 
 class HandshakeError(TransportError):
-    """The secure handshake failed: wrong peer, refused admission, wrong swarm, or deadline."""
+    """The secure handshake failed: wrong peer, refused admission, wrong swarm, or deadline.
+
+    `definite` is True where the peer answered and the two cannot work together as configured
+    (another swarm, not admitted, another peer than expected): trying again will not help.
+    """
+
+    def __init__(self, message: str, *, definite: bool = False) -> None:
+        super().__init__(message)
+        self.definite = definite
 
 
 class RemoteTransportError(TransportError):
