@@ -1,7 +1,8 @@
 # CHOCO-SGD's per-link bookkeeping, sans-I/O. Invariants: each link (this node, one neighbour)
 # holds our public estimate as the neighbour knows it, the neighbour's, and a count of completed
 # exchanges; both ends apply exactly the q's that went over the wire, so their copies stay equal;
-# a link starts (and restarts) at the swarm's common initial model; counts that differ mean an
+# a link starts (and restarts) at the swarm's common initial model, or at zero (CHOCO's own
+# start) when the two ends' initial models differ (`zero`); counts that differ mean an
 # exchange was lost half-way, and both ends restart that link; at most `max_peers` links are kept
 # (least recently used dropped first), a busy link is never dropped; links of peers no longer
 # live are dropped. Pure bookkeeping: the caller does the I/O and hands in who is live.
@@ -34,12 +35,16 @@ class ChocoLink:
     # unfinished means the two ends' copies may differ: the link then restarts (see `partial`).
     stream: tuple[int, set[int], float, set[int]] | None = None
     partial: bool = False  # some chunk of an unfinished exchange changed the estimates
+    # the two ends started from different models: the estimates start at zero, not at `base`
+    zero: bool = False
 
     def reset(self, base: Params) -> None:
-        """Back to the common initial model, count 0 (both ends do this on a resync)."""
+        """Back to the start, count 0 (both ends do this on a resync): the common initial model
+        `base`, or zeros of its shapes on a `zero` link."""
         self.seq = 0
-        self.mine = {n: t.clone() for n, t in base.items()}
-        self.theirs = {n: t.clone() for n, t in base.items()}
+        start = torch.zeros_like if self.zero else torch.clone
+        self.mine = {n: start(t) for n, t in base.items()}
+        self.theirs = {n: start(t) for n, t in base.items()}
         self.stream, self.partial = None, False
 
     def add_slices(self, q_mine: Iterable[tuple[str, int, torch.Tensor]],
@@ -112,6 +117,10 @@ class ChocoLinks:
             del self._links[oldest]
         return link
 
+    def zero_peers(self) -> list[str]:
+        """The idle links that start from zero (see ChocoLink.zero), for a checkpoint."""
+        return [peer for peer, link in self._links.items() if link.zero and not link.busy]
+
     def state_dict(self, *, copy: bool = True) -> tuple[dict[str, torch.Tensor], dict[str, int]]:
         """Tensors `<peer>/mine/<name>`, `<peer>/theirs/<name>` and counts of idle links (a busy
         one is half-way; after a restart the count check resyncs it anyway). `copy=False` hands
@@ -129,14 +138,15 @@ class ChocoLinks:
         return tensors, seqs
 
     def load_state_dict(self, tensors: Mapping[str, torch.Tensor], seqs: Mapping[str, int],
-                        device: torch.device) -> None:  # fmt: skip
-        """Restore what `state_dict` returned (names as in `base`).
+                        device: torch.device, zero: Iterable[str] = ()) -> None:  # fmt: skip
+        """Restore what `state_dict` returned (names as in `base`); `zero`: `zero_peers()`.
 
         Raises:
             KeyError: a tensor of a listed link is missing.
         """
+        zero = set(zero)
         for peer, seq in seqs.items():
-            link = ChocoLink(seq=int(seq))
+            link = ChocoLink(seq=int(seq), zero=peer in zero)
             for name in self.base:
                 link.mine[name] = tensors[f"{peer}/mine/{name}"].to(device)
                 link.theirs[name] = tensors[f"{peer}/theirs/{name}"].to(device)

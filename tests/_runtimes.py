@@ -18,26 +18,35 @@ from geotrain.node.training import StepResult
 
 
 def trainer(
-    index: int, n: int, task: str = "synthetic-linreg", params: dict | None = None
-) -> Trainer:
-    """The trainer of peer `index` of `n` (same seed, so the same initial model everywhere)."""
+    index: int, n: int, task: str = "synthetic-linreg", params: dict | None = None,
+    init_seed: int | None = None,
+) -> Trainer:  # fmt: skip
+    """The trainer of peer `index` of `n` (same seed, so the same initial model everywhere;
+    with `init_seed`, that model moved by N(0, 1) noise drawn from it: one of its own, as a loop
+    that builds its model without a common seed has)."""
     ctx = TaskContext(shard_index=index, num_shards=n, params=params or {})
-    return Trainer(resolve_task(task)(ctx))
+    made = Trainer(resolve_task(task)(ctx))
+    if init_seed is not None:
+        gen = torch.Generator().manual_seed(init_seed)
+        made.update(lambda live: [t.add_(torch.randn(t.shape, generator=gen)) for t in
+                                  live.values()])  # fmt: skip
+    return made
 
 
 @asynccontextmanager
 async def runtimes(
     n: int = 2, *, task: str = "synthetic-linreg", params: dict | None = None,
-    chunk_numel: int | None = None, **gossip
+    chunk_numel: int | None = None, init_seeds: list[int | None] | None = None, **gossip
 ) -> AsyncIterator[tuple[MemoryNetwork, list]]:
     """`n` runtimes of `gossip["algorithm"]`, peers "p0".."p<n-1>", each seeing all others live
-    (model streams in chunks of `chunk_numel` elements when given)."""
+    (model streams in chunks of `chunk_numel` elements when given; initial models of their own
+    where `init_seeds` gives a seed, see `trainer`)."""
     config = GossipConfig(**gossip)
     names = [f"p{i}" for i in range(n)]
     async with open_memory_network() as net, trio.open_nursery() as nursery:
         algos = [
-            algorithm_on(net, name, trainer(i, n, task, params), config,
-                         [p for p in names if p != name], nursery.start_soon, seed=i,
+            algorithm_on(net, name, trainer(i, n, task, params, (init_seeds or [None] * n)[i]),
+                         config, [p for p in names if p != name], nursery.start_soon, seed=i,
                          chunk_numel=chunk_numel)
             for i, name in enumerate(names)
         ]  # fmt: skip

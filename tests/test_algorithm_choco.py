@@ -125,7 +125,6 @@ async def test_a_partner_that_never_answers_costs_one_deadline(autojump_clock):
     ("header", "why"),
     [
         (ChocoExchange(codec="topk:0.5", seq=0, base=0), "refused"),
-        (ChocoExchange(codec="topk:0.1", seq=0, base=12345), "same training.seed"),
     ],
 )
 async def test_a_bad_request_is_refused_and_changes_nothing(autojump_clock, header, why):
@@ -135,6 +134,51 @@ async def test_a_bad_request_is_refused_and_changes_nothing(autojump_clock, head
         reply, _ = await b.handle(peer, header, memoryview(b""))
         assert isinstance(reply, ErrorReply) and reply.code == "bad_request" and why in reply.reason
         assert same(model(b), before)
+
+
+async def test_peers_of_different_initial_models_mix_from_zero_estimates(autojump_clock):
+    """Two loops of one's own, each model built without a common seed: choco refused to ever
+    mix them (warned). Their link now starts at zero on both ends, agreed through one resync,
+    the estimates stay equal, the models come together, and a checkpoint keeps the link's
+    start."""
+    from structlog.testing import capture_logs
+
+    from geotrain.node.algorithms.choco import ChocoResync
+
+    exact = {**CHOCO, "codec": "none", "max_norm_ratio": 100.0}
+    with capture_logs() as logs:
+        async with runtimes(2, init_seeds=[None, 1], **exact) as (net, (a, b)):
+            assert a.base_digest != b.base_digest
+            xa, xb = model(a), model(b)
+            distance = _distance(xa, xb)
+            assert distance > 0.1
+            await a._exchange("p1")  # refused with a resync: both links now start at zero
+            assert a.links["p1"].zero and b.links["p0"].zero and a.resyncs == b.resyncs == 1
+            assert same(model(a), xa) and same(model(b), xb)
+            assert a.links["p1"].seq == b.links["p0"].seq == 0
+            for _ in range(6):
+                await a._exchange("p1")
+                await b._exchange("p0")
+            assert a.links["p1"].seq == b.links["p0"].seq == 12 and a.resyncs == 1
+            assert equal_links(a.links["p1"], b.links["p0"])
+            assert _distance(model(a), model(b)) < 0.5 * distance
+            tensors, meta = a.state()
+        async with runtimes(2, init_seeds=[None, 1], **exact) as (net, (restored, _)):
+            restored.load_state(tensors, json.loads(json.dumps(meta)))
+            assert restored.links["p1"].zero and restored.links["p1"].seq == 12
+    said = [e for e in logs if e["event"] == "choco_initial_models_differ"]
+    assert len(said) == 1 and "start at zero" in said[0]["why"]
+    # a peer whose link starts at zero on our side but that shares our initial model agrees on
+    # the common start again (one that restarted without its checkpoint)
+    async with runtimes(2, **CHOCO) as (net, (a, b)):
+        b._link("p0").zero = True
+        reply, _ = await b.handle(PeerInfo("p0", b"", "mem://p0", "inbound"), exchange(b),
+                                  memoryview(b""))  # fmt: skip
+        assert isinstance(reply, ChocoResync) and not reply.zero and not b.links["p0"].zero
+
+
+def _distance(x: dict, y: dict) -> float:
+    return sum(float((x[k] - y[k]).pow(2).sum()) for k in x) ** 0.5
 
 
 async def test_a_stream_broken_half_way_restarts_the_link_on_both_ends(autojump_clock):

@@ -174,6 +174,24 @@ def test_every_algorithm_works_through_the_library(tmp_path, algorithm, settings
     assert all(s.algorithm == algorithm for s in statuses)
 
 
+def test_choco_mixes_loops_whose_models_were_built_without_a_common_seed(tmp_path):
+    """Two loops of one's own whose models start from different random weights: choco refused
+    every exchange between them ("initial models differ"); now their link starts at zero."""
+    models = [make_model(0), make_model(1)]
+    extra = ('gossip.algorithm="choco"', 'gossip.codec="topk:0.3"')
+    with joined(tmp_path, "a", models[0], *extra) as a:
+        with joined(tmp_path, "b", models[1], *extra, f'network.bootstrap=["{a.address}"]') as b:
+            threads = [threading.Thread(target=train, args=(s, m, 150, i))
+                       for i, (s, m) in enumerate([(a, models[0]), (b, models[1])])]  # fmt: skip
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(120)
+            statuses = [a.status(), b.status()]
+    assert all(s.step == 150 and s.exchanges_ok >= 3 for s in statuses), statuses
+    assert sum(s.exchanges_failed for s in statuses) <= 2, statuses  # the one resync
+
+
 def test_a_gpt_style_model_with_dataclass_outputs_trains_in_its_own_loop(tmp_path):
     sys.path.insert(0, str(Path(__file__).resolve().parent / "examples"))
     try:

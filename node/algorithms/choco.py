@@ -1,11 +1,12 @@
 # choco: CHOCO-SGD over pairwise exchanges, streamed in chunks. Invariants: the per-link estimates
 # and counts are gossip's ChocoLinks (sans-I/O); both ends apply exactly the decoded q that went
 # over the wire; estimates start at the swarm's common initial model (same training.seed; its
-# digest travels in every request); a link is used by one exchange at a time (a second one gets
-# "busy"); q is made, sent and added to the estimates a chunk at a time (no whole-model
-# difference or payload is ever held), and the consensus step is taken once every chunk is in;
-# an exchange left unfinished on either end (or counts that differ) restarts that link on both
-# ends: the responder answers ChocoResync.
+# digest travels in every request), or at zero on a link whose two ends started from different
+# models (both ends agree through ChocoResync); a link is used by one exchange at a time (a
+# second one gets "busy"); q is made, sent and added to the estimates a chunk at a time (no
+# whole-model difference or payload is ever held), and the consensus step is taken once every
+# chunk is in; an exchange left unfinished on either end (or counts that differ) restarts that
+# link on both ends: the responder answers ChocoResync.
 from __future__ import annotations
 
 import dataclasses
@@ -38,13 +39,13 @@ class ChocoExchange(Header, frozen=True, tag="choco_exchange"):
 
     `seq` counts the exchanges completed on this link as the sender saw them; a responder whose
     count differs, or that holds another exchange of this link unfinished, answers ChocoResync
-    and both ends restart the link's estimates at the initial model, which both hold (same
-    training.seed: `base` must match).
+    and both ends restart the link's estimates at its start: the initial model, which both hold
+    when `base` is the responder's digest too (same training.seed), else zero.
     """
 
     codec: CodecSpec
     seq: U63
-    base: U63  # digest of the initial model the estimates start from (same seed everywhere)
+    base: U63  # digest of the model the link's estimates start from; 0: they start at zero
     xid: U63 = 0
     plan: U63 = 0
     chunk_numel: U63 = 1
@@ -57,9 +58,11 @@ class ChocoReply(Header, frozen=True, tag="choco_reply"):
 
 
 class ChocoResync(Header, frozen=True, tag="choco_resync"):
-    """The link's counts differed (`seq` is the responder's); it restarted the link: so must we."""
+    """The link's counts or starts differed (`seq` is the responder's); it restarted the link:
+    so must we, at zero when `zero` (the two ends' initial models differ)."""
 
     seq: U63
+    zero: bool = False
 
 
 @dataclass(frozen=True)
@@ -90,9 +93,10 @@ class ChocoStatistics:
 
 
 INITIAL_MODELS_DIFFER = (
-    "initial models differ: choco needs every node to start from the same weights (a task: the "
-    "same training.seed; a model of your own: torch.manual_seed(the same seed) before building "
-    "it); it never mixes with this peer"
+    "initial models differ: the estimates of links to such peers start at zero, CHOCO's own "
+    "start, and their first exchanges move the models less (with top-k, far less) than from a "
+    "common start; give every node the same weights (a task: the same training.seed; a model "
+    "of your own: torch.manual_seed(the same seed) before building it)"
 )
 
 
@@ -113,10 +117,12 @@ class Choco(Algorithm):
     q = C(x - x_hat) each way, both ends add the decoded q's to their copies and mix
     x += gamma / 2 * (x_hat_j - x_hat).
 
-    Assumes: every node starts from the same model (same training.seed; checked) and a codec
-    that is a contraction (top-k, quantizers). Trades: two model copies per tracked neighbour
-    (at most `max_peers`) and a gamma-limited agreement speed for sending only what the codec
-    keeps (topk:0.01 sends ~1% of the values); a lost exchange restarts that link.
+    Assumes: a codec that is a contraction (top-k, quantizers). Nodes that start from the same
+    model (same training.seed; checked by digest) start their links' estimates there; a link
+    between nodes whose initial models differ starts them at zero (slower at first). Trades:
+    two model copies per tracked neighbour (at most `max_peers`) and a gamma-limited agreement
+    speed for sending only what the codec keeps (topk:0.01 sends ~1% of the values); a lost
+    exchange restarts that link.
     """
 
     handles = (ChocoExchange,)
@@ -143,11 +149,16 @@ class Choco(Algorithm):
         # (no copies: a checkpoint is written under the trainer's lock, and the estimates change
         # only under it, in _add and _finish)
         tensors, seqs = self.links.state_dict(copy=False)
-        return tensors, {"seq": seqs}
+        return tensors, {"seq": seqs, "zero": self.links.zero_peers()}
 
     def load_state(self, tensors: Tensors, meta: dict) -> None:
         seqs = {str(p): int(s) for p, s in dict(meta.get("seq", {})).items()}
-        self.links.load_state_dict(tensors, seqs, self.ctx.trainer.task_device)
+        zero = [str(p) for p in meta.get("zero", [])]
+        self.links.load_state_dict(tensors, seqs, self.ctx.trainer.task_device, zero)
+
+    def _start_of(self, link: ChocoLink) -> int:
+        """The `base` an exchange on `link` carries: our initial model's digest, or 0 (zero)."""
+        return 0 if link.zero else self.base_digest
 
     def _link(self, peer: str) -> ChocoLink:
         return self.links.link(peer, self.ctx.peers.live_peers())
@@ -166,13 +177,21 @@ class Choco(Algorithm):
             except RuntimeError:  # the node is stopping: its checkpoint skips the busy link
                 pass
 
-    def _restart(self, link: ChocoLink, peer: str, why: str, **fields) -> None:
-        """Both estimates back to the initial model, count 0 (a worker thread: it clones the
-        model twice; under the trainer's lock, see `_add`)."""
-        self.ctx.trainer.update(lambda _: link.reset(self.links.base))
+    def _restart(self, link: ChocoLink, peer: str, why: str, *, zero: bool | None = None,
+                 **fields) -> None:  # fmt: skip
+        """Both estimates back to the link's start (the initial model, or zero: `zero` changes
+        which), count 0 (a worker thread: it makes two model copies; under the trainer's lock,
+        see `_add`)."""
+
+        def reset(_) -> None:
+            if zero is not None:
+                link.zero = zero
+            link.reset(self.links.base)
+
+        self.ctx.trainer.update(reset)
         link.busy = False
         self.resyncs += 1
-        log.info("choco_resync", peer=peer[:12], reason=why, **fields)
+        log.info("choco_resync", peer=peer[:12], reason=why, zero=link.zero, **fields)
 
     # -- the tensor work (worker threads) -------------------------------------------------------
     def _our_chunk(self, link: ChocoLink, plan: ChunkPlan, index: int, spec: str,
@@ -274,7 +293,7 @@ class Choco(Algorithm):
         async def one(index: int) -> None:
             payload, q_mine = await ctx.to_thread(self._our_chunk, link, plan, index, spec,
                                                   seed + index)  # fmt: skip
-            header = ChocoExchange(codec=spec, seq=seq, base=self.base_digest, xid=xid,
+            header = ChocoExchange(codec=spec, seq=seq, base=self._start_of(link), xid=xid,
                                    plan=plan.digest, chunk_numel=plan.chunk_numel,
                                    chunks=len(plan), index=index)  # fmt: skip
             reply, data, _ = await ctx.network.request(
@@ -313,7 +332,7 @@ class Choco(Algorithm):
         """The partner answered a chunk with something else than its chunk."""
         ctx = self.ctx
         if isinstance(reply, ChocoResync):
-            counts = {"ours": link.seq, "theirs": reply.seq}
+            counts = {"ours": link.seq, "theirs": reply.seq, "zero": reply.zero}
             why = "the partner restarted the link"
             await ctx.to_thread(lambda: self._restart(link, partner, why, **counts))
             return
@@ -341,23 +360,19 @@ class Choco(Algorithm):
         ctx = self.ctx
         if not ctx.acceptable(header.codec):
             return ErrorReply(code="bad_request", reason=f"codec {header.codec!r} refused"), b""
-        if header.base != self.base_digest:
-            if not self._said_base:
-                self._said_base = True
-                log.warning("choco_initial_models_differ", peer=peer.peer_id[:12],
-                            why=INITIAL_MODELS_DIFFER)  # fmt: skip
-            return ErrorReply(code="bad_request", reason=INITIAL_MODELS_DIFFER), b""
         plan, why = plan_refusal(self._plans, ctx.trainer, header.chunk_numel,
                                  ctx.max_chunk_numel, header.plan, header.chunks,
                                  header.index)  # fmt: skip
         if plan is None:
             return ErrorReply(code="bad_request", reason=why[:500]), b""
         link = self._link(peer.peer_id)
+        if header.base != self._start_of(link):  # the two ends start this link differently
+            return await self._agree_start(peer.peer_id, link, header.base)
         stream = link.stream
         if stream is not None and stream[0] != header.xid:  # it left one unfinished: restart
             ours = link.seq
             await ctx.to_thread(self._restart, link, peer.peer_id, "an exchange left unfinished")
-            return ChocoResync(seq=ours), b""
+            return ChocoResync(seq=ours, zero=link.zero), b""
         if stream is None:
             if header.index != 0:
                 return ErrorReply(code="bad_request", reason=f"no exchange {header.xid}"), b""
@@ -369,7 +384,7 @@ class Choco(Algorithm):
                 counts = {"ours": ours, "theirs": header.seq}
                 await ctx.to_thread(lambda: self._restart(link, peer.peer_id, "the counts differ",
                                                           **counts))  # fmt: skip
-                return ChocoResync(seq=ours), b""
+                return ChocoResync(seq=ours, zero=link.zero), b""
             link.busy = True
             stream = link.stream = (header.xid, set(), ctx.now(), set())
         if header.index in stream[1]:
@@ -395,6 +410,21 @@ class Choco(Algorithm):
             link.busy = False
             self.counters.record_ok(peer.peer_id, header.codec)
         return ChocoReply(seq=seq), reply
+
+
+    async def _agree_start(self, peer: str, link: ChocoLink, theirs: int) -> Reply:
+        """The peer's exchange starts the link elsewhere than ours: restart it at the start
+        both can hold (the initial model when both started from it, else zero) and tell it."""
+        if link.busy:  # our own exchange runs on it: the peer tries again later
+            return ErrorReply(code="busy", reason="an exchange on this link is running"), b""
+        zero = theirs != self.base_digest
+        if zero and theirs != 0 and not self._said_base:
+            self._said_base = True
+            log.warning("choco_initial_models_differ", peer=peer[:12], why=INITIAL_MODELS_DIFFER)
+        ours = link.seq
+        await self.ctx.to_thread(lambda: self._restart(
+            link, peer, "the link's start differs", zero=zero, ours=ours))  # fmt: skip
+        return ChocoResync(seq=ours, zero=zero), b""
 
 
 class _Ended(Exception):
