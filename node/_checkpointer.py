@@ -126,8 +126,9 @@ class Checkpointer:
             self.failures += 1
             log.error("checkpoint_failed", step=self._trainer.step, error=str(exc),
                       directory=str(self._store.directory),
-                      hint="training goes on and the previous checkpoint is kept; the next one "
-                      "is tried at the next checkpoint_every (free space, or see the error)")  # fmt: skip
+                      hint="training goes on and the previous checkpoint is kept; the next "
+                      "one is tried at the next checkpoint_every (free space, or see the "
+                      "error)")  # fmt: skip
             return
         self._written_step = step
         self.written_at = time.monotonic()

@@ -275,8 +275,8 @@ async def test_a_checkpoint_that_cannot_be_written_is_logged_counted_and_trainin
     monkeypatch.setattr(_checkpoint, "write_checkpoint", write)
     cfg = config(tmp_path, "d", "state.checkpoint_every=5", "training.max_steps=30")
     with capture_logs() as logs:
-        async with geotrain.open_node(cfg, identity=Identity.generate(),
-                                      admission=Admission.open_swarm("geotrain")) as node:  # fmt: skip
+        admission, key = Admission.open_swarm("geotrain"), Identity.generate()
+        async with geotrain.open_node(cfg, identity=key, admission=admission) as node:
             with trio.fail_after(60):
                 while len(calls) < 3:
                     await trio.sleep(0.02)

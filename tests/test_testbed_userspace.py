@@ -270,7 +270,9 @@ def tcp_reaches(nss: NamespaceSet, src: int, dst: int, timeout_s: float = 1.0) -
 
 LISTEN = """
 import socket, sys
-s = socket.create_server((sys.argv[1], 0)); print("ready", s.getsockname()[1], flush=True); s.accept()
+s = socket.create_server((sys.argv[1], 0))
+print("ready", s.getsockname()[1], flush=True)
+s.accept()
 """
 CONNECT = """
 import socket, sys

@@ -157,7 +157,8 @@ class Transport:
                     del self._dial_locks[address]
         if expect_peer is not None and conn.peer.peer_id != expect_peer:
             raise HandshakeError(
-                f"peer ID mismatch at {address}: expected {expect_peer}, proved {conn.peer.peer_id}",
+                f"peer ID mismatch at {address}: expected {expect_peer}, "
+                f"proved {conn.peer.peer_id}",
                 definite=True,
             )
         return conn
