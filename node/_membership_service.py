@@ -54,11 +54,11 @@ from .transport import (
 # (and after several probe periods) says it probably cannot be dialled: behind NAT or a firewall
 # that drops inbound connections, it never becomes anyone's member and waits or trains alone.
 NOT_DIALLED_AFTER_S = 15.0
+NOT_DIALLED_PROBE_PERIODS = 5
 # A bootstrap peer that does not answer is warned about once it has not for this long (at once
 # when it answered and refused us): swarms start in any order, and a peer not up yet was warned
 # about as if its address were wrong
 BOOTSTRAP_PATIENCE_S = 10.0
-NOT_DIALLED_PROBE_PERIODS = 5
 PROBE_BYTES = 256 * 1024  # above the link table's smallest goodput sample, small on any link
 log = structlog.get_logger()
 
