@@ -98,10 +98,11 @@ class Checkpointer:
                 log.warning("link_state_ignored", reason=str(exc))
         self._written_step = ckpt.step
 
-    async def write(self) -> None:
-        """Write a checkpoint unless one of this step exists already. A write that fails with an
-        OSError (a full disk) is logged and counted, and leaves the older checkpoints as they
-        were: it stopped the node, whose work since the last checkpoint was lost with it."""
+    async def write(self, *, final: bool = False) -> None:
+        """Write a checkpoint unless one of this step exists already: between two iterations of
+        a loop of the user's own, or at once when `final` (the node stops). A write that fails
+        with an OSError (a full disk) is logged and counted, and leaves the older checkpoints as
+        they were: it stopped the node, whose work since the last checkpoint was lost with it."""
         if self._trainer.step == self._written_step:
             return
         links = self._links.state_dict(trio.current_time())
@@ -109,19 +110,20 @@ class Checkpointer:
         def write() -> tuple[int, float]:
             # Written straight from the live tensors, under the model lock: no copy of the model
             # or its optimizer state is made (a 10^8-parameter model would need two), and the
-            # file is one consistent step; training and exchanges' reads pause meanwhile.
-            with self._trainer.locked():
-                started = time.perf_counter()
-                tensors, meta = self._trainer.state_tensors(copy=False)
-                algo_tensors, meta["algo"] = self._algorithm.state()
-                tensors.update({f"algo/{k}": v for k, v in algo_tensors.items()})
-                meta.update(links=links, task=self._task, layout=LAYOUT)
-                step = meta["step"]
-                self._store.save(Checkpoint(step, self._name, tensors, meta))
-                return step, time.perf_counter() - started
+            # file is one consistent step; training and exchanges' reads pause meanwhile. A loop
+            # of the user's own is between two iterations then (its schedule stepped too).
+            started = time.perf_counter()
+            tensors, meta = self._trainer.state_tensors(copy=False)
+            algo_tensors, meta["algo"] = self._algorithm.state()
+            tensors.update({f"algo/{k}": v for k, v in algo_tensors.items()})
+            meta.update(links=links, task=self._task, layout=LAYOUT)
+            step = meta["step"]
+            self._store.save(Checkpoint(step, self._name, tensors, meta))
+            return step, time.perf_counter() - started
 
         try:
-            step, seconds = await trio.to_thread.run_sync(write)
+            step, seconds = await trio.to_thread.run_sync(
+                lambda: self._trainer.at_step_start(write, wait=not final))
         except OSError as exc:  # a full or failing disk: the run goes on, the older files stay
             self.failures += 1
             log.error("checkpoint_failed", step=self._trainer.step, error=str(exc),

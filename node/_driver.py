@@ -98,7 +98,7 @@ class TrainingDriver:
             while self._algorithm.busy():
                 await trio.sleep(0.01)
         await self.evaluate()
-        await self._checkpointer.write()
+        await self._checkpointer.write(final=True)
 
 
 class LoopDriver(TrainingDriver):

@@ -125,6 +125,34 @@ def test_a_restarted_loop_resumes_its_model_optimizer_and_scheduler(tmp_path):
         assert adamw.state and scheduler.last_epoch == 60
 
 
+def test_every_checkpoint_holds_the_schedule_of_its_own_step(tmp_path):
+    """The loop steps its schedule after opt.step(), as the README's does: a checkpoint taken
+    as soon as the step was reported held the scheduler one step behind whenever it won the race
+    with schedule.step() (every time with a moment between the two calls), and a resume ran the
+    schedule one step late."""
+    import time
+
+    from geotrain.node.state._checkpoint import read_checkpoint
+
+    model = make_model()
+    cfg = ("state.checkpoint_every=3", "state.keep=100")
+    with joined(tmp_path, "s", model, *cfg) as swarm:
+        adamw = torch.optim.AdamW(model.parameters(), lr=0.01)
+        scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(adamw, T_max=40)
+        opt = swarm.wrap(adamw, scheduler)
+        for _ in range(30):
+            model(torch.randn(4, 8)).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+            time.sleep(0.005)  # the user's work between the two calls
+            scheduler.step()
+    checkpoints = sorted((tmp_path / "s" / "checkpoints").iterdir())
+    assert len(checkpoints) >= 10
+    for path in checkpoints:
+        ckpt = read_checkpoint(path)
+        assert ckpt.meta["scheduler"]["last_epoch"] == ckpt.step, path.name
+
+
 def test_bad_use_gets_a_clear_error(tmp_path):
     model = make_model()
     toml = tmp_path / "bad.toml"

@@ -8,12 +8,11 @@
 # network; before the loop starts and after it ends they run at once.
 from __future__ import annotations
 
-import contextlib
 import math
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -79,6 +78,7 @@ class LoopTrainer(OptimizerSync):
         self.higher_is_better = higher_is_better if evaluate is not None else False
         self._lock = threading.RLock()
         self._pending: deque[_Pending] = deque()
+        self._before_step: deque[_Pending] = deque()  # work for the start of the next step
         self._started = False  # the user's loop runs: changes wait for its steps
         self._closed = False
         self.step = 0
@@ -122,6 +122,25 @@ class LoopTrainer(OptimizerSync):
                     return fn(self.params())
             pending = _Pending(fn)
             self._pending.append(pending)
+        pending.done.wait()
+        if pending.error is not None:
+            raise pending.error
+        return pending.result
+
+    def at_step_start(self, fn: Callable[[], T], *, wait: bool = True) -> T:
+        """Run `fn` under the lock where the user's loop is between two iterations: at the start
+        of its next step (before that optimizer step), at once before the loop starts or after
+        it ended, or when not `wait` (the node stops by itself: the loop may never step again);
+        blocks until done. A checkpoint taken there holds a scheduler the user steps
+        after `opt.step()` stepped too: taken as the step was reported, it held the schedule
+        one step behind whenever it won the race with the user's `schedule.step()`. An error
+        of `fn` is raised here, not in the user's loop.
+        """
+        with self._lock:
+            if not self._started or self._closed or not wait:
+                return fn()
+            pending = _Pending(lambda _params: fn())
+            self._before_step.append(pending)
         pending.done.wait()
         if pending.error is not None:
             raise pending.error
@@ -199,11 +218,6 @@ class LoopTrainer(OptimizerSync):
             return self.apply(run)
         except LoopClosed:  # the loop ended before its next step: nothing runs beside us now
             return self.apply(run)
-
-    @contextlib.contextmanager
-    def locked(self) -> Iterator[None]:
-        with self._lock:
-            yield
 
     # -- checkpoints ------------------------------------------------------------------------
     def state_tensors(self, *, copy: bool = True) -> tuple[dict[str, torch.Tensor], dict]:
@@ -353,12 +367,13 @@ class LoopTrainer(OptimizerSync):
         with self._lock:
             if self._closed:
                 raise LoopClosed("step() after the swarm was closed")
+            self._run(self._before_step)
             result = inner_step()
             self.step += 1
             if loss is not None:
                 self.last_loss = float(loss)
                 self._check_loss()
-            self._run_pending()
+            self._run(self._pending)
             step = self.step
         self._step_ends.append(time.monotonic())
         ended = time.perf_counter()
@@ -381,9 +396,9 @@ class LoopTrainer(OptimizerSync):
                         "use bf16/fp32 (peers refuse a non-finite model's exchanges)")  # fmt: skip
         self._bad_losses += 1
 
-    def _run_pending(self) -> None:
-        while self._pending:
-            pending = self._pending.popleft()
+    def _run(self, queue: deque[_Pending]) -> None:
+        while queue:
+            pending = queue.popleft()
             try:
                 with torch.no_grad():
                     pending.result = pending.fn(self.params())
@@ -398,7 +413,8 @@ class LoopTrainer(OptimizerSync):
         from now on. Called from the user's thread."""
         with self._lock:
             self._closed = True
-            self._run_pending()
+            self._run(self._before_step)
+            self._run(self._pending)
 
 
 def _jsonable(value: Any) -> Any:
