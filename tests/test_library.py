@@ -153,6 +153,34 @@ def test_every_checkpoint_holds_the_schedule_of_its_own_step(tmp_path):
         assert ckpt.meta["scheduler"]["last_epoch"] == ckpt.step, path.name
 
 
+def test_a_resume_with_another_optimizer_is_refused_at_wrap_and_the_right_one_still_resumes(
+    tmp_path,
+):
+    """Adam's checkpointed state went into an SGD silently (its param groups became Adam's) and
+    the first step failed with KeyError: 'momentum'; another number of parameter groups was
+    torch's bare ValueError."""
+    model = make_model()
+    with joined(tmp_path, "o", model) as swarm:
+        opt = swarm.wrap(torch.optim.Adam(model.parameters(), lr=1e-3))
+        for _ in range(3):
+            model(torch.randn(4, 8)).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+    with joined(tmp_path, "o", model) as swarm:
+        sgd = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        said = r"the state of optimizer Adam, this one is SGD: wrap the optimizer that wrote"
+        with pytest.raises(ValueError, match=said):
+            swarm.wrap(sgd)
+        assert sgd.param_groups[0]["lr"] == 0.1 and not sgd.state  # left as it was
+        groups = [{"params": list(model[0].parameters())}, {"params": list(model[2].parameters())}]
+        with pytest.raises(ValueError, match=r"Adam refused the checkpoint's state: .*parameter "
+                                             r"groups"):  # fmt: skip
+            swarm.wrap(torch.optim.Adam(groups, lr=1e-3))
+        adam = torch.optim.Adam(model.parameters(), lr=1e-3)
+        swarm.wrap(adam)
+        assert adam.state and int(next(iter(adam.state.values()))["step"]) == 3
+
+
 def test_bad_use_gets_a_clear_error(tmp_path):
     model = make_model()
     toml = tmp_path / "bad.toml"

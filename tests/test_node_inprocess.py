@@ -252,14 +252,14 @@ async def test_a_listen_address_in_use_is_refused_naming_network_listen(tmp_path
 
 @pytest.mark.parametrize(("change", "said"), [
     ("training.params.features=16", "size mismatch"),
-    ('training.optimizer="adam"', "KeyError"),
+    ('training.optimizer="adam"', "the state of optimizer SGD, this one is Adam"),
 ], ids=["model", "optimizer"])  # fmt: skip
 async def test_a_checkpoint_of_another_model_or_optimizer_is_one_clear_resume_error(
     tmp_path, change, said
 ):
     """Restarting on a checkpoint after changing the model or the optimizer is refused with one
-    line saying so (it was torch's multi-line size mismatch, or KeyError: 'step'), and the
-    checkpoint is left as it was."""
+    line saying so (it was torch's multi-line size mismatch, or KeyError: 'step'; checkpoints
+    say which optimizer wrote them), and the checkpoint is left as it was."""
     from geotrain.node import ResumeError
 
     admission = Admission.open_swarm("geotrain")

@@ -232,7 +232,7 @@ def optimizer_to_checkpoint(opt: torch.optim.Optimizer) -> tuple[dict[str, torch
                 _check_json(value, f"param_groups[{i}][{key!r}]")
             kept[key] = value
         groups.append(kept)
-    return tensors, {"param_groups": groups, "scalars": scalars}
+    return tensors, {"param_groups": groups, "scalars": scalars, "cls": type(opt).__name__}
 
 
 _TENSOR = "__tensor__"  # marks a param group's tensor value in a checkpoint's JSON
@@ -263,7 +263,17 @@ class OptimizerStateError(ValueError):
 def optimizer_from_checkpoint(
     opt: torch.optim.Optimizer, tensors: dict[str, torch.Tensor], meta: dict
 ) -> None:
-    """Restore what `optimizer_to_checkpoint` split, onto the optimizer's own device."""
+    """Restore what `optimizer_to_checkpoint` split, onto the optimizer's own device.
+
+    Raises:
+        ValueError: it was written by another optimizer class (checkpoints since 2026-12-03
+            say which; an Adam's state in an SGD failed only at its first step, KeyError
+            'momentum'), or torch refused it (another number of parameter groups).
+    """
+    saved = meta.get("cls")
+    if saved is not None and saved != type(opt).__name__:
+        raise ValueError(f"the checkpoint holds the state of optimizer {saved}, this one is "
+                         f"{type(opt).__name__}")  # fmt: skip
     state: dict[int, dict[str, Any]] = {}
     for name, value in tensors.items():
         _, index, key = name.split("/", 2)
@@ -272,7 +282,10 @@ def optimizer_from_checkpoint(
         state.setdefault(int(index), {}).update(scalars)
     groups = [{key: _group_tensor(v) if isinstance(v, dict) and _TENSOR in v else v
                for key, v in group.items()} for group in meta["param_groups"]]  # fmt: skip
-    opt.load_state_dict({"state": state, "param_groups": groups})
+    try:
+        opt.load_state_dict({"state": state, "param_groups": groups})
+    except (KeyError, TypeError, ValueError) as exc:  # (torch checks before it changes)
+        raise ValueError(f"{type(opt).__name__} refused the checkpoint's state: {exc}") from None
 
 
 def optimizer_layout(opt: torch.optim.Optimizer) -> dict[str, Any]:

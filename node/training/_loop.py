@@ -305,7 +305,9 @@ class LoopTrainer(OptimizerSync):
         """The user's optimizer (and scheduler): restore their checkpointed state into them.
 
         Raises:
-            ValueError: the optimizer steps parameters that are not the model's.
+            ValueError: the optimizer steps parameters that are not the model's, or the
+                checkpoint restored at join holds another optimizer's state (its class, its
+                number of parameter groups).
         """
         mine = {id(p) for p in self.model.parameters()}
         theirs = [p for group in optimizer.param_groups for p in group["params"]]
@@ -324,7 +326,12 @@ class LoopTrainer(OptimizerSync):
             raise ValueError("an optimizer is wrapped already: wrap one optimizer per swarm (a "
                              "second would take over its checkpoints and state sync)")  # fmt: skip
         with self._lock:
-            self._load_saved_state(optimizer, scheduler)
+            try:
+                self._load_saved_state(optimizer, scheduler)
+            except ValueError as exc:
+                raise ValueError(f"{exc}: wrap the optimizer that wrote the checkpoint (the same "
+                                 "class and parameter groups), or start in another "
+                                 "state.dir") from None  # fmt: skip
             self.optimizer, self.scheduler = optimizer, scheduler
 
     def _load_saved_state(self, optimizer: torch.optim.Optimizer, scheduler: Any) -> None:
@@ -341,7 +348,7 @@ class LoopTrainer(OptimizerSync):
                                 detail="the optimizer starts fresh")  # fmt: skip
                 else:
                     self._move_schedule(scheduler, meta.get("schedule_steps"))
-            else:
+            else:  # (a ValueError keeps it: a wrap of the right optimizer still gets it)
                 optimizer_from_checkpoint(optimizer, tensors, meta)
             self._optimizer_state = None
         state = self._scheduler_state
