@@ -5,12 +5,15 @@
 # leaving the `with` block, Ctrl-C included) stops the node cleanly: last checkpoint, leave; a
 # swarm left open when the program ends is closed at exit, and a join interrupted while it waits
 # (Ctrl-C) stops its node before the interruption goes on: the node's thread never outlives the
-# interpreter (nng aborted the process when it did).
+# interpreter (nng aborted the process when it did), and a second Ctrl-C while the node stops
+# waits for it too; a process forked from the user's leaves the parent's swarms alone.
 from __future__ import annotations
 
 import atexit
 import contextlib
+import os
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -42,6 +45,7 @@ class Swarm:
         self._token = token
         self._box = box  # "error": what ended the node's thread, if anything did
         self._closed = False
+        self._pid = os.getpid()  # a forked child has no node thread: it leaves this one alone
 
     def check_alive(self) -> None:
         """Raise if the node stopped by itself (an error in it): the user's loop would otherwise
@@ -131,13 +135,13 @@ class Swarm:
             return
         self._closed = True
         _open_swarms.discard(self)
+        if os.getpid() != self._pid:  # a forked child: the node runs in the parent, not here
+            return
         self._loop.close()
-        try:
-            trio.from_thread.run_sync(self._stop, trio_token=self._token)
-        except trio.RunFinishedError:
-            pass
-        self._thread.join(timeout_s)
+        interrupted = _stop_and_wait(self._token, self._stop, self._box, timeout_s)
         error = self._box.pop("error", None)
+        if interrupted is not None:  # (after the node stopped: see _stop_and_wait)
+            raise interrupted
         if error is not None:
             raise LoopClosed(f"the geotrain node had failed: {_leaf(error)!r}") from error
 
@@ -236,7 +240,7 @@ def join(
         configure_logging("info", "auto")
     loop = LoopTrainer(model, evaluate, metric=metric, higher_is_better=higher_is_better)
     ready = threading.Event()
-    box: dict[str, Any] = {}
+    box: dict[str, Any] = {"ended": threading.Event()}  # set as the node's trio loop returns
     node = Node(config, identity, admission, loop=loop, on_ready=ready.set)
 
     async def main() -> None:
@@ -247,15 +251,21 @@ def join(
             box["error"] = exc
             ready.set()
 
-    thread = threading.Thread(target=trio.run, args=(main,), name="geotrain-node", daemon=True)
+    def run() -> None:
+        try:
+            trio.run(main)
+        finally:
+            box["ended"].set()
+
+    thread = threading.Thread(target=run, name="geotrain-node", daemon=True)
     thread.start()
     try:
         in_time = ready.wait(ready_timeout_s)
     except BaseException:  # Ctrl-C while waiting: the node stops first, then it goes on
-        _stop_unready(node, thread, box)
+        _stop_unready(node, box)
         raise
     if not in_time:
-        _stop_unready(node, thread, box)
+        _stop_unready(node, box)
         raise TimeoutError(f"the node was not ready within {ready_timeout_s} s (stopped)")
     if "error" in box:
         thread.join(10)
@@ -267,13 +277,50 @@ def join(
     return swarm
 
 
-def _stop_unready(node: Node, thread: threading.Thread, box: dict[str, Any]) -> None:
-    """Stop a node that never became ready (its thread may still be starting trio) and wait."""
-    while "token" not in box and thread.is_alive():
-        thread.join(0.01)
-    with contextlib.suppress(KeyError, trio.RunFinishedError):
-        trio.from_thread.run_sync(node.request_stop, trio_token=box["token"])
-    thread.join(60)
+def _stop_unready(node: Node, box: dict[str, Any]) -> None:
+    """Stop a node that never became ready (its thread may still be starting trio) and wait;
+    a Ctrl-C meanwhile is raised once it has stopped."""
+    interrupted = None
+    while "token" not in box and not box["ended"].is_set():
+        try:
+            box["ended"].wait(0.01)
+        except KeyboardInterrupt as exc:
+            interrupted = exc
+    if "token" in box:
+        interrupted = _stop_and_wait(box["token"], node.request_stop, box, 60.0) or interrupted
+    if interrupted is not None:
+        raise interrupted
+
+
+def _stop_and_wait(
+    token: trio.lowlevel.TrioToken, stop: Callable[[], None], box: dict[str, Any],
+    timeout_s: float,
+) -> KeyboardInterrupt | None:  # fmt: skip
+    """Run `stop` on the node's loop and wait up to `timeout_s` for that loop to end. A Ctrl-C
+    meanwhile does not cut the wait short (the interpreter would exit under the node's running
+    thread, and nng aborts the process then): it is returned, to be raised by the caller. (The
+    wait is on an event the node's thread sets, not Thread.join: a join cut by Ctrl-C can leave
+    is_alive() saying False while the thread runs on.)"""
+    interrupted = None
+    while True:
+        try:
+            trio.from_thread.run_sync(stop, trio_token=token)
+            break
+        except trio.RunFinishedError:
+            break
+        except KeyboardInterrupt as exc:  # (stop is safe to run twice)
+            interrupted = exc
+    deadline = time.monotonic() + timeout_s
+    while not box["ended"].is_set() and (left := deadline - time.monotonic()) > 0:
+        try:
+            box["ended"].wait(min(left, 0.1))
+        except KeyboardInterrupt as exc:
+            if interrupted is None:
+                structlog.get_logger().warning(
+                    "stop_interrupted", detail="the node is stopping (checkpoint, leave): "
+                    f"waiting for it, at most {left:.0f} s more")  # fmt: skip
+            interrupted = exc
+    return interrupted
 
 
 _open_swarms: set[Swarm] = set()  # (held here: a swarm whose node runs is open whoever holds it)
@@ -284,6 +331,8 @@ def _close_at_exit() -> None:
     """Close the swarms a program left open (no close(), an exception, the end of a script):
     their nodes checkpoint and leave instead of being cut off mid-flight at exit."""
     for swarm in list(_open_swarms):
+        if swarm._pid != os.getpid():  # a forked child's copy: the parent's to close
+            continue
         structlog.get_logger().warning(
             "swarm_closed_at_exit", detail="geotrain.join's swarm was not closed: closing it now")
         with contextlib.suppress(Exception):
