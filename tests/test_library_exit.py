@@ -80,3 +80,65 @@ def test_ctrl_c_while_join_waits_for_peers_stops_the_node_first(tmp_path):
     text = log.read_text()
     assert "KeyboardInterrupt" in text and "node_stopped" in text, text[-3000:]
     assert "panic" not in text and code in (-signal.SIGINT, 1, 130), (code, text[-3000:])
+
+
+@pytest.mark.parametrize("gap_s", [0.001, 0.02])
+def test_a_second_ctrl_c_while_the_node_stops_waits_for_it_too(tmp_path, gap_s):
+    """Two SIGINTs a moment apart (GNU timeout forwards one twice; an impatient user): the
+    second one cut the wait for the stopping node short, the interpreter exited under its
+    running thread, and nng aborted the process (pthread_mutex_lock panic, heap corruption)."""
+    log = tmp_path / "stderr.txt"
+    with log.open("w") as err:
+        proc = subprocess.Popen(_script(tmp_path, 1), stdout=subprocess.PIPE, stderr=err,
+                                text=True, preexec_fn=_default_sigint)  # fmt: skip
+        try:
+            deadline = time.monotonic() + 120
+            while "node_started" not in log.read_text():
+                assert time.monotonic() < deadline and proc.poll() is None, log.read_text()
+                time.sleep(0.1)
+            proc.send_signal(signal.SIGINT)
+            time.sleep(gap_s)
+            proc.send_signal(signal.SIGINT)
+            code = proc.wait(90)
+        finally:
+            proc.kill()
+    text = log.read_text()
+    assert "node_stopped" in text and "KeyboardInterrupt" in text, text[-3000:]
+    assert "panic" not in text and "corrupted" not in text, text[-3000:]
+    assert code in (-signal.SIGINT, 1, 130), (code, text[-3000:])
+
+
+FORKS = """
+import os, sys, torch, geotrain
+from pathlib import Path
+from torch import nn
+from geotrain.node import Admission, Identity, config_from_toml
+config = config_from_toml('''
+[identity]
+open_swarm = true
+[training]
+wait_for_peers = 0
+''', base=Path('{state}'), overrides=['state.dir="{state}"'])
+model = nn.Linear(4, 1)
+swarm = geotrain.join(config, model, identity=Identity.generate(),
+                      admission=Admission.open_swarm("geotrain"))
+opt = swarm.wrap(torch.optim.SGD(model.parameters(), lr=0.1))
+pid = os.fork()
+if pid == 0:  # a child of the user's own that simply ends (it closes no swarm of the parent's)
+    sys.exit(0)
+_, status = os.waitpid(pid, 0)
+print("CHILD", os.waitstatus_to_exitcode(status), flush=True)
+swarm.close()
+print("CLOSED", flush=True)
+"""
+
+
+def test_a_forked_child_that_exits_leaves_the_parents_swarm_alone(tmp_path):
+    """A child forked after join closed the parent's swarm at its exit, waiting for ever on the
+    parent's node loop, which does not run in the child: the child hung."""
+    path = tmp_path / "forks.py"
+    path.write_text(FORKS.format(state=tmp_path / "state"))
+    run = subprocess.run([sys.executable, str(path)], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout == "CHILD 0\nCLOSED\n", run.stderr[-3000:]
+    assert "swarm_closed_at_exit" not in run.stderr

@@ -14,6 +14,8 @@
 # acknowledgement, or the reply for the part that completed the message).
 from __future__ import annotations
 
+import atexit
+import os
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
@@ -55,6 +57,18 @@ from ._wire import (
 )
 
 log = structlog.get_logger()
+
+
+def _skip_nng_fini_in_child() -> None:
+    """nng is not fork-safe: a forked child (a user's os.fork after join) inherits nng's state
+    without its threads, and pynng's exit handler (nng_fini) waited on them for ever, so the
+    child hung at exit. The child never uses the parent's sockets: it skips that handler."""
+    handler = getattr(getattr(pynng, "nng", None), "_pynng_atexit", None)
+    if handler is not None:
+        atexit.unregister(handler)
+
+
+os.register_at_fork(after_in_child=_skip_nng_fini_in_child)
 
 
 class Transport:
