@@ -83,8 +83,10 @@ class TrainingDriver:
 
     async def evaluate(self) -> None:
         """Evaluate the held-out metric now (a worker thread)."""
-        self._progress.metric = await trio.to_thread.run_sync(self._trainer.evaluate)
-        self._progress.metric_step = self._trainer.step
+        metric = await trio.to_thread.run_sync(self._trainer.evaluate)
+        if metric is not None:  # (None: it failed, logged; the last metric stays)
+            self._progress.metric = metric
+            self._progress.metric_step = self._trainer.step
         private = getattr(self._trainer, "private", None)  # [privacy]: the spent epsilon, logged
         if private is not None:  # at every evaluation (status and metrics have it all the time)
             stats = private.statistics()

@@ -294,6 +294,39 @@ class ModeWatch(nn.Module):
         return out
 
 
+def test_an_evaluation_that_raises_or_gives_no_number_is_logged_and_training_goes_on(tmp_path):
+    """An exception in the user's evaluate (or a None from it) stopped the node: the next
+    step() raised LoopClosed and no final checkpoint was written."""
+    from structlog.testing import capture_logs
+
+    model = make_model()
+    calls = []
+
+    def evaluate(m: nn.Module) -> float | None:
+        calls.append(len(calls))
+        if len(calls) == 2:
+            raise RuntimeError("my eval broke")
+        return None if len(calls) == 3 else 0.5
+
+    with capture_logs() as logs:
+        swarm = geotrain.join(config(tmp_path, "e", "training.eval_every=5",
+                                     "training.wait_for_peers=0"), model, evaluate=evaluate,
+                              identity=Identity.generate(),
+                              admission=Admission.open_swarm("geotrain"))  # fmt: skip
+        with swarm:
+            opt = swarm.wrap(torch.optim.SGD(model.parameters(), lr=0.01))
+            for _ in range(40):
+                model(torch.randn(4, 8)).pow(2).mean().backward()
+                opt.step()
+                opt.zero_grad()
+            status = swarm.status()
+    assert status.step == 40 and len(calls) >= 4 and status.metric == 0.5
+    failed = [e for e in logs if e["event"] == "evaluate_failed"]
+    assert [e["failures"] for e in failed] == [1]  # said once (then every 100th)
+    assert "RuntimeError: my eval broke" in failed[0]["error"]
+    assert list((tmp_path / "e" / "checkpoints").glob("ckpt-0000000040*"))
+
+
 def test_evaluations_run_between_the_users_steps_never_during_a_forward_pass(tmp_path):
     model = ModeWatch()
     evaluated = []

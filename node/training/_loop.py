@@ -91,6 +91,7 @@ class LoopTrainer(OptimizerSync):
         self._scheduler_state: dict | None = None  # likewise
         self._last_end: float | None = None  # perf_counter at the end of the last step
         self._bad_losses = 0  # steps in a row whose reported loss was NaN or infinite
+        self._evaluate_failures = 0  # evaluations that raised or gave no number
 
     # -- what the node reads ----------------------------------------------------------------
     def params(self) -> dict[str, torch.Tensor]:
@@ -194,23 +195,30 @@ class LoopTrainer(OptimizerSync):
             return None
         return (ends[-1] - ends[0]) / (len(ends) - 1)
 
-    def evaluate(self) -> float:
+    def evaluate(self) -> float | None:
         """The user's metric (model in eval mode), or the last loss when none was given. It runs
         at the user's next step, between two of their steps (as a mix does): switching the model
         to eval mode while their forward pass runs would change it (dropout, batch norm).
         Blocks until then; called from the node's worker threads.
 
         Once the user's loop is closed (also while this waited for a next step that never
-        came) it evaluates at once.
+        came) it evaluates at once. None when the evaluation raised or gave no number (logged:
+        evaluate_failed; it stopped the node, with no final checkpoint).
         """
         if self._evaluate is None:
             return self.last_loss
 
-        def run(_params: dict[str, torch.Tensor]) -> float:
+        def run(_params: dict[str, torch.Tensor]) -> float | None:
             was_training = self.model.training
             self.model.eval()
             try:
-                return float(self._evaluate(self.model))  # type: ignore[misc]
+                value = self._evaluate(self.model)  # type: ignore[misc]
+                if value is None or isinstance(value, str | bytes):
+                    raise TypeError(f"evaluate returned {value!r:.60}: expected a number")
+                return float(value)
+            except Exception as exc:  # the user's code: say so, train on
+                self._evaluate_failed(exc)
+                return None
             finally:
                 self.model.train(was_training)
 
@@ -218,6 +226,15 @@ class LoopTrainer(OptimizerSync):
             return self.apply(run)
         except LoopClosed:  # the loop ended before its next step: nothing runs beside us now
             return self.apply(run)
+
+    def _evaluate_failed(self, exc: Exception) -> None:
+        """Log a failed evaluation: the first, then every 100th."""
+        self._evaluate_failures += 1
+        if self._evaluate_failures % 100 == 1:
+            log.error("evaluate_failed", step=self.step, error=f"{type(exc).__name__}: {exc}"[:300],
+                      failures=self._evaluate_failures,
+                      detail="the evaluation raised or gave no number: the metric keeps its last "
+                      "value and training goes on")  # fmt: skip
 
     # -- checkpoints ------------------------------------------------------------------------
     def state_tensors(self, *, copy: bool = True) -> tuple[dict[str, torch.Tensor], dict]:
