@@ -169,6 +169,21 @@ def test_fuzzed_handshake_messages_only_raise_handshake_failed(data, step):
         pass
 
 
+@pytest.mark.parametrize("point", [bytes(32), b"\x01" + bytes(31)])
+def test_a_low_order_ephemeral_key_is_a_handshake_failure_on_either_side(point):
+    """The responder reads a stranger's HS1 fine (an ephemeral key is any 32 bytes) and then
+    computes "ee" writing its reply: a low-order key raised ValueError there, which the node
+    logged with a traceback for every such connection and did not count."""
+    _, r = _pair()
+    r.read_message(point)
+    with pytest.raises(HandshakeFailed, match="invalid public key"):
+        r.write_message(b"")
+    i, r = _pair()
+    i.write_message(b"")
+    with pytest.raises(HandshakeFailed, match="invalid public key"):
+        i.read_message(point + bytes(64))
+
+
 def test_replay_window_accepts_once_and_refuses_old_counters():
     w = ReplayWindow(size=8)
     for c in (0, 2, 1, 5):

@@ -131,12 +131,16 @@ class _Inbound:
 
     def _connected(self, pipe: pynng.Pipe) -> _InboundSession | None:
         if pipe.id not in self.sessions:
-            pending = sum(1 for s in self.sessions.values() if s.channel is None)
-            if pending >= self.config.max_pending_handshakes:
+            pending = [s for s in self.sessions.values() if s.channel is None]
+            if len(pending) >= self.config.max_pending_handshakes:
+                # the oldest one goes, not the newcomer: refusing newcomers let one stranger
+                # holding the pending slots (reopening them as they expired) lock every new
+                # peer out; an honest handshake takes milliseconds, a squatter's lingers
+                oldest = min(pending, key=lambda s: s.started)
                 self.counters.handshakes_failed["too_many_pending"] += 1
-                log.warning("handshake_failed", direction="inbound", reason="too_many_pending")
-                _close_pipe(pipe)
-                return None
+                self._warn("handshake_failed", oldest, direction="inbound",
+                           reason="too_many_pending: the oldest unfinished handshake closed")
+                self._drop(oldest)
             self.sessions[pipe.id] = _InboundSession(pipe, trio.current_time())
         return self.sessions[pipe.id]
 

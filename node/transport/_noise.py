@@ -160,13 +160,23 @@ class NoiseHandshake:
         return (self._step % 2 == 0) == self.initiator
 
     def _dh(self, token: str) -> bytes:
+        """The shared secret of `token`.
+
+        Raises:
+            HandshakeFailed: the peer's key is a low-order point (an all-zero secret). Writing a
+                message computes one too (the responder's "ee" of a stranger's HS1): it escaped
+                as a ValueError there, logged with its traceback for every such connection.
+        """
         local, remote = {
             "ee": (self._e, self._re),
             "es": (self._e, self._rs) if self.initiator else (self._s, self._re),
             "se": (self._s, self._re) if self.initiator else (self._e, self._rs),
         }[token]
         assert remote is not None  # the pattern orders tokens so that it is known
-        return local.exchange(remote)
+        try:
+            return local.exchange(remote)
+        except ValueError:  # low-order point: all-zero shared secret
+            raise HandshakeFailed("invalid public key") from None
 
     def write_message(self, payload: bytes) -> bytes:
         """The next handshake message, carrying `payload` (encrypted once a key exists)."""
@@ -210,10 +220,7 @@ class NoiseHandshake:
                 else:
                     self._rs = X25519PublicKey.from_public_bytes(self._sym.decrypt_and_hash(chunk))
             else:
-                try:
-                    self._sym.mix_key(self._dh(token))
-                except ValueError:  # low-order point: all-zero shared secret
-                    raise HandshakeFailed("invalid public key") from None
+                self._sym.mix_key(self._dh(token))
         payload = self._sym.decrypt_and_hash(message[at:])
         self._step += 1
         return payload

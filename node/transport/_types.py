@@ -64,8 +64,9 @@ class TransportConfig:
         io_timeout_s: nng-level backstop for any single send/receive; callers' deadlines are
             normally much shorter.
         max_inbound_requests: requests served at once (one nng context each).
-        max_pending_handshakes: inbound connections allowed to be mid-handshake at once; more are
-            closed at once, so strangers cannot pile up handshake state.
+        max_pending_handshakes: inbound connections allowed to be mid-handshake at once; a new
+            one beyond closes the oldest, so strangers can neither pile up handshake state nor
+            lock newcomers out.
         replay_window: how far out of order a frame may arrive and still be accepted.
         offload_bytes: payloads at least this big are sealed/opened in a worker thread, so the
             event loop is never blocked for long (cryptography releases the GIL).
