@@ -491,7 +491,11 @@ class Node:
 
     def _write_node_info(self) -> None:
         info = {"peer_id": self.identity.peer_id, "address": self.address, "pid": os.getpid()}
-        write_atomically(self.state.node_info, json.dumps(info).encode())
+        try:
+            write_atomically(self.state.node_info, json.dumps(info).encode())
+        except OSError as exc:  # a full disk at start: one line, not a traceback
+            raise ConfigError(f"state.dir = {str(self.state.root)!r}: cannot keep the node's "
+                              f"state there: {exc.strerror or exc}") from None  # fmt: skip
 
 
 @asynccontextmanager

@@ -11,6 +11,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import structlog
 import trio
 
 from geotrain.gossip import LinkTable
@@ -22,6 +23,8 @@ from .algorithms import Algorithm
 from .state import NodeStatus, PeerStatus, StateDir, append_metrics, write_status
 from .training import Trainer
 from .transport import Header, PeerInfo, Transport
+
+log = structlog.get_logger()
 
 
 @dataclass
@@ -81,6 +84,7 @@ class StatusReporter:
         self._running = running
         self._started = time.monotonic()
         self._lock = trio.Lock()
+        self.write_failures = 0  # status writes that failed (OSError: a full disk)
 
     def snapshot(self) -> NodeStatus:
         s = self.sources
@@ -151,7 +155,15 @@ class StatusReporter:
             append_metrics(self._state.metrics, record)
 
         async with self._lock:
-            await trio.to_thread.run_sync(write)
+            try:
+                await trio.to_thread.run_sync(write)
+            except OSError as exc:  # a full disk: the node goes on (it stopped it, mid-run)
+                self.write_failures += 1
+                if self.write_failures % 600 == 1:  # the first, then about every 10 minutes
+                    log.error("status_not_written", error=str(exc), failures=self.write_failures,
+                              path=str(self._state.status),
+                              hint="training goes on; status.json and metrics.jsonl are stale "
+                              "until the disk has room again")  # fmt: skip
 
     async def run(self) -> None:
         """Write a snapshot every `every_s` seconds until cancelled."""

@@ -292,3 +292,51 @@ async def test_a_checkpoint_that_cannot_be_written_is_logged_counted_and_trainin
     assert seen[1] == ["ckpt-0000000005.safetensors"]  # kept through both failures, nothing else
     assert sorted(p.name for p in folder.iterdir()) == [
         f"ckpt-{s:010d}.safetensors" for s in (20, 25, 30)]  # fmt: skip
+
+
+async def test_a_status_that_cannot_be_written_is_logged_once_and_the_node_goes_on(
+    tmp_path, monkeypatch
+):
+    """A full disk under state.dir stopped the node at its next status write (node_failed,
+    OSError: No space left on device); a full disk at start was a traceback too."""
+    import errno
+
+    from structlog.testing import capture_logs
+
+    from geotrain.node import ConfigError, _status_report
+
+    real, calls = _status_report.write_status, []
+
+    def write_status(path, status):
+        calls.append(1)
+        if len(calls) <= 2:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(path, status)
+
+    monkeypatch.setattr(_status_report, "write_status", write_status)
+    cfg = config(tmp_path, "f", "training.max_steps=30", "training.step_time_ms=20")
+    with capture_logs() as logs:
+        admission, key = Admission.open_swarm("geotrain"), Identity.generate()
+        async with geotrain.open_node(cfg, identity=key, admission=admission) as node:
+            with trio.fail_after(60):
+                await node.wait_stopped()
+            final = node.status()
+    assert final.step == 30 and len(calls) > 2
+    said = [e for e in logs if e["event"] == "status_not_written"]
+    assert len(said) == 1 and "No space left" in said[0]["error"]
+    assert (tmp_path / "f" / "status.json").exists()  # written again once there was room
+
+    from geotrain.node.state import _files
+
+    def full(path, data):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(_files, "write_atomically", full)
+    import geotrain.node._node as node_module
+
+    monkeypatch.setattr(node_module, "write_atomically", full)
+    with pytest.RaisesGroup(pytest.RaisesExc(ConfigError, match=r"state.dir = '.*/g': cannot "
+                                             r"keep the node's state there: No space left"),
+                            flatten_subgroups=True, allow_unwrapped=True):  # fmt: skip
+        async with geotrain.open_node(config(tmp_path, "g"), identity=key, admission=admission):
+            pass
