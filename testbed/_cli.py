@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import os
 import signal
 import sys
@@ -163,6 +164,8 @@ def _task_target(sc: TestbedScenario, target: float | None) -> tuple[float, str,
     from geotrain.node import TaskContext, resolve_task
 
     task = resolve_task(sc.task)(TaskContext(params=dict(sc.params)))
+    if target is not None and not math.isfinite(target):
+        raise ScenarioError(f"--target {target}: expected a finite number (the metric to reach)")
     value = target if target is not None else sc.target
     if value is None:
         value = task.default_target

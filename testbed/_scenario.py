@@ -46,7 +46,7 @@ class Region:
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
             raise _fail("regions.name", self.name, "a non-empty string")
-        if not isinstance(self.peers, int) or self.peers < 1:
+        if not isinstance(self.peers, int) or isinstance(self.peers, bool) or self.peers < 1:
             raise _fail(f"regions[{self.name}].peers", self.peers, "an integer >= 1")
         if self.access is not None and not isinstance(self.access, AccessLink):
             raise _fail(f"regions[{self.name}].access", self.access, "an access link")
@@ -219,8 +219,16 @@ class TestbedScenario:
         for fault in self.faults:
             self._check_fault(fault, names)
         object.__setattr__(self, "faults", tuple(sorted(self.faults, key=lambda f: f.at_s)))
-        if not isinstance(self.duration_s, int | float) or not self.duration_s > 0:
-            raise _fail("duration_s", self.duration_s, "a number of seconds > 0")
+        if (not isinstance(self.duration_s, int | float) or isinstance(self.duration_s, bool)
+                or not 0 < self.duration_s < math.inf):  # fmt: skip
+            raise _fail("duration_s", self.duration_s, "a finite number of seconds > 0")
+        if self.target is not None and (
+            not isinstance(self.target, int | float) or isinstance(self.target, bool)
+            or not math.isfinite(self.target)
+        ):  # fmt: skip
+            raise _fail("target", self.target, "a finite number (the metric to reach)")
+        if not isinstance(self.description, str):
+            raise _fail("description", self.description, "a string")
         if not isinstance(self.rate_scale, int | float) or not 0 < self.rate_scale <= 1:
             raise _fail("rate_scale", self.rate_scale, "a factor in (0, 1]")
         if (not isinstance(self.step_ms, int | float) or isinstance(self.step_ms, bool)
@@ -463,11 +471,21 @@ def scenario_from_dict(data: Mapping[str, Any], name: str = "custom") -> Testbed
         pair = item.get("regions") if isinstance(item, Mapping) else None
         if not isinstance(pair, list) or len(pair) != 2:
             raise _fail(f"links.between[{i}].regions", pair, "two region names")
-        if set(pair) - set(names):
-            raise _fail(f"links.between[{i}].regions", pair, f"two of the regions {names}")
+        if set(pair) - set(names) or pair[0] == pair[1]:
+            raise _fail(f"links.between[{i}].regions", pair,
+                        f"two different regions of {names} (a region's own link is "
+                        "links.inside)")  # fmt: skip
+        if frozenset(pair) in between:  # (links are symmetric: b/a is a/b)
+            raise _fail(f"links.between[{i}].regions", pair,
+                        "each pair of regions once (a link serves both directions)")
         spec = {k: v for k, v in item.items() if k != "regions"}
         between[frozenset(pair)] = _link(spec, f"links.between[{i}]")
-    slowdowns = dict(_straggler_from(s, i) for i, s in enumerate(data.get("stragglers", [])))
+    slowdowns: dict[int, float] = {}
+    for i, item in enumerate(data.get("stragglers", [])):
+        peer, slowdown = _straggler_from(item, i)
+        if peer in slowdowns:
+            raise _fail(f"stragglers[{i}].peer", peer, "each peer once")
+        slowdowns[peer] = slowdown
     faults = tuple(_fault_from(f, i) for i, f in enumerate(data.get("faults", [])))
     try:
         return TestbedScenario(

@@ -295,6 +295,20 @@ def test_partition_flags_reach_every_system_and_the_run_files(tmp_path: Path, mo
     (lambda d: d["links"].update(inside={"delay_ms": 5, "rate": 100}), "links.inside"),
     (lambda d: d["stragglers"].append({"peer": 1, "slowdwon": 2.0}), "stragglers[1]"),
     (lambda d: d["stragglers"].append({"peer": "1", "slowdown": 2.0}), "stragglers[1].peer"),
+    # a region's link to itself (a traceback: not enough values to unpack), a pair given twice
+    # or reversed (the later one replaced the earlier silently), a peer slowed down twice (the
+    # last one won), peers = true (ran as 1 peer), a target that is no number or NaN (never
+    # reached), an infinite duration, a description that is no string
+    (lambda d: d["links"]["between"].append({"regions": ["a", "a"], "delay_ms": 5}),
+     "links.between[1].regions"),
+    (lambda d: d["links"]["between"].append({"regions": ["b", "a"], "delay_ms": 5}),
+     "links.between[1].regions"),
+    (lambda d: d["stragglers"].append({"peer": 2, "slowdown": 5.0}), "stragglers[1].peer"),
+    (lambda d: d["regions"][1].update(peers=True), "regions[b].peers"),
+    (lambda d: d.update(target="high"), "target"),
+    (lambda d: d.update(target=float("nan")), "target"),
+    (lambda d: d.update(duration_s=float("inf")), "duration_s"),
+    (lambda d: d.update(description=5), "description"),
 ])  # fmt: skip
 def test_scenario_mistakes_a_stranger_made_are_refused_naming_the_field(change, field):
     # each of these was accepted silently (an unshaped 0 ms inside link, a link to nowhere) or
