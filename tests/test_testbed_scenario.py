@@ -317,3 +317,19 @@ def test_scenario_mistakes_a_stranger_made_are_refused_naming_the_field(change, 
     change(data)
     with pytest.raises(ScenarioError, match=re.escape(f"scenario.{field}")):
         scenario_from_dict(data)
+
+
+def test_a_link_check_that_fails_is_said_and_the_run_goes_on(monkeypatch):
+    """A valid scenario with a 30% lossy link timed its link check out and the run ended in a
+    traceback (nothing written but scenario.json)."""
+    from geotrain.testbed import _run
+
+    def measure(namespaces, src, dst, *, bulk_bytes):
+        raise RuntimeError("link check client failed: TimeoutError: timed out")
+
+    monkeypatch.setattr(_run, "measure_link", measure)
+    said: list[str] = []
+    links = _run._check_links(None, load_scenario("demo"), said.append)
+    checked = [item for item in links if "check_error" in item]
+    assert checked and all(item["measured_mbit"] is None for item in checked)
+    assert all("not measured" in line and "the run goes on" in line for line in said)
