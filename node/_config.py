@@ -186,10 +186,10 @@ class NetworkConfig:
                 f"network.max_message_mb - 1 ({self.max_message_mb - 1})",
             )
         _check(
-            self.handshake_timeout_s > 0,
+            0 < self.handshake_timeout_s <= 600,
             "network.handshake_timeout_s",
             self.handshake_timeout_s,
-            "> 0 seconds",
+            "> 0 and <= 600 seconds (it bounds what a stranger's unfinished handshake holds)",
         )
         _check(isinstance(self.reachable, bool), "network.reachable", self.reachable,
                "true or false")  # fmt: skip
@@ -283,7 +283,7 @@ class TrainingConfig:
                "auto, cpu, cuda or cuda:N")  # fmt: skip
         # unset (None) takes the task's recipe, checked when the trainer merges them
         wd, warmup, total = self.weight_decay, self.warmup_steps, self.total_steps
-        _check(wd is None or wd >= 0, "training.weight_decay", wd, ">= 0")
+        _check(wd is None or 0 <= wd <= 1e6, "training.weight_decay", wd, "0..1e6")
         _check(warmup is None or warmup >= 0, "training.warmup_steps", warmup, ">= 0")
         _check(self.schedule in (None, "constant", "cosine", "linear"), "training.schedule",
                self.schedule, "constant, cosine or linear")  # fmt: skip
@@ -294,8 +294,11 @@ class TrainingConfig:
         ratio, clip = self.min_lr_ratio, self.clip_grad_norm
         _check(ratio is None or 0 <= ratio <= 1, "training.min_lr_ratio", ratio, "0..1")
         _check(clip is None or clip >= 0, "training.clip_grad_norm", clip, ">= 0 (0: no clipping)")
-        _check(self.accumulate >= 1, "training.accumulate", self.accumulate, ">= 1")
-        _check(self.lr is None or self.lr > 0, "training.lr", self.lr, "> 0")
+        # (upper bounds: 1e39 overflowed float32 at the first step; an accumulate of 10^8 made
+        # a step no signal could end)
+        _check(1 <= self.accumulate <= 100_000, "training.accumulate", self.accumulate,
+               "1..100000 batches per step")  # fmt: skip
+        _check(self.lr is None or 0 < self.lr <= 1e6, "training.lr", self.lr, "> 0 and <= 1e6")
         _check(self.num_shards >= 1, "training.num_shards", self.num_shards, ">= 1")
         _check(
             0 <= self.shard_index < self.num_shards,
@@ -315,9 +318,9 @@ class TrainingConfig:
         _check(self.wait_for_peers_s > 0, "training.wait_for_peers_s", self.wait_for_peers_s,
                "> 0 seconds")
         _check(self.eval_every >= 1, "training.eval_every", self.eval_every, ">= 1")
-        _check(self.slowdown >= 1.0, "training.slowdown", self.slowdown, ">= 1.0")
-        _check(math.isfinite(self.step_time_ms) and self.step_time_ms >= 0,
-               "training.step_time_ms", self.step_time_ms, "milliseconds >= 0")  # fmt: skip
+        _check(1.0 <= self.slowdown <= 10_000, "training.slowdown", self.slowdown, "1.0..10000")
+        _check(0 <= self.step_time_ms <= 3_600_000, "training.step_time_ms", self.step_time_ms,
+               "milliseconds, 0..3600000 (an hour)")  # fmt: skip
         _check(self.threads >= 0, "training.threads", self.threads, ">= 0")
         _check(self.precision in ("fp32", "bf16"), "training.precision", self.precision,
                "fp32 or bf16")  # fmt: skip

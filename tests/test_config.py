@@ -57,7 +57,15 @@ def test_overrides_take_toml_values_and_bare_strings():
     [
         ("training.lr=-1", "training.lr = -1.0: expected > 0"),
         ("training.lr=fast", "training.lr = 'fast': expected a number"),
-        ("training.step_time_ms=-5", "training.step_time_ms = -5.0: expected milliseconds >= 0"),
+        ("training.step_time_ms=-5", "training.step_time_ms = -5.0: expected milliseconds, 0.."),
+        # absurd sizes: a float32 overflow at the first step, a time_t overflow, a step no
+        # signal could end, a handshake deadline that bounded nothing
+        ("training.lr=1e39", "training.lr = 1e+39: expected > 0 and <= 1e6"),
+        ("training.weight_decay=1e300", "training.weight_decay = 1e+300: expected 0..1e6"),
+        ("training.slowdown=1e300", "training.slowdown = 1e+300: expected 1.0..10000"),
+        ("training.step_time_ms=1e300", "training.step_time_ms = 1e+300: expected millisec"),
+        ("training.accumulate=100000000", "training.accumulate = 100000000: expected 1..100000"),
+        ("network.handshake_timeout_s=1e7", "network.handshake_timeout_s = 10000000.0: expected"),
         ("training.step_time_ms=inf", "training.step_time_ms = inf: expected a finite number"),
         ("training.lr=inf", "training.lr = inf: expected a finite number"),
         ("training.device=gpu", "training.device = 'gpu': expected auto, cpu, cuda or cuda:N"),
