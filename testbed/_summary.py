@@ -20,7 +20,7 @@ from geotrain.node.state import StateDir
 
 def load_jsonl(path: Path) -> list[dict[str, Any]]:
     """The complete JSON objects of a file, one a line (a torn last line, from a killed writer,
-    is skipped, and so is any line that is not an object)."""
+    is skipped, and so is any line that is not an object); non-finite numbers read as None."""
     out = []
     try:
         text = path.read_text()
@@ -32,7 +32,10 @@ def load_jsonl(path: Path) -> list[dict[str, Any]]:
         except json.JSONDecodeError:
             continue
         if isinstance(record, dict):
-            out.append(record)
+            # a NaN or infinite figure (an evaluation that gave NaN) is no figure: it made
+            # ladder rows of "accuracy nan" and NaN tokens in summary.json, which is not JSON
+            out.append({k: None if isinstance(v, float) and not math.isfinite(v) else v
+                        for k, v in record.items()})  # fmt: skip
     return out
 
 

@@ -194,3 +194,17 @@ def test_compute_utilization_per_peer_for_every_system(tmp_path: Path):
     assert ddp["utilization_by_peer"] == [0.5, 0.75] and ddp["utilization_min"] == 0.5
     assert "compute utilization, lowest peer: geotrain 91%, ddp 50%" in render_table(
         build_summary(tmp_path))
+
+
+def test_a_nan_metric_is_read_as_no_metric(tmp_path: Path):
+    """A baseline peer whose evaluation gave NaN made ladder rows of "accuracy nan" and bare
+    NaN tokens in summary.json (not JSON)."""
+    from geotrain.testbed._summary import load_jsonl
+
+    path = tmp_path / "peer-00.jsonl"
+    path.write_text('{"t": 1.0, "step": 5, "metric": NaN, "loss": Infinity}\n'
+                    '{"t": 2.0, "step": 9, "metric": 0.5}\n')  # fmt: skip
+    records = load_jsonl(path)
+    assert records[0]["metric"] is None and records[0]["loss"] is None
+    assert records[1]["metric"] == 0.5
+    json.dumps(records, allow_nan=False)  # strict JSON from here on

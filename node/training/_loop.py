@@ -215,7 +215,10 @@ class LoopTrainer(OptimizerSync):
                 value = self._evaluate(self.model)  # type: ignore[misc]
                 if value is None or isinstance(value, str | bytes):
                     raise TypeError(f"evaluate returned {value!r:.60}: expected a number")
-                return float(value)
+                metric = float(value)
+                if not math.isfinite(metric):  # (it showed as no metric at all, unexplained)
+                    raise ValueError(f"evaluate returned {metric}: expected a finite number")
+                return metric
             except Exception as exc:  # the user's code: say so, train on
                 self._evaluate_failed(exc)
                 return None
