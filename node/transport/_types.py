@@ -82,7 +82,9 @@ class TransportConfig:
     handshake_timeout_s: float = 10.0
     io_timeout_s: float = 600.0
     max_inbound_requests: int = 16
-    max_pending_handshakes: int = 256
+    # (each may hold a part-sized frame, ~4 MiB, before its handshake: 256 of them let one
+    # stranger pin 1 GB of a node's memory; an honest handshake takes milliseconds)
+    max_pending_handshakes: int = 64
     replay_window: int = 1024
     offload_bytes: int = 2**20
     part_bytes: int = 4 * 2**20
