@@ -82,3 +82,103 @@ def test_configure_logging_rejects_unknown_values(bad):
 def test_main_without_a_command_prints_help(capsys):
     assert main(["--log-format", "json"]) == 0
     assert "usage: geotrain" in capsys.readouterr().out
+
+
+STUCK_TASK = '''
+import time
+import torch
+from geotrain import Task
+
+
+def stuck(ctx):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(2, 1)
+    steps = []
+
+    def loss(m, batch):
+        steps.append(1)
+        if len(steps) == 3:
+            time.sleep(600)  # a step that takes forever (a huge accumulate, a hung data source)
+        return m(batch).pow(2).mean()
+
+    def batches():
+        while True:
+            yield torch.randn(4, 2)
+
+    return Task(model=model, batches=batches(), loss=loss, evaluate=lambda m: 0.0,
+                metric="zero", default_target=1.0)
+'''
+
+
+def _node_with(tmp_path, task: str, extra: str = "") -> subprocess.Popen:
+    (tmp_path / "stucktask.py").write_text(STUCK_TASK)
+    assert main(["keygen", "--out", str(tmp_path / "identity.key")]) == 0
+    (tmp_path / "node.toml").write_text(
+        f'[identity]\nopen_swarm = true\n[training]\ntask = "{task}"\n'
+        f"wait_for_peers = 0\neval_every = 1000\n{extra}[network]\n"
+        'listen = "tcp://127.0.0.1:0"\n'
+    )
+    env = {**__import__("os").environ, "PYTHONPATH": str(tmp_path)}
+    return subprocess.Popen([sys.executable, "-m", "geotrain.node", "node", "run", "--config",
+                             str(tmp_path / "node.toml")], stderr=subprocess.PIPE, text=True,
+                            env=env, cwd=tmp_path)  # fmt: skip
+
+
+def _wait_for(proc, needle: str, lines: list[str], timeout_s: float = 120) -> None:
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        line = proc.stderr.readline()
+        lines.append(line)
+        if needle in line:
+            return
+        assert line or proc.poll() is None, "".join(lines)[-3000:]
+    raise AssertionError(f"no {needle!r}: " + "".join(lines)[-3000:])
+
+
+@pytest.mark.slow
+def test_a_third_signal_ends_a_node_stuck_inside_a_step(tmp_path):
+    """A node inside a step that never ends logged stop_requested, then stop_forced, and ran on
+    for 10 minutes whatever it was sent next: a third signal exits at once now."""
+    import signal
+    import time
+
+    proc = _node_with(tmp_path, "stucktask:stuck")
+    lines: list[str] = []
+    try:
+        _wait_for(proc, "node_started", lines)
+        time.sleep(1.0)  # into the third step, which sleeps
+        for needle in ("stop_requested", "stop_forced", "stop_immediate"):
+            proc.send_signal(signal.SIGTERM)
+            _wait_for(proc, needle, lines, 30)
+            time.sleep(0.6)  # (a signal within 0.5 s of the first is taken as a duplicate)
+        assert proc.wait(30) == 128 + signal.SIGTERM
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+@pytest.mark.slow
+def test_a_signal_delivered_twice_at_once_still_stops_gracefully(tmp_path):
+    """timeout(1) delivers SIGTERM to the process and to its group: the second copy, a moment
+    after the first, forced the stop and skipped the checkpoint."""
+    import signal
+    import time
+
+    proc = _node_with(tmp_path, "synthetic-linreg", "step_time_ms = 300\n")  # (a slow stop)
+    lines: list[str] = []
+    try:
+        _wait_for(proc, "node_started", lines)
+        time.sleep(0.5)
+        proc.send_signal(signal.SIGTERM)
+        time.sleep(0.05)  # (sent at once, the kernel merges the two into one)
+        proc.send_signal(signal.SIGTERM)
+        rest = proc.communicate(timeout=60)[1]
+    finally:
+        proc.kill()
+        proc.wait()
+    text = "".join(lines) + rest
+    # (a node that had stopped before the second copy came may be ended by it: -SIGTERM)
+    assert proc.returncode in (0, -signal.SIGTERM), text[-3000:]
+    assert "stop_forced" not in text and "checkpoint_written" in text and "node_stopped" in text

@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import signal
 import sys
 from pathlib import Path
@@ -36,23 +37,41 @@ def load_node(config: NodeConfig) -> Node:
     return Node(config, *load_identity(config))
 
 
+# A second signal this soon after the first is the same one delivered twice (timeout(1) and
+# process-group kills send it to the process and to its group): it is not a second request.
+DUPLICATE_SIGNAL_S = 0.5
+
+
 async def _run(node: Node) -> None:
+    """Run the node; the first SIGINT/SIGTERM stops it gracefully (checkpoint, leave), a second
+    cancels what it waits for, and a third exits at once: a step running in a worker thread
+    cannot be cancelled, and a node inside a very long step ignored every later signal."""
     async with trio.open_nursery() as nursery:
+        run_scope = trio.CancelScope()
 
         async def watch_signals() -> None:
+            requested_at, forced = None, False
             with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
                 async for signum in signals:
-                    if node_stopping.is_set():
-                        log.warning("stop_forced", signal=signal.Signals(signum).name)
-                        nursery.cancel_scope.cancel()
-                        return
-                    log.info("stop_requested", signal=signal.Signals(signum).name)
-                    node_stopping.set()
-                    node.request_stop()
+                    name, now = signal.Signals(signum).name, trio.current_time()
+                    if requested_at is None:
+                        log.info("stop_requested", signal=name)
+                        requested_at = now
+                        node.request_stop()
+                    elif now - requested_at < DUPLICATE_SIGNAL_S:
+                        continue
+                    elif not forced:
+                        forced = True
+                        log.warning("stop_forced", signal=name,
+                                    hint="another signal exits at once, without a checkpoint")
+                        run_scope.cancel()
+                    else:
+                        log.error("stop_immediate", signal=name)
+                        os._exit(128 + signum)  # (the node's threads may be mid-step)
 
-        node_stopping = trio.Event()
         nursery.start_soon(watch_signals)
-        await node.run()
+        with run_scope:
+            await node.run()
         nursery.cancel_scope.cancel()
 
 
