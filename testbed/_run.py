@@ -519,7 +519,10 @@ def _supervise(system, options, peers: Peers, meter, faults, echo, reached, prog
                 echo(f"{system}: training started {now - launch:.1f} s after launch")
             failed = _failed_exits(system, peers, told, echo)
             if start is None and failed:  # (the others would wait for it until the timeout)
-                raise TestbedError(f"{system}: {failed[0]} before training started")
+                # (a peer's first steps show in its status a moment later: one that failed at
+                # step 50 may have been seen at none; "before training started" misled)
+                raise TestbedError(f"{system}: {failed[0]}, before the run had seen any peer "
+                                   "take a step")  # fmt: skip
             if start is None and now - launch > STARTUP_TIMEOUT_S:
                 raise TestbedError(f"{system}: no peer took a step in {STARTUP_TIMEOUT_S:g} s")
             if start is not None:

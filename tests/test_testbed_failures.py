@@ -50,7 +50,7 @@ def test_a_task_that_fails_stops_the_run_at_once_saying_why(tmp_path, monkeypatc
     options = RunOptions(scenario=scenario, out=tmp_path / "run", target=0.9, emulation="none",
                          baseline="none", link_check=False)  # fmt: skip
     started, lines = time.monotonic(), []
-    with pytest.raises(TestbedError, match="before training started") as info:
+    with pytest.raises(TestbedError, match="before the run had seen any peer take a step") as info:
         run_testbed(options, echo=lines.append)
     assert "exited with status" in str(info.value)
     assert "deliberate failure inside my loss" in "\n".join(lines) + str(info.value)
