@@ -71,6 +71,18 @@ class FaultRunner:
                 + ("" if note is None else f" SKIPPED ({note})")
             )
 
+    def not_reached(self, ended_s: float, why: str) -> None:
+        """The system's run ended (`why`: target, duration, ...) before these faults were due:
+        recorded and said (they were printed at the start and then silently never happened)."""
+        for fault in self._pending:
+            note = f"not reached: the run ended ({why}) at {ended_s:.1f} s"
+            self.applied_all.append({
+                "system": self.system, "at_s": fault.at_s, "applied_at_s": None,
+                "fault": fault.describe(), "applied": False, "note": note,
+            })  # fmt: skip
+            self._echo(f"{self.system}: fault {fault.describe()} {note}")
+        self._pending = []
+
     def _apply(self, fault: Fault, peers: Peers) -> str | None:
         """Do it; return None, or why it was skipped."""
         if fault.action in ("kill", "restart"):

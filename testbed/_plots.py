@@ -73,7 +73,8 @@ def fault_x(fault: dict[str, Any], t0: float) -> float:
     t = fault.get("t")
     if isinstance(t, int | float):
         return t - t0
-    return float(fault.get("applied_at_s", fault.get("at_s", 0.0)))
+    handled = fault.get("applied_at_s")  # (None: never reached, the run ended first)
+    return float(handled if handled is not None else fault.get("at_s", 0.0))
 
 
 def render_plots(out: Path) -> list[Path]:
@@ -187,6 +188,8 @@ def _mark_faults(ax, systems: list[SystemRun], name_system: bool) -> None:
         for number, fault in s.faults:
             if fault.get("kind") == "availability" and fault.get("applied", True):
                 continue  # drawn above, grouped
+            if "applied_at_s" in fault and fault["applied_at_s"] is None:
+                continue  # never reached: the run had ended (the report's table says so)
             x = fault_x(fault, s.t0)
             style = "-" if fault.get("applied", True) else ":"
             ax.axvline(x, color=color, linestyle=style, linewidth=1.2)

@@ -535,14 +535,18 @@ def _supervise(system, options, peers: Peers, meter, faults, echo, reached, prog
             if now - last_line >= options.progress_every_s:
                 last_line = now
                 echo(_progress_line(system, now - launch, progress(), total, base))
+            stopped = None
             if reached():
-                return "target"
-            if stop_at_duration and start is not None and now - start >= sc.duration_s:
-                return "duration"
-            if start is not None and now - start >= sc.duration_s + 120:
-                return "deadline"  # the baseline overran its own duration by far: stop it
-            if not peers.running():
-                return "exited"
+                stopped = "target"
+            elif stop_at_duration and start is not None and now - start >= sc.duration_s:
+                stopped = "duration"
+            elif start is not None and now - start >= sc.duration_s + 120:
+                stopped = "deadline"  # the baseline overran its own duration by far: stop it
+            elif not peers.running():
+                stopped = "exited"
+            if stopped is not None:
+                faults.not_reached(0.0 if start is None else now - start, stopped)
+                return stopped
             time.sleep(0.25)
 
 

@@ -97,3 +97,22 @@ def test_without_emulation_link_faults_are_recorded_as_skipped():
     runner.apply_due(10.0, FakePeers(3))
     notes = {f["fault"].split()[1]: f["note"] for f in runner.applied_all}
     assert notes["partition"] == "no link emulation" and notes["kill"] is None
+
+
+def test_faults_the_run_ended_before_are_recorded_and_said():
+    """A fault at t=300 s of a 30 s run was printed at the start, then never applied, and
+    run.json's faults said nothing of it."""
+    from geotrain.testbed._plots import fault_x
+
+    sc = scenario_from_dict(SCENARIO)
+    runner, said = FaultRunner(sc, FakeLinks(sc.matrix()), None), []
+    runner._echo = said.append
+    runner.apply_due(2.5, FakePeers(3))  # kill and restart happened
+    runner.not_reached(2.9, "target")
+    late = [f for f in runner.applied_all if f["applied_at_s"] is None]
+    assert [f["at_s"] for f in late] == [3, 5, 6] and not any(f["applied"] for f in late)
+    assert all("not reached: the run ended (target) at 2.9 s" in f["note"] for f in late)
+    assert sum("not reached" in line for line in said) == 3
+    assert fault_x(late[0], 0.0) == 3.0  # (the report's table places it where it was due)
+    runner.not_reached(3.0, "target")  # nothing left to say
+    assert len(runner.applied_all) == 5
