@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import numbers
 import os
 import threading
 import time
@@ -175,7 +176,7 @@ class SwarmOptimizer:
                 node's error is the cause).
         """
         self._swarm.check_alive()
-        value = None if loss is None else float(loss.detach() if torch.is_tensor(loss) else loss)
+        value = None if loss is None else _loss_value(loss)
         result, stepped = self._swarm._loop.stepped(lambda: self.optimizer.step(closure), value)
         self._swarm._notify(stepped)
         return result
@@ -337,6 +338,22 @@ def _close_at_exit() -> None:
             "swarm_closed_at_exit", detail="geotrain.join's swarm was not closed: closing it now")
         with contextlib.suppress(Exception):
             swarm.close(timeout_s=60.0)
+
+
+def _loss_value(loss: Any) -> float:
+    """`step(loss=...)` as a number (before the step: a bad one takes none).
+
+    Raises:
+        ValueError: not one number (a batch of per-sample losses, a string).
+    """
+    if torch.is_tensor(loss):
+        if loss.numel() != 1:
+            raise ValueError(f"step(loss=...): a tensor of {loss.numel()} values; give the one "
+                             "loss of the step (e.g. loss.mean())")  # fmt: skip
+        return float(loss.detach())
+    if isinstance(loss, bool) or not isinstance(loss, numbers.Real):  # (numpy's too)
+        raise ValueError(f"step(loss={loss!r:.40}): expected a number or a one-value tensor")
+    return float(loss)
 
 
 def _leaf(error: BaseException) -> BaseException:

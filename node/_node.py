@@ -270,6 +270,7 @@ class Node:
         """
         if self._prepared is None:
             self._check_certificate()
+            self._warn_unused_settings()
             tune_allocator()
             self._start_metrics()  # first: a port in use stops the node before it writes a file
             try:
@@ -281,6 +282,18 @@ class Node:
                     self.metrics.close()
                     self.metrics = None
                 raise
+
+    def _warn_unused_settings(self) -> None:
+        """A [gossip.<algorithm>] table of another algorithm than the one configured is kept
+        (one may switch back) but said: a typo'd algorithm name or a forgotten line left it
+        silently unused."""
+        gossip = self.config.gossip
+        unused = sorted(set(gossip.algorithm_settings) - {gossip.algorithm})
+        if unused:
+            log.warning("gossip_settings_unused", tables=[f"gossip.{n}" for n in unused],
+                        algorithm=gossip.algorithm,
+                        hint=f"gossip.algorithm is {gossip.algorithm!r}: these tables do "
+                        "nothing")  # fmt: skip
 
     def _take_state_dir(self) -> None:
         """Create state.dir and hold it (StateDirInUse when another node does)."""

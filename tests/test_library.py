@@ -197,6 +197,16 @@ def test_bad_use_gets_a_clear_error(tmp_path):
         with pytest.raises(ValueError, match="not .all. the joined model's"):
             swarm.wrap(stranger)
         opt = swarm.wrap(torch.optim.SGD(model.parameters(), lr=0.1))
+        import numpy as np
+
+        before = swarm.step
+        with pytest.raises(ValueError, match=r"a tensor of 2 values; give the one loss"):
+            opt.step(loss=torch.tensor([1.0, 2.0]))  # was torch's "only one element tensors"
+        with pytest.raises(ValueError, match="expected a number or a one-value tensor"):
+            opt.step(loss="low")
+        assert swarm.step == before  # a bad loss takes no step
+        opt.step(loss=np.float32(0.5))
+        assert swarm.step == before + 1
     finally:
         swarm.close()
     with pytest.raises(geotrain.LoopClosed):

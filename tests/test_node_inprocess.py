@@ -282,6 +282,22 @@ async def test_a_checkpoint_of_another_model_or_optimizer_is_one_clear_resume_er
     assert after == before
 
 
+async def test_a_table_of_another_algorithm_is_said_to_do_nothing(tmp_path):
+    """[gossip.dpsgd] under algorithm = "adpsgd" was ignored without a word (every other unknown
+    key is refused; this one is kept, since one may switch back)."""
+    from structlog.testing import capture_logs
+
+    cfg = config(tmp_path, "t", "gossip.dpsgd.degree=4", "training.max_steps=2")
+    admission = Admission.open_swarm("geotrain")
+    with capture_logs() as logs:
+        async with geotrain.open_node(cfg, identity=Identity.generate(), admission=admission) as n:
+            with trio.fail_after(60):
+                await n.wait_stopped()
+    said = [e for e in logs if e["event"] == "gossip_settings_unused"]
+    assert len(said) == 1 and said[0]["tables"] == ["gossip.dpsgd"]
+    assert said[0]["algorithm"] == "adpsgd" and said[0]["log_level"] == "warning"
+
+
 async def test_a_task_parameter_the_task_does_not_have_is_refused_naming_it(tmp_path):
     """A typo'd [training.params] key of a built-in task was ignored (the default trained)."""
     from geotrain.node import ConfigError
