@@ -225,35 +225,30 @@ def test_bad_use_gets_a_clear_error(tmp_path):
     ],
 )
 def test_every_algorithm_works_through_the_library(tmp_path, algorithm, settings):
-    models = [make_model(), make_model()]
-    extra = (f'gossip.algorithm="{algorithm}"', *settings)
+    statuses = train_pair(tmp_path, [make_model(), make_model()],
+                          f'gossip.algorithm="{algorithm}"', *settings)  # fmt: skip
+    assert all(s.step == 150 and s.exchanges_ok >= 1 for s in statuses), statuses
+    assert all(s.algorithm == algorithm for s in statuses)
+
+
+def train_pair(tmp_path: Path, models: list[nn.Module], *extra: str, steps: int = 150) -> list:
+    """Two loops of their own (`train`), one thread each, in one swarm; their last statuses."""
     with joined(tmp_path, "a", models[0], *extra) as a:
         with joined(tmp_path, "b", models[1], *extra, f'network.bootstrap=["{a.address}"]') as b:
-            threads = [threading.Thread(target=train, args=(s, m, 150, i))
+            threads = [threading.Thread(target=train, args=(s, m, steps, i))
                        for i, (s, m) in enumerate([(a, models[0]), (b, models[1])])]  # fmt: skip
             for t in threads:
                 t.start()
             for t in threads:
                 t.join(120)
-            statuses = [a.status(), b.status()]
-    assert all(s.step == 150 and s.exchanges_ok >= 1 for s in statuses), statuses
-    assert all(s.algorithm == algorithm for s in statuses)
+            return [a.status(), b.status()]
 
 
 def test_choco_mixes_loops_whose_models_were_built_without_a_common_seed(tmp_path):
     """Two loops of one's own whose models start from different random weights: choco refused
     every exchange between them ("initial models differ"); now their link starts at zero."""
-    models = [make_model(0), make_model(1)]
-    extra = ('gossip.algorithm="choco"', 'gossip.codec="topk:0.3"')
-    with joined(tmp_path, "a", models[0], *extra) as a:
-        with joined(tmp_path, "b", models[1], *extra, f'network.bootstrap=["{a.address}"]') as b:
-            threads = [threading.Thread(target=train, args=(s, m, 150, i))
-                       for i, (s, m) in enumerate([(a, models[0]), (b, models[1])])]  # fmt: skip
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join(120)
-            statuses = [a.status(), b.status()]
+    statuses = train_pair(tmp_path, [make_model(0), make_model(1)], 'gossip.algorithm="choco"',
+                          'gossip.codec="topk:0.3"')  # fmt: skip
     assert all(s.step == 150 and s.exchanges_ok >= 3 for s in statuses), statuses
     assert sum(s.exchanges_failed for s in statuses) <= 2, statuses  # the one resync
 

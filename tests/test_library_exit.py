@@ -14,8 +14,8 @@ import pytest
 
 pytestmark = pytest.mark.slow
 
-SCRIPT = """
-import sys, torch, geotrain
+JOIN = """
+import os, sys, torch, geotrain
 from pathlib import Path
 from torch import nn
 from geotrain.node import Admission, Identity, config_from_toml
@@ -33,6 +33,9 @@ model = nn.Linear(4, 1)
 swarm = geotrain.join(config, model, identity=Identity.generate(),
                       admission=Admission.open_swarm("geotrain"))
 opt = swarm.wrap(torch.optim.SGD(model.parameters(), lr=0.1))
+"""  # a script of one's own up to its loop
+
+SCRIPT = JOIN + """
 for _ in range(5):
     model(torch.randn(2, 4)).sum().backward()
     opt.step()
@@ -108,21 +111,7 @@ def test_a_second_ctrl_c_while_the_node_stops_waits_for_it_too(tmp_path, gap_s):
     assert code in (-signal.SIGINT, 1, 130), (code, text[-3000:])
 
 
-FORKS = """
-import os, sys, torch, geotrain
-from pathlib import Path
-from torch import nn
-from geotrain.node import Admission, Identity, config_from_toml
-config = config_from_toml('''
-[identity]
-open_swarm = true
-[training]
-wait_for_peers = 0
-''', base=Path('{state}'), overrides=['state.dir="{state}"'])
-model = nn.Linear(4, 1)
-swarm = geotrain.join(config, model, identity=Identity.generate(),
-                      admission=Admission.open_swarm("geotrain"))
-opt = swarm.wrap(torch.optim.SGD(model.parameters(), lr=0.1))
+FORKS = JOIN + """
 pid = os.fork()
 if pid == 0:  # a child of the user's own that simply ends (it closes no swarm of the parent's)
     sys.exit(0)
@@ -137,7 +126,7 @@ def test_a_forked_child_that_exits_leaves_the_parents_swarm_alone(tmp_path):
     """A child forked after join closed the parent's swarm at its exit, waiting for ever on the
     parent's node loop, which does not run in the child: the child hung."""
     path = tmp_path / "forks.py"
-    path.write_text(FORKS.format(state=tmp_path / "state"))
+    path.write_text(FORKS.format(wait=0, state=tmp_path / "state"))
     run = subprocess.run([sys.executable, str(path)], capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr[-3000:]
     assert run.stdout == "CHILD 0\nCLOSED\n", run.stderr[-3000:]

@@ -324,25 +324,32 @@ async def test_a_state_dir_that_cannot_be_used_is_one_config_error(tmp_path):
             pass
 
 
-async def test_a_bootstrap_address_nobody_answers_at_is_named_in_a_warning(
-    tmp_path, monkeypatch
-):
-    """A wrong bootstrap address was silent for 30 s, then 'no peer answered' without naming
-    it. It is said at once at info level (the peer may not be up yet: swarms start in any
-    order), and warned about once it has not answered for BOOTSTRAP_PATIENCE_S."""
+async def _logs_until_bootstrap_warning(cfg) -> list:
+    """A node of `cfg` in swarm "geotrain", run until it warns bootstrap_unanswered; its logs."""
     from structlog.testing import capture_logs
 
-    from geotrain.node import _membership_service
-
-    monkeypatch.setattr(_membership_service, "BOOTSTRAP_PATIENCE_S", 1.5)
-    nowhere = "tcp://127.0.0.1:9"
-    cfg = config(tmp_path, "w", f'network.bootstrap=["{nowhere}"]', "training.max_steps=5")
     with capture_logs() as logs:
         async with geotrain.open_node(cfg, identity=Identity.generate(),
                                       admission=Admission.open_swarm("geotrain")):  # fmt: skip
             with trio.fail_after(30):
                 while not [e for e in logs if e["event"] == "bootstrap_unanswered"]:
                     await trio.sleep(0.1)
+    return logs
+
+
+async def test_a_bootstrap_address_nobody_answers_at_is_named_in_a_warning(
+    tmp_path, monkeypatch
+):
+    """A wrong bootstrap address was silent for 30 s, then 'no peer answered' without naming
+    it. It is said at once at info level (the peer may not be up yet: swarms start in any
+    order), and warned about once it has not answered for BOOTSTRAP_PATIENCE_S."""
+
+    from geotrain.node import _membership_service
+
+    monkeypatch.setattr(_membership_service, "BOOTSTRAP_PATIENCE_S", 1.5)
+    nowhere = "tcp://127.0.0.1:9"
+    cfg = config(tmp_path, "w", f'network.bootstrap=["{nowhere}"]', "training.max_steps=5")
+    logs = await _logs_until_bootstrap_warning(cfg)
     events = [e for e in logs if e["event"] in ("bootstrap_waiting", "bootstrap_unanswered")]
     assert [e["event"] for e in events] == ["bootstrap_waiting", "bootstrap_unanswered"]
     assert events[0]["log_level"] == "info" and events[0]["address"] == nowhere
@@ -354,20 +361,14 @@ async def test_a_bootstrap_address_nobody_answers_at_is_named_in_a_warning(
 async def test_a_bootstrap_peer_of_another_swarm_is_warned_about_at_once(tmp_path, monkeypatch):
     """A bootstrap peer that answers and refuses us (another swarm) will not come round: the
     warning does not wait, and it names the cause."""
-    from structlog.testing import capture_logs
 
     from geotrain.node import _membership_service
 
     monkeypatch.setattr(_membership_service, "BOOTSTRAP_PATIENCE_S", 1000.0)
     async with geotrain.open_node(config(tmp_path, "x"), identity=Identity.generate(),
                                   admission=Admission.open_swarm("elsewhere")) as x:  # fmt: skip
-        cfg = config(tmp_path, "a", f'network.bootstrap=["{x.address}"]')
-        with capture_logs() as logs:
-            async with geotrain.open_node(cfg, identity=Identity.generate(),
-                                          admission=Admission.open_swarm("geotrain")):  # fmt: skip
-                with trio.fail_after(30):
-                    while not [e for e in logs if e["event"] == "bootstrap_unanswered"]:
-                        await trio.sleep(0.1)
+        logs = await _logs_until_bootstrap_warning(
+            config(tmp_path, "a", f'network.bootstrap=["{x.address}"]'))
     said = [e for e in logs if e["event"] == "bootstrap_unanswered"]
     assert len(said) == 1 and said[0]["address"] == x.address
     assert "another swarm" in said[0]["reason"]
