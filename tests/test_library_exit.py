@@ -64,7 +64,9 @@ def test_a_script_that_never_closes_its_swarm_ends_cleanly(tmp_path):
     assert list((tmp_path / "state" / "checkpoints").glob("ckpt-*"))
 
 
-def test_ctrl_c_while_join_waits_for_peers_stops_the_node_first(tmp_path):
+def _interrupt_a_waiting_join(tmp_path: Path, gaps: tuple[float, ...]) -> tuple[int, str]:
+    """Run a script whose join waits for a peer that never comes, send it SIGINT once plus once
+    after each of `gaps` seconds; its exit code and standard error."""
     log = tmp_path / "stderr.txt"
     with log.open("w") as err:
         # (a runner started in the background passes SIGINT on ignored, and Python then
@@ -77,10 +79,17 @@ def test_ctrl_c_while_join_waits_for_peers_stops_the_node_first(tmp_path):
                 assert time.monotonic() < deadline and proc.poll() is None, log.read_text()
                 time.sleep(0.1)
             proc.send_signal(signal.SIGINT)
+            for gap in gaps:
+                time.sleep(gap)
+                proc.send_signal(signal.SIGINT)
             code = proc.wait(90)
         finally:
             proc.kill()
-    text = log.read_text()
+    return code, log.read_text()
+
+
+def test_ctrl_c_while_join_waits_for_peers_stops_the_node_first(tmp_path):
+    code, text = _interrupt_a_waiting_join(tmp_path, ())
     assert "KeyboardInterrupt" in text and "node_stopped" in text, text[-3000:]
     assert "panic" not in text and code in (-signal.SIGINT, 1, 130), (code, text[-3000:])
 
@@ -90,22 +99,7 @@ def test_a_second_ctrl_c_while_the_node_stops_waits_for_it_too(tmp_path, gap_s):
     """Two SIGINTs a moment apart (GNU timeout forwards one twice; an impatient user): the
     second one cut the wait for the stopping node short, the interpreter exited under its
     running thread, and nng aborted the process (pthread_mutex_lock panic, heap corruption)."""
-    log = tmp_path / "stderr.txt"
-    with log.open("w") as err:
-        proc = subprocess.Popen(_script(tmp_path, 1), stdout=subprocess.PIPE, stderr=err,
-                                text=True, preexec_fn=_default_sigint)  # fmt: skip
-        try:
-            deadline = time.monotonic() + 120
-            while "node_started" not in log.read_text():
-                assert time.monotonic() < deadline and proc.poll() is None, log.read_text()
-                time.sleep(0.1)
-            proc.send_signal(signal.SIGINT)
-            time.sleep(gap_s)
-            proc.send_signal(signal.SIGINT)
-            code = proc.wait(90)
-        finally:
-            proc.kill()
-    text = log.read_text()
+    code, text = _interrupt_a_waiting_join(tmp_path, (gap_s,))
     assert "node_stopped" in text and "KeyboardInterrupt" in text, text[-3000:]
     assert "panic" not in text and "corrupted" not in text, text[-3000:]
     assert code in (-signal.SIGINT, 1, 130), (code, text[-3000:])
