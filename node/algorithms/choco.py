@@ -411,7 +411,6 @@ class Choco(Algorithm):
             self.counters.record_ok(peer.peer_id, header.codec)
         return ChocoReply(seq=seq), reply
 
-
     async def _agree_start(self, peer: str, link: ChocoLink, theirs: int) -> Reply:
         """The peer's exchange starts the link elsewhere than ours: restart it at the start
         both can hold (the initial model when both started from it, else zero) and tell it."""
