@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import socket
 import urllib.request
 from pathlib import Path
@@ -340,3 +341,16 @@ async def test_a_status_that_cannot_be_written_is_logged_once_and_the_node_goes_
                             flatten_subgroups=True, allow_unwrapped=True):  # fmt: skip
         async with geotrain.open_node(config(tmp_path, "g"), identity=key, admission=admission):
             pass
+
+
+def test_the_metrics_file_is_rotated_past_its_size_keeping_one_old_file(tmp_path):
+    """metrics.jsonl grew without end (about 80 MB a node a day at the default cadence)."""
+    from geotrain.node.state import append_metrics
+
+    path = tmp_path / "metrics.jsonl"
+    for i in range(10):
+        append_metrics(path, {"t": i, "pad": "x" * 40}, max_bytes=200)
+    lines = [json.loads(x)["t"] for x in path.read_text().splitlines()]
+    old = [json.loads(x)["t"] for x in (tmp_path / "metrics.jsonl.1").read_text().splitlines()]
+    assert lines and old and old[-1] + 1 == lines[0] and lines[-1] == 9  # nothing lost between
+    assert path.stat().st_size < 200 + 100 and len(list(tmp_path.iterdir())) == 2

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -85,7 +86,17 @@ def write_status(path: Path, status: NodeStatus) -> None:
     write_atomically(path, json.dumps(status.to_json(), indent=1).encode())
 
 
-def append_metrics(path: Path, record: dict[str, Any]) -> None:
+METRICS_MAX_BYTES = 64 * 2**20  # then metrics.jsonl becomes metrics.jsonl.1 (one kept)
+
+
+def append_metrics(path: Path, record: dict[str, Any], max_bytes: int = METRICS_MAX_BYTES) -> None:
+    """Append `record` as one JSON line. A file past `max_bytes` is first moved to `<path>.1`
+    (replacing an older one): it grew without end, ~80 MB a day at the default cadence."""
+    try:
+        if path.stat().st_size >= max_bytes:
+            os.replace(path, path.with_name(path.name + ".1"))
+    except FileNotFoundError:
+        pass
     with open(path, "a") as f:
         f.write(json.dumps(record, separators=(",", ":")) + "\n")
 
