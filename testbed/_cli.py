@@ -201,7 +201,7 @@ def _sigterm_as_interrupt() -> None:
 
 
 def cmd_run(args: argparse.Namespace, command: tuple[str, ...] = ()) -> int:
-    from ._run import RunOptions, TestbedError, run_testbed
+    from ._run import RunOptions, TestbedError, check_node_config, run_testbed
 
     out = (args.out or Path("testbed-runs") / time.strftime("%Y%m%d-%H%M%S")).resolve()
     try:
@@ -214,7 +214,8 @@ def cmd_run(args: argparse.Namespace, command: tuple[str, ...] = ()) -> int:
             link_check=not args.no_link_check, node_overrides=tuple(args.node_set),
             command=command, cwd=os.getcwd(),
         )  # fmt: skip
-    except (ScenarioError, ValueError) as exc:
+        check_node_config(options)
+    except (ScenarioError, TestbedError, ValueError) as exc:
         print(f"geotrain testbed run: {exc}", file=sys.stderr)
         return 2
     for why in filter(None, map(missing_requirement, options.baselines)):

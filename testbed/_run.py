@@ -32,6 +32,7 @@ from ._peers import (
     DDP_PORT,
     HIVEMIND_PORT,
     NODE_PORT,
+    Host,
     Peers,
     TestbedError,
     child_env,
@@ -129,6 +130,7 @@ def run_testbed(options: RunOptions, echo: Echo = print) -> dict[str, Any]:
     sc, out = options.scenario, options.out
     if out.exists() and any(out.iterdir()):
         raise TestbedError(f"--out {str(out)!r}: exists and is not empty")
+    check_node_config(options)
     out.mkdir(parents=True, exist_ok=True)
     choice = choose_backend(options.emulation, access_links=bool(sc.matrix().access))
     if choice.user_namespace:
@@ -276,6 +278,26 @@ def _check_links(namespaces: NamespaceSet, sc: TestbedScenario, echo: Echo) -> l
             f"(spec {item['spec_mbit']}, {size >> 20} MiB transfer)"
         )
     return results
+
+
+def check_node_config(options: RunOptions) -> None:
+    """The geotrain nodes' config (the scenario's algorithm and task, --node-set), checked before
+    anything starts: a bad one failed only once the namespaces and the first node existed, and
+    the message named the node's config file instead of the scenario.
+
+    Raises:
+        TestbedError: the config a node would get is refused; the message names the field.
+    """
+    from geotrain.node import ConfigError, config_from_toml
+
+    where = options.out / "peer-00"  # (nothing is read or written there)
+    files = (where / "identity.key", where / "certificate.json", where / "swarm.json")
+    doc = _node_config(options, Host(0, "127.0.0.1", "lo"), files, where / "state", [])
+    try:
+        config_from_toml(config_to_toml(doc), base=options.out,
+                         overrides=list(options.node_overrides))  # fmt: skip
+    except ConfigError as exc:
+        raise TestbedError(f"the geotrain nodes' config (scenario, --node-set): {exc}") from None
 
 
 def _node_config(options: RunOptions, host, files, state: Path, bootstrap: list[str]) -> dict:

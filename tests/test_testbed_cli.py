@@ -42,6 +42,10 @@ def test_testbed_is_a_geotrain_command(capsys):
         (["--peers", "1"], "scenario.peers = 1"),
         (["--task", "no-such-task"], "no-such-task"),
         (["--node-set", "policy"], "--node-set 'policy'"),
+        # the nodes' config, checked before the namespaces (a bad algorithm or a typo'd key
+        # failed once the first node had started, naming its config file)
+        (["--algorithm", "bogus"], "nodes' config (scenario, --node-set): gossip.algorithm"),
+        (["--node-set", "gossip.polcy=uniform"], "gossip.polcy = 'uniform': expected one of"),
     ],
 )
 def test_bad_input_exits_2_naming_it_before_anything_starts(argv, needle, capsys, tmp_path):
