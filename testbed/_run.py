@@ -155,6 +155,29 @@ def run_testbed(options: RunOptions, echo: Echo = print) -> dict[str, Any]:
         # geotrain's attacker peers: left out of every quality figure (the summary)
         "attackers": {str(p): k for p, k in sorted(sc.attackers.items())},
     }  # fmt: skip
+    try:
+        _run_systems(options, run, choice, echo)
+    except BaseException as exc:  # Ctrl-C, SIGTERM, a failed peer: keep what finished
+        run["interrupted"] = f"{type(exc).__name__}: {exc}"[:300] or type(exc).__name__
+        (out / "run.json").write_text(json.dumps(run, indent=2) + "\n")
+        done = ", ".join(run["systems"]) or "none"
+        echo(f"run stopped early ({run['interrupted']}); run.json records the systems that "
+             f"finished: {done}")  # fmt: skip
+        raise
+    run["consensus_distance_final"] = _final_consensus(
+        out / "geotrain", sc.n_peers, set(sc.attackers))
+    (out / "run.json").write_text(json.dumps(run, indent=2) + "\n")
+    summary = build_summary(out)
+    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    _plot(out, echo)
+    echo(render_table(summary))
+    return summary
+
+
+def _run_systems(options: RunOptions, run: dict[str, Any], choice: BackendChoice,
+                 echo: Echo) -> None:  # fmt: skip
+    """geotrain, then each baseline, in the emulated network; their records go into `run`."""
+    sc = options.scenario
     with contextlib.ExitStack() as stack:
         namespaces = links = None
         if choice.backend != "none":
@@ -171,6 +194,7 @@ def run_testbed(options: RunOptions, echo: Echo = print) -> dict[str, Any]:
         meter = BytesMeter(choice.backend, links, namespaces, hosts)
         run["bytes_source"] = meter.source
         faults = FaultRunner(sc, links, echo)
+        run["faults"] = faults.applied_all  # (kept up to date: a run stopped early has them)
         run["systems"]["geotrain"] = _run_geotrain(options, hosts, meter, faults, echo)
         faults.reset()
         run["nat"] = _leave_nat(nat, sc, echo)
@@ -178,6 +202,7 @@ def run_testbed(options: RunOptions, echo: Echo = print) -> dict[str, Any]:
             echo(f"NOTE: {run['availability']['note']}")
         for baseline in options.baselines:
             faults = FaultRunner(sc, links, echo, system=baseline, applied=faults.applied_all)
+            run["faults"] = faults.applied_all
             if baseline in ("ddp", "localsgd"):
                 run["systems"][baseline] = _run_ddp(options, hosts, meter, faults, echo, baseline)
             else:
@@ -186,14 +211,6 @@ def run_testbed(options: RunOptions, echo: Echo = print) -> dict[str, Any]:
                 )
             faults.reset()
         run["faults"] = faults.applied_all
-    run["consensus_distance_final"] = _final_consensus(
-        out / "geotrain", sc.n_peers, set(sc.attackers))
-    (out / "run.json").write_text(json.dumps(run, indent=2) + "\n")
-    summary = build_summary(out)
-    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    _plot(out, echo)
-    echo(render_table(summary))
-    return summary
 
 
 def _enter_nat(stack, namespaces, sc: TestbedScenario, echo: Echo) -> NatFirewall | None:

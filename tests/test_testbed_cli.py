@@ -103,6 +103,10 @@ def test_sigterm_mid_run_stops_cleanly_and_leaves_nothing(tmp_path: Path):
     log = "".join(lines) + rest
     assert proc.returncode == 130, log
     assert list_namespaces(prefix) == [] and list_devices(prefix) == [], log
+    # the folder says what happened (it held no run.json: nothing told an interrupted run)
+    run = json.loads((out / "run.json").read_text())
+    assert run["interrupted"].startswith("KeyboardInterrupt") and run["systems"] == {}, run
+    assert "run stopped early" in log
     assert _processes_mentioning(str(out)) == [], log
     # the nodes were stopped, not just killed: they had time to say so
     node_log = (out / "geotrain" / "peer-00.log").read_text()
