@@ -45,12 +45,14 @@ class Member:
 
 @dataclass(frozen=True, slots=True)
 class MembershipEvent:
-    """Something node/ may log: kind is joined, suspected, dead, left or refuted."""
+    """Something node/ may log: kind is joined, suspected, dead, left, refuted, or duplicate
+    (another node claims this node's identity at `address`)."""
 
     kind: str
     peer_id: str
     incarnation: int
     at: float
+    address: str = ""
 
 
 @dataclass(slots=True)
@@ -235,7 +237,16 @@ class MembershipTable:
         return True
 
     def _apply_about_self(self, u: MemberUpdate, now: float) -> bool:
-        """A claim about this node. Returns True when it is wrong (the sender needs our record)."""
+        """A claim about this node. Returns True when it is wrong (the sender needs our record).
+
+        "Alive at our incarnation or a newer one (its start time), at another address" is what
+        a second node started with this node's identity spreads about itself: said (a duplicate event), not fought over
+        (raising our incarnation above it would start a race between the two).
+        """
+        if (u.state == "alive" and u.incarnation >= self.incarnation
+                and u.address != self.self_address):  # fmt: skip
+            self._events.append(MembershipEvent("duplicate", self.self_id, u.incarnation, now,
+                                                u.address))  # fmt: skip
         if self.left or (u.state == "alive" and u.incarnation <= self.incarnation):
             return False
         if u.incarnation == self.incarnation and u.incarnation + 1 < MAX_INCARNATION:

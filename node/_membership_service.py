@@ -94,6 +94,7 @@ class MembershipService:
         self._bootstrap = tuple(bootstrap)
         self._said_unanswered: set[str] = set()  # bootstrap addresses warned about (once each)
         self._said_waiting: set[str] = set()  # ... said (info) not to answer yet
+        self._said_duplicates: set[str] = set()  # addresses of nodes running with our identity
         self._started_at: float | None = None
         self._address = address
         self._transport = transport
@@ -153,9 +154,23 @@ class MembershipService:
         for sample in self.membership.drain_rtt_samples():
             self._links.record_rtt(sample.peer_id, sample.rtt_s, sample.at)
         for event in self.membership.drain_events():
+            if event.kind == "duplicate":
+                self._said_duplicate(event.address)
+                continue
             if event.kind in ("dead", "left"):
                 self._mailbox.pop(event.peer_id, None)
             log.info(f"peer_{event.kind}", peer=event.peer_id[:12], incarnation=event.incarnation)
+
+    def _said_duplicate(self, address: str) -> None:
+        """Another node runs with this node's identity: said once per address (peers then send
+        this node's traffic there; membership went wrong for the honest nodes unsaid)."""
+        if address in self._said_duplicates:
+            return
+        self._said_duplicates.add(address)
+        log.warning("identity_in_use_elsewhere", address=address,
+                    hint="another node runs with this node's identity (its key file) there: "
+                    "peers now send this node's traffic to it; stop it, or give it a key of its "
+                    "own (geotrain keygen)")  # fmt: skip
 
     async def _watch_dialled(self) -> None:
         """Say so, once, when peers answer our connections but none has dialled ours."""

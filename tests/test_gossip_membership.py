@@ -139,6 +139,28 @@ def test_a_suspected_live_peer_refutes_with_a_higher_incarnation():
     assert seen == [before + 1] * (len(peers) - 1)
 
 
+def test_a_node_started_elsewhere_with_this_identity_is_said_once_not_fought():
+    """A second node with p3's key spread "p3 alive" at its own address and a newer
+    incarnation; peers moved p3 there and nothing anywhere said why."""
+    net = _swarm(6, seed=4)
+    peers = list(net.nodes)
+    net.run_until(30.0, stop=lambda: _all_see_alive(net, peers))
+    victim = net.nodes["p3"]
+    before = victim.incarnation
+    victim.drain_events()
+    impostor = MemberUpdate("p3", "addr-impostor", "alive", before + 5)
+    net.send("p1", [Send("addr3", "p3", Ping(999_998, "addr1", (impostor,)))])
+    net.run_until(net.now + 5.0)
+    said = [e for e in victim.drain_events() if e.kind == "duplicate"]
+    assert said and said[0].address == "addr-impostor" and said[0].peer_id == "p3"
+    assert victim.incarnation == before  # no incarnation race with the other node
+    # an old claim at an old address (a restart on another port) is no duplicate
+    stale = MemberUpdate("p3", "addr-old", "alive", before)
+    net.send("p1", [Send("addr3", "p3", Ping(999_997, "addr1", (stale,)))])
+    net.run_until(net.now + 5.0)
+    assert not [e for e in victim.drain_events() if e.kind == "duplicate"]
+
+
 def test_a_partitioned_swarm_re_merges_after_healing():
     net = _swarm(8, seed=5)
     peers = list(net.nodes)
