@@ -239,11 +239,12 @@ class MembershipTable:
     def _apply_about_self(self, u: MemberUpdate, now: float) -> bool:
         """A claim about this node. Returns True when it is wrong (the sender needs our record).
 
-        "Alive at our incarnation or a newer one (its start time), at another address" is what
-        a second node started with this node's identity spreads about itself: said (a duplicate event), not fought over
-        (raising our incarnation above it would start a race between the two).
+        "Alive at a newer incarnation (a later start time), at another address" is what a
+        second node started with this node's identity spreads about itself: said (a duplicate
+        event), not fought over (raising our incarnation above it would start a race between
+        the two).
         """
-        if (u.state == "alive" and u.incarnation >= self.incarnation
+        if (u.state == "alive" and u.incarnation > self.incarnation
                 and u.address != self.self_address):  # fmt: skip
             self._events.append(MembershipEvent("duplicate", self.self_id, u.incarnation, now,
                                                 u.address))  # fmt: skip
