@@ -43,7 +43,8 @@ def _load(field: str, path: Path, load: Callable[[Path], T]) -> T:
     try:
         return load(path)
     except (KeyFileError, OSError, ValueError) as exc:
-        raise ConfigError(f"{field} = {str(path)!r}: {exc}") from exc
+        said = str(exc).removeprefix(f"{path}: ")  # (the path is said once, with the field)
+        raise ConfigError(f"{field} = {str(path)!r}: {said}") from exc
 
 
 def _warn_if_readable(path: Path) -> None:

@@ -206,4 +206,4 @@ def test_a_bad_identity_key_is_one_line_naming_the_field(tmp_path, capsys, kind)
     assert main(["node", "run", "--config", str(tmp_path / "node.toml")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "Traceback" not in err[0]
-    assert f"identity.key = '{key}'" in err[0]
+    assert f"identity.key = '{key}'" in err[0] and err[0].count(str(key)) == 1  # (said twice)
