@@ -278,9 +278,8 @@ class Node:
                 self._prepared = await trio.to_thread.run_sync(self._build_training)
             except BaseException:
                 self._release_state()
-                if self.metrics is not None:
-                    self.metrics.close()
-                    self.metrics = None
+                self._close_metrics()
+                self.metrics = None  # (a prepare() tried again starts it again)
                 raise
 
     def _warn_unused_settings(self) -> None:
@@ -303,9 +302,7 @@ class Node:
             if self._state_lock is None:
                 self._state_lock = self.state.lock()
         except OSError as exc:  # read-only, a file in the way, no permission, no space
-            why = exc.strerror or str(exc)
-            raise ConfigError(f"state.dir = {str(self.state.root)!r}: cannot keep the node's "
-                              f"state there: {why}") from None  # fmt: skip
+            raise self._state_dir_error(exc) from None
 
     def _warn_if_state_moved(self) -> None:
         """The default state.dir followed the working directory before 2026-12-03; it is the
@@ -320,6 +317,10 @@ class Node:
                         hint="checkpoints lie in ./state of the working directory, not in "
                         "state.dir (the default is now relative to the config file): set "
                         f"state.dir = {str(old)!r} to resume from them")  # fmt: skip
+
+    def _close_metrics(self) -> None:
+        if self.metrics is not None:  # (kept: its port stays readable after the node stopped)
+            self.metrics.close()
 
     def _release_state(self) -> None:
         if self._state_lock is not None:
@@ -394,11 +395,9 @@ class Node:
                     await self._serve(task_status, task, trainer, ckpt, store, transport,
                                       membership)  # fmt: skip
                 finally:
-                    if self.metrics is not None:
-                        self.metrics.close()
+                    self._close_metrics()
         except ListenError as exc:  # an operator's mistake, said as one: in use, not ours
-            if self.metrics is not None:
-                self.metrics.close()
+            self._close_metrics()
             raise ConfigError(f"network.listen = {cfg.network.listen!r}: {exc}") from None
         log.info("node_stopped", step=trainer.step)
 
@@ -507,8 +506,11 @@ class Node:
         try:
             write_atomically(self.state.node_info, json.dumps(info).encode())
         except OSError as exc:  # a full disk at start: one line, not a traceback
-            raise ConfigError(f"state.dir = {str(self.state.root)!r}: cannot keep the node's "
-                              f"state there: {exc.strerror or exc}") from None  # fmt: skip
+            raise self._state_dir_error(exc) from None
+
+    def _state_dir_error(self, exc: OSError) -> ConfigError:
+        return ConfigError(f"state.dir = {str(self.state.root)!r}: cannot keep the node's "
+                           f"state there: {exc.strerror or exc}")  # fmt: skip
 
 
 @asynccontextmanager
