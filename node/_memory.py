@@ -4,14 +4,14 @@
 # exceeds limits.memory_gb is refused with the figures, never discovered by the OOM killer later.
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import dataclasses
 import os
 import resource
 import sys
 from dataclasses import dataclass
 
+from ._allocator import release_free_memory as release_free_memory
+from ._allocator import tune_allocator as tune_allocator
 from ._config import ConfigError, NodeConfig
 from .algorithms import CHUNKS_IN_FLIGHT, AlgorithmSpec
 from .training import Trainer
@@ -166,37 +166,3 @@ def reset_peak_rss() -> bool:
     return True
 
 
-M_TRIM_THRESHOLD, M_MMAP_THRESHOLD, M_ARENA_MAX = -1, -3, -8  # glibc's mallopt parameters
-MMAP_THRESHOLD = 16 << 20  # blocks above this are mapped and unmapped (a model's tensors)
-TRIM_THRESHOLD = 64 << 20  # free memory an arena keeps at its top for the next step's tensors
-_tuned = False
-
-
-def tune_allocator() -> bool:
-    """Set glibc's malloc for a training process that streams models (Linux only; idempotent).
-
-    With glibc's defaults the mmap threshold grows to the largest block freed so far and every
-    thread gets its own arena, so a model stream's buffers pile up in arenas: measured on a
-    100M-parameter exchange, a node's peak went from 5.3 to 6.8 model copies. A fixed mmap
-    threshold (blocks above 16 MiB, a model's big tensors, are mapped and given back when freed)
-    and at most 2 arenas keep it down. Blocks below it (chunk buffers, a small layer's gradients)
-    come from the arenas, which keep up to 64 MiB free at their top: a 1 MiB threshold without
-    that mapped every step's gradients and optimizer temporaries afresh, and the page faults
-    made a 1.1M-parameter MLP's plain training loop 1.4x slower (bench_loop). Process-wide; the
-    node calls it at start.
-
-    Returns:
-        Whether the allocator was tuned (False off glibc).
-    """
-    global _tuned
-    if _tuned or not sys.platform.startswith("linux"):
-        return _tuned
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        mallopt = libc.mallopt
-    except (OSError, AttributeError):  # not glibc (musl has no mallopt)
-        return False
-    _tuned = (bool(mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD))
-              and bool(mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD))
-              and bool(mallopt(M_ARENA_MAX, 2)))  # fmt: skip
-    return _tuned

@@ -11,7 +11,14 @@ import torch
 import trio
 from _runtimes import model, poison, runtimes, same, step
 
-from geotrain.gossip import ClipRadius, NesterovOuter, average, pseudo_gradient, robust_average
+from geotrain.gossip import (
+    ClipRadius,
+    NesterovOuter,
+    average,
+    params_norm,
+    pseudo_gradient,
+    robust_average,
+)
 from geotrain.node.algorithms import diloco
 from geotrain.node.algorithms._stream import EncodedAssembly, encode_chunk, model_chunk
 from geotrain.node.algorithms.diloco import DeltaOffer, DeltaReply, DilocoSettings
@@ -496,3 +503,144 @@ async def test_an_offer_stalled_past_its_deadline_is_dropped_and_stands_for_noth
         await a.after_step(step(a, 2))
         assert "p1" not in a._incoming
         assert a.statistics().peer_deltas_used == 1  # b's update, from its replies
+
+
+async def _rounds_ending_together(in_place: bool, monkeypatch) -> dict:
+    # two nodes end two rounds at the same instant: offers and consensus swaps cross, each
+    # answered while the other's round start may hold its update
+    monkeypatch.setattr(diloco, "KEEP_UPDATE_BYTES", 0 if in_place else 2**40)
+    settings = {"diloco": DilocoSettings(inner_steps=2, consensus_every=1,
+                                         consensus_codec="none")}  # fmt: skip
+    seen = []
+    torch.manual_seed(0)
+    async with runtimes(2, chunk_numel=1000, params={"features": 4000, "samples": 64},
+                        **{**DILOCO, "algorithm_settings": settings}) as (net, nodes):
+        nodes[1].ctx.trainer.apply(lambda live: [t.add_(0.005) for t in live.values()])
+        nodes[1].model_replaced()  # (apart: the consensus swap moves them)
+        for node in nodes:
+            real = node._outer_step
+
+            async def outer_step(round_, delta, replies, partners, node=node, real=real):
+                seen.append(delta is node.start)  # our update where the round start was
+                await real(round_, delta, replies, partners)
+
+            node._outer_step = outer_step
+        for number in (2, 4):
+            for node in nodes:
+                for _ in range(2):
+                    node.ctx.trainer.train_step()
+            async with trio.open_nursery() as nursery:
+                for node in nodes:
+                    nursery.start_soon(node.after_step, step(node, number))
+        return {
+            "in_place": seen,
+            "starts": [{k: v.clone() for k, v in n.start.items()} for n in nodes],
+            "models": [model(n) for n in nodes],
+            "momenta": [{k: v.clone() for k, v in n.outer.buffers.items()} for n in nodes],
+            "stats": [n.statistics() for n in nodes],
+        }
+
+
+def _close(a: list[dict], b: list[dict], scale: float = 0.0) -> bool:
+    # to float32's rounding of the largest values (the round start is rebuilt as our update +
+    # the model, of magnitude `scale`: their sum's rounding is of the larger of the two)
+    def tolerance(x: dict) -> float:
+        return 2e-5 * max(scale, *(float(t.abs().max()) for t in x.values()))
+
+    return all(torch.allclose(x[k], y[k], rtol=0, atol=tolerance(x))
+               for x, y in zip(a, b, strict=True) for k in x)  # fmt: skip
+
+
+async def test_a_big_model_s_update_over_its_round_start_steps_as_a_copy_would(
+    autojump_clock, monkeypatch
+):
+    # a big model in the daemon writes its update over its round start (one model copy less at
+    # the round end); its outer steps, with consensus swaps answered meanwhile, are those of
+    # the copy a smaller model keeps
+    copied = await _rounds_ending_together(False, monkeypatch)
+    in_place = await _rounds_ending_together(True, monkeypatch)
+    assert copied["in_place"] == [False] * 4 and in_place["in_place"] == [True] * 4
+    assert copied["stats"] == in_place["stats"]
+    assert all(s.consensus_mixes == 2 and s.peer_deltas_used == 2 for s in copied["stats"])
+    for key in ("starts", "models", "momenta"):
+        assert _close(copied[key], in_place[key]), key
+    for start, live in zip(in_place["starts"], in_place["models"], strict=True):
+        assert same(start, live)
+
+
+async def _outer_step_with_held(in_place: bool, monkeypatch, rule: str) -> dict:
+    # three peers' updates (one long) and two partners' outer parameters held, partners silent
+    monkeypatch.setattr(diloco, "KEEP_UPDATE_BYTES", 0 if in_place else 2**40)
+    torch.manual_seed(1)
+    async with runtimes(2, chunk_numel=1000, params={"features": 4000, "samples": 64},
+                        robust=rule, **DILOCO) as (net, (a, _)):  # fmt: skip
+        net.cut("p0", "p1")
+        plan = a.plan(1000)
+        shapes = {n: t.shape for n, t in a.start.items()}
+        for j in range(3):
+            update = {n: torch.randn(s) * 0.01 * (1 + 4 * (j == 0)) for n, s in shapes.items()}
+            a.inbox[f"q{j}"] = (1, _encoded(update, plan, "int8"))
+        for j in range(2):
+            outer = {n: t + torch.randn(t.shape) * 0.1 for n, t in a.start.items()}
+            a.consensus[f"r{j}"] = (0, _encoded(outer, plan, "none"))
+        for _ in range(2):
+            a.ctx.trainer.train_step()
+        await a.after_step(step(a, 2))
+        assert a.statistics().peer_deltas_used == 3 and a.consensus_mixes == 2
+        return {"start": [a.start], "model": [model(a)], "momentum": [a.outer.buffers]}
+
+
+@pytest.mark.parametrize("rule", ["none", "clip", "trim"])
+async def test_an_outer_step_over_the_round_start_mixes_and_clips_as_a_copy_would(
+    autojump_clock, monkeypatch, rule
+):
+    copied = await _outer_step_with_held(False, monkeypatch, rule)
+    in_place = await _outer_step_with_held(True, monkeypatch, rule)
+    for key in copied:
+        assert _close(copied[key], in_place[key]), key
+
+
+async def test_a_round_end_cut_short_leaves_the_round_start_and_the_model_as_they_were(
+    autojump_clock, monkeypatch
+):
+    # the round start holds the update through an in-place round end: cancelled there (the
+    # node stopping), the start comes back, and a checkpoint then holds the true one
+    monkeypatch.setattr(diloco, "KEEP_UPDATE_BYTES", 0)
+    async with runtimes(2, **DILOCO) as (net, (a, b)):
+        net.cut("p0", "p1")  # b never answers: a's round end waits for its deadline
+        for _ in range(2):
+            a.ctx.trainer.train_step()
+        start, live = ({k: v.clone() for k, v in a.start.items()}, model(a))
+        with trio.move_on_after(0.01):
+            await a.after_step(step(a, 2))
+        assert not a._start_holds_delta and a.latest_delta is None
+        assert _close([a.start], [start]) and same(model(a), live)  # (start - live + live)
+        tensors, _ = a.state()
+        assert _close([{k: tensors[f"start/{k}"] for k in start}], [start])
+
+
+async def test_the_round_start_read_through_an_in_place_round_end_is_the_true_one(
+    autojump_clock, monkeypatch
+):
+    # partners' consensus swaps read our outer parameters (chunks, norm, distance) while our
+    # round start holds our update: they get the round start, not the update
+    monkeypatch.setattr(diloco, "KEEP_UPDATE_BYTES", 0)
+    async with runtimes(2, chunk_numel=1000, params={"features": 4000, "samples": 64},
+                        **DILOCO) as (net, (a, _)):  # fmt: skip
+        for _ in range(2):
+            a.ctx.trainer.train_step()
+        start = {k: v.clone() for k, v in a.start.items()}
+        scale = max(float(t.abs().max()) for t in model(a).values())  # (this task's steps are
+        # big: the model is ~50 by now, the start ~0.01)
+        delta, _ = a._round_end("none")
+        assert delta is a.start and a._start_holds_delta
+        assert a._start_norm() == pytest.approx(params_norm(start), rel=1e-5)
+        plan = a.plan(1000)
+        read = EncodedAssembly(plan, "none", torch.device("cpu"))
+        for i in range(len(plan)):
+            read.add(i, bytearray(a._start_chunk(plan, i, "none")))
+        assert _close([read.decoded()], [start], scale)
+        away = _encoded({k: v + 0.5 for k, v in start.items()}, plan, "none")
+        assert a._start_distance(away) == pytest.approx(0.5 * plan.numel**0.5, rel=1e-4)
+        a._restore_start()
+        assert _close([a.start], [start], scale) and not a._start_holds_delta

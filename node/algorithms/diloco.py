@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import functools
 import math
+import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import structlog
@@ -32,6 +34,7 @@ from geotrain.gossip import (
     trim_count,
 )
 
+from .._allocator import release_free_memory
 from .._config import check_field
 from ..training import StepResult
 from ..transport import U63, CodecSpec, ErrorReply, Header, PeerInfo, TransportError
@@ -55,6 +58,10 @@ Update = EncodedAssembly | Tensors  # a peer's update: as it came, or (tests) as
 
 class _Refused(Exception):
     """A partner answered an offer's chunk with something else than a chunk."""
+
+
+class _Stale(_Refused):
+    """Our update was asked for as the outer step wrote the next round start over it."""
 
 log = structlog.get_logger()
 
@@ -107,6 +114,7 @@ DENSE_CODECS = ("none", "fp16", "bf16", "int8", "int4")  # codecs that can carry
 # later); a bigger one drops it after its outer step (its encoded chunks, with a lossy codec,
 # still answer offers in that codec): a whole model held through every inner step otherwise
 KEEP_UPDATE_BYTES = 64 * 2**20
+SLICE = 1 << 20  # elements per step of the round start's reads while it holds our update
 
 
 @dataclass(frozen=True)
@@ -210,6 +218,14 @@ class Diloco(Algorithm):
         self.latest: tuple[int, list[bytes], str] = (0, [], "")
         self.latest_delta: Tensors | None = None
         self._keep_update = 4 * ctx.peers.numel <= KEEP_UPDATE_BYTES
+        # a big model whose training waits for the round end (the daemon's) writes its update
+        # over the round start (start - live: one model copy less at the round end, the
+        # peak) and takes the outer step from there; a loop of the user's own keeps stepping
+        # meanwhile, so it needs the live model at the round end, which the update copy keeps
+        self._in_place = not self._keep_update and not getattr(
+            ctx.trainer, "steps_beside_algorithm", True)
+        self._start_holds_delta = False  # self.start is our update now (start = it + live)
+        self._start_lock = threading.Lock()  # reads of self.start against its changes
         # peers' updates held as they came over the wire (a lossy codec's are a fraction of a
         # model), decoded a chunk at a time in the outer step
         self.inbox: dict[str, tuple[int, Update]] = {}
@@ -250,6 +266,9 @@ class Diloco(Algorithm):
         # (no copies: a checkpoint is written under the trainer's lock, and the round start and
         # outer momentum change only under it, in the outer step; two model copies saved)
         tensors = {f"start/{n}": t for n, t in self.start.items()}
+        if self._start_holds_delta:  # (not between steps: the round end restores it first)
+            live = self.ctx.trainer.params()
+            tensors = {f"start/{n}": t + live[n] for n, t in self.start.items()}
         tensors.update({f"momentum/{n}": t for n, t in self.outer.buffers.items()})
         tensors.update({f"ef/{n}": t for n, t in self.feedback.state_dict().items()})
         return tensors, {"round": self.round}
@@ -265,7 +284,63 @@ class Diloco(Algorithm):
         self.round = int(meta.get("round", 0))
 
     def model_replaced(self) -> None:
-        self.start = self.ctx.trainer.snapshot()
+        with self._start_lock:
+            self.start = self.ctx.trainer.snapshot()
+            self._start_holds_delta = False
+
+    # -- the round start, which holds our update through an in-place round end ---------------
+    def _start_norm(self) -> float:
+        """||round start|| (a worker thread): through an in-place round end, of our update +
+        the model, SLICE elements at a time."""
+        with self._start_lock:
+            if not self._start_holds_delta:
+                return params_norm(self.start)
+            live, total = self.ctx.trainer.params(), 0.0
+            for name, t in self.start.items():
+                flat, model = t.view(-1), live[name].reshape(-1)
+                for i in range(0, flat.numel(), SLICE):
+                    part = flat[i : i + SLICE] + model[i : i + SLICE]
+                    total += float(torch.linalg.vector_norm(part)) ** 2
+            return math.sqrt(total)
+
+    def _start_distance(self, other: Update, live: Tensors | None = None) -> float:
+        """||other - round start|| (a worker thread, or the outer step under the lock)."""
+        if not self._start_holds_delta:
+            return update_distance(other, self.start)
+        live = self.ctx.trainer.params() if live is None else live
+        total = 0.0
+        for name, offset, t in update_slices(other):
+            for i in range(0, t.numel(), SLICE):
+                at = slice(offset + i, offset + min(i + SLICE, t.numel()))
+                part = t[i : i + SLICE] - self.start[name].view(-1)[at]
+                part.sub_(live[name].reshape(-1)[at])
+                total += float(torch.linalg.vector_norm(part)) ** 2
+        return math.sqrt(total)
+
+    def _start_chunk(self, plan: ChunkPlan, index: int, spec: str) -> bytes:
+        """Chunk `index` of the round start (our outer parameters) in `spec` (a worker
+        thread)."""
+        with self._start_lock:
+            slices = model_chunk(self.start, plan, index)
+            if self._start_holds_delta:
+                live = self.ctx.trainer.params()
+                slices = [(c, t + live[c.name].reshape(-1)[c.start : c.stop]) for c, t in slices]
+            return encode_chunk(slices, spec)
+
+    def _restore_start(self) -> None:
+        """Leave an in-place round end that did not reach its outer step (cancelled, failed):
+        the round start again (start = our update + the model, which has not moved)."""
+        if not self._start_holds_delta:
+            return
+
+        def restore(live: Tensors) -> None:
+            with self._start_lock:
+                for name, t in self.start.items():
+                    t.add_(live[name])
+                self._start_holds_delta = False
+
+        self.ctx.trainer.update(restore)
+        self.latest, self.latest_delta = (0, [], ""), None
 
     def peer_disconnected(self, peer_id: str) -> None:
         """An offer `peer_id` was pushing to us will not be finished: free its slot now."""
@@ -296,7 +371,16 @@ class Diloco(Algorithm):
         """Our update of this round, and its chunks encoded once (error feedback applies once;
         codec none: no chunks kept, see `_chunk`)."""
         self._round_end_step = self.ctx.trainer.step
-        delta = self.ctx.trainer.update(lambda live: pseudo_gradient(self.start, live))
+
+        def over_start(live: Tensors) -> Tensors:  # in place: start - live, where start was
+            with self._start_lock:
+                for name, t in self.start.items():
+                    t.sub_(live[name])
+                self._start_holds_delta = True
+            return self.start
+
+        delta = self.ctx.trainer.update(
+            over_start if self._in_place else lambda live: pseudo_gradient(self.start, live))
         if spec == "none":
             return delta, []
         plan = self.plan(self.ctx.chunk_numel)
@@ -321,8 +405,16 @@ class Diloco(Algorithm):
             return chunks[index]
         delta = self.latest_delta
         assert delta is not None
-        return await self.ctx.to_thread(
-            lambda: encode_chunk(model_chunk(delta, plan, index), codec))
+
+        def encode() -> bytes:
+            if delta is not self.start:
+                return encode_chunk(model_chunk(delta, plan, index), codec)
+            with self._start_lock:  # (an in-place round end's update: until its outer step)
+                if not self._start_holds_delta:
+                    raise _Stale
+                return encode_chunk(model_chunk(delta, plan, index), codec)
+
+        return await self.ctx.to_thread(encode)
 
     def _offer_ended(self) -> None:
         """Wake a round end waiting for offers to us to arrive (see `_await_crossing`)."""
@@ -397,6 +489,18 @@ class Diloco(Algorithm):
         self.latest, self.latest_delta = (0, [], ""), None
         self._crossed.clear()
         self._drop_stalled(started)
+        try:
+            await self._end_round(round_, partners, spec)
+        finally:  # (an in-place round end cut short: the round start back, the model as it was)
+            self._restore_start()
+        # the chunk buffers freed (below the mmap threshold) back to the system, not kept
+        # through the inner steps beside the gradients
+        await ctx.to_thread(release_free_memory)
+        self._adapt(result.step, ctx.now() - started)
+
+    async def _end_round(self, round_: int, partners: list[str], spec: str) -> None:
+        """Our update made, offered to `partners`, and the outer step on what came."""
+        ctx = self.ctx
         delta, chunks = await ctx.to_thread(self._round_end, spec)
         self.latest, self.latest_delta = (round_, chunks, spec), delta
         replies: dict[str, tuple[int, Update | None]] = {}  # who answered (with its update)
@@ -425,7 +529,6 @@ class Diloco(Algorithm):
         if every and round_ % every == 0 and answered:
             await self._consensus_offer(ctx.rng.choice(answered))
         await self._outer_step(round_, delta, replies, partners)
-        self._adapt(result.step, ctx.now() - started)
 
     async def _outer_step(self, round_, delta, replies, partners) -> None:
         offered = {**self.inbox}
@@ -454,10 +557,9 @@ class Diloco(Algorithm):
             if drift:
                 for name, tensor in live.items():
                     tensor.sub_(self.start[name]).add_(delta[name])
-            # gossip.robust: peers' pseudo-gradients clipped around ours, or trimmed; the mean
-            # is written over the first peer's update (dropped after this step: no new copy)
-            if mixes:  # the outer step moves every start alike: average first, then step
-                self._consensus_mix(mixes)
+            # gossip.robust: peers' pseudo-gradients clipped around ours, or trimmed
+            # the outer step moves every start alike: average first, then step
+            self._mix(self.start, mixes, self._consensus_shares(mixes, self._start_distance))
             self._outer_update(delta, others, rule, radius)
             for name, tensor in live.items():
                 if drift:
@@ -465,9 +567,26 @@ class Diloco(Algorithm):
                 else:
                     tensor.copy_(self.start[name])
 
+        def step_in_place(live: Tensors) -> None:
+            # self.start holds our update (start - live); the model waited for the round end
+            if self.ctx.trainer.step != self._round_end_step:
+                raise RuntimeError("diloco: the model stepped during an in-place round end")
+            shares = self._consensus_shares(mixes, lambda o: self._start_distance(o, live))
+            for name, tensor in live.items():  # the round start, made where the model is
+                tensor.add_(self.start[name])
+            self._mix(live, mixes, shares)
+            self._outer_update(self.start, others, rule, radius, live)
+            for name, tensor in self.start.items():  # the next round's start
+                tensor.copy_(live[name])
+            self._start_holds_delta = False
+
+        def locked(live: Tensors) -> None:
+            with self._start_lock:
+                (step_in_place if self._start_holds_delta else step)(live)
+
         self._stepping = True
         try:
-            await self.ctx.to_thread(lambda: self.ctx.trainer.apply(step))
+            await self.ctx.to_thread(lambda: self.ctx.trainer.apply(locked))
         finally:
             self._stepping = False
         self.consensus_mixes += len(mixes)
@@ -495,32 +614,41 @@ class Diloco(Algorithm):
             inner_steps=self.inner_steps,
         )
 
-    def _consensus_mix(self, mixes: dict[str, Update]) -> None:
-        """Average partners' outer parameters into ours, each difference clipped around ours
-        (gossip.clipped_neighbourhood_mix with equal weights), a slice of one partner's at a
-        time: start' = (1 - sum_j c_j) start + sum_j c_j x_j, c_j = w s_j (no copy of start)."""
-        start = self.start
+    def _consensus_shares(self, mixes: dict[str, Update],
+                          distance: Callable[[Update], float]) -> list[float]:  # fmt: skip
+        """Each partner's share c_j = w s_j in the consensus average: equal weights w, its
+        difference from our outer parameters (`distance`) clipped around ours (as
+        gossip.clipped_neighbourhood_mix)."""
         weight, radius = 1.0 / (len(mixes) + 1), self._consensus_radius
         shares = []
         for other in mixes.values():
-            distance = update_distance(other, start)
-            shares.append(weight * clip_scale(distance, radius.radius(distance)))
+            d = distance(other)
+            shares.append(weight * clip_scale(d, radius.radius(d)))
+        return shares
+
+    @staticmethod
+    def _mix(target: Tensors, mixes: dict[str, Update], shares: list[float]) -> None:
+        """Average partners' outer parameters into `target` (ours), a slice of one partner's
+        at a time: target' = (1 - sum_j c_j) target + sum_j c_j x_j (no copy of target)."""
+        if not mixes:
+            return
         with torch.no_grad():
-            for t in start.values():
+            for t in target.values():
                 t.mul_(1.0 - sum(shares))
             for other, share in zip(mixes.values(), shares, strict=True):
                 for name, offset, t in update_slices(other):
-                    start[name].view(-1)[offset : offset + t.numel()].add_(t, alpha=share)
+                    target[name].view(-1)[offset : offset + t.numel()].add_(t, alpha=share)
 
     def _outer_update(self, delta: Tensors, others: list[Update], rule: str,
-                      radius: ClipRadius) -> None:  # fmt: skip
-        """The outer step on the robust mean of our update and the peers' (gossip.robust:
-        clipped around ours, or trimmed), a slice of one update at a time: the mean is never
-        held whole, nor a peer's update decoded whole (but for a trimmed mean, which needs every
-        update's value of a coordinate at once)."""
+                      radius: ClipRadius, target: Tensors | None = None) -> None:  # fmt: skip
+        """The outer step of `target` (the round start when None) on the robust mean of our
+        update and the peers' (gossip.robust: clipped around ours, or trimmed), a slice of one
+        update at a time: the mean is never held whole, nor a peer's update decoded whole (but
+        for a trimmed mean, which needs every update's value of a coordinate at once)."""
+        target = self.start if target is None else target
         if rule == "trim" and trim_count(len(others) + 1):
             whole = [o.decoded() if isinstance(o, EncodedAssembly) else o for o in others]
-            self.outer.step(self.start, robust_average(delta, whole, rule, radius))
+            self.outer.step(target, robust_average(delta, whole, rule, radius))
             return
 
         scales = robust_scales([functools.partial(update_distance, o, delta) for o in others],
@@ -528,12 +656,12 @@ class Diloco(Algorithm):
         share = 1.0 / (len(others) + 1)
         # mean = own + sum_j share s_j (x_j - own) = (1 - share sum_j s_j) own + sum_j share s_j x_j
         own = 1.0 - share * sum(scales)
-        self.outer.begin(self.start)
+        self.outer.begin(target)
         for name, t in delta.items():
-            self.outer.add(self.start, name, t, own)
+            self.outer.add(target, name, t, own)
         for other, scale in zip(others, scales, strict=True):
             for name, offset, t in update_slices(other):
-                self.outer.add(self.start, name, t, share * scale, offset)
+                self.outer.add(target, name, t, share * scale, offset)
 
     async def _consensus_offer(self, peer: str) -> None:
         """Swap outer parameters with `peer` chunk by chunk and keep its for our outer step (it
@@ -545,12 +673,11 @@ class Diloco(Algorithm):
         spec, plan, made = ctx.settings.consensus_codec, self.plan(ctx.chunk_numel), self.round
         xid = ctx.rng.getrandbits(63)
         theirs = EncodedAssembly(plan, spec, ctx.trainer.task_device)
-        mine = self.start
         started, moved, their_round = ctx.now(), [0], []
         deadline = ctx.peers.round_deadline(peer, 2 * ctx.peers.payload_nbytes(spec), started)
 
         async def one(index: int) -> None:
-            data = await ctx.to_thread(lambda: encode_chunk(model_chunk(mine, plan, index), spec))
+            data = await ctx.to_thread(self._start_chunk, plan, index, spec)
             header = OuterOffer(codec=spec, round=made, xid=xid, plan=plan.digest,
                                 chunk_numel=plan.chunk_numel, chunks=len(plan), index=index)
             reply, got, _ = await ctx.network.request(address, header, data, deadline_s=deadline,
@@ -566,7 +693,7 @@ class Diloco(Algorithm):
                 await in_window(range(len(plan)), one)
             if not theirs.complete:
                 raise _Refused("no complete answer within the deadline")
-            await ctx.to_thread(self._check_norm, theirs, mine)
+            await ctx.to_thread(self._check_norm, theirs, True)
         except (TransportError, _Refused) as exc:
             log.info("consensus_skipped", partner=peer[:12], reason=str(exc))
             return
@@ -578,14 +705,14 @@ class Diloco(Algorithm):
         if self.round == made:  # (nothing replaced our model meanwhile)
             self.consensus[peer] = (max(their_round), theirs)
 
-    def _check_norm(self, update: EncodedAssembly, ours: Tensors | None = None) -> None:
+    def _check_norm(self, update: EncodedAssembly, start: bool = False) -> None:
         """A peer's complete update or outer parameters (its chunks checked as they came)
-        against the norm of `ours` (our model when None; a worker thread).
+        against the norm of our model, or of our outer parameters (`start`; a worker thread).
 
         Raises:
             RejectedUpdate: "norm".
         """
-        mine = params_norm(self.ctx.trainer.params() if ours is None else ours)
+        mine = self._start_norm() if start else params_norm(self.ctx.trainer.params())
         check_norm_ratio(update.norm, mine, max_norm_ratio=self.ctx.gossip.max_norm_ratio)
 
     def _rejected_from(self, peer: str, spec: str, exc: Exception) -> None:
@@ -694,7 +821,10 @@ class Diloco(Algorithm):
             answering = self._answering[peer.peer_id] = (header.xid, 0 if none else round_)
         if answering[1] == 0 or not available:  # none, or none it lacks
             return DeltaReply(round=0), b""
-        return DeltaReply(round=round_), await self._chunk(plan, header.index, header.codec)
+        try:
+            return DeltaReply(round=round_), await self._chunk(plan, header.index, header.codec)
+        except _Stale:  # our outer step took it meanwhile: as if our round had ended (none)
+            return DeltaReply(round=0), b""
 
     async def _answer_outer(self, peer: PeerInfo, header: OuterOffer, payload: memoryview) -> Reply:
         """One chunk of a partner's outer parameters for ours; kept for our next outer step when
@@ -720,11 +850,11 @@ class Diloco(Algorithm):
                 return ErrorReply(code="busy", reason="answering another consensus offer"), b""
             held = self._outer_in = (peer.peer_id, header.xid, self.round,
                                      EncodedAssembly(plan, header.codec, ctx.trainer.task_device))
-        assembly, mine = held[3], self.start
+        assembly = held[3]
         try:
             if await ctx.to_thread(assembly.add, header.index, payload):
                 self._outer_in = None
-                await ctx.to_thread(self._check_norm, assembly, mine)
+                await ctx.to_thread(self._check_norm, assembly, True)
                 if held[2] == self.round:  # (our outer parameters are still those it saw)
                     self.consensus[peer.peer_id] = (header.round, assembly)
         except (RejectedUpdate, compress.DecodeError, ValueError) as exc:
@@ -732,8 +862,7 @@ class Diloco(Algorithm):
             self.counters.record_rejected(peer.peer_id, header.codec, exc)
             log.warning("update_rejected", peer=peer.short_id, reason=str(exc))
             return ErrorReply(code="bad_request", reason=f"update rejected: {exc}"[:500]), b""
-        data = await ctx.to_thread(
-            lambda: encode_chunk(model_chunk(mine, plan, header.index), header.codec))
+        data = await ctx.to_thread(self._start_chunk, plan, header.index, header.codec)
         return OuterReply(round=self.round), data
 
     async def _take(self, peer: str, header: DeltaOffer, payload: memoryview, plan) -> None:

@@ -63,6 +63,8 @@ class LoopTrainer(OptimizerSync):
     """
 
     overran_steps = 0  # compute emulation pads the daemon's steps only, never the user's loop
+    # the user's loop keeps stepping while the algorithm's after_step runs (the daemon's waits)
+    steps_beside_algorithm = True
 
     def __init__(
         self,

@@ -57,6 +57,8 @@ class Trainer(LoopTrainer):
         sleep: the function used for that wait (tests pass a fake).
     """
 
+    steps_beside_algorithm = False  # the driver steps only after after_step returns
+
     def __init__(
         self,
         task: Task,
