@@ -34,7 +34,7 @@ from geotrain.gossip import (
     trim_count,
 )
 
-from .._allocator import release_free_memory
+from .._allocator import RELEASE_ABOVE_BYTES, release_free_memory
 from .._config import check_field
 from ..training import StepResult
 from ..transport import U63, CodecSpec, ErrorReply, Header, PeerInfo, TransportError
@@ -493,9 +493,9 @@ class Diloco(Algorithm):
             await self._end_round(round_, partners, spec)
         finally:  # (an in-place round end cut short: the round start back, the model as it was)
             self._restore_start()
-        # the chunk buffers freed (below the mmap threshold) back to the system, not kept
-        # through the inner steps beside the gradients
-        await ctx.to_thread(release_free_memory)
+        if 4 * ctx.peers.numel > RELEASE_ABOVE_BYTES:  # the chunk buffers freed (below the
+            # mmap threshold) back to the system, not kept through the inner steps
+            await ctx.to_thread(release_free_memory)
         self._adapt(result.step, ctx.now() - started)
 
     async def _end_round(self, round_: int, partners: list[str], spec: str) -> None:
