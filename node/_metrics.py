@@ -8,17 +8,28 @@
 from __future__ import annotations
 
 import re
+import socket
 import threading
 from collections.abc import Callable, Iterator, Mapping
+from wsgiref.simple_server import WSGIRequestHandler, make_server
 
-from prometheus_client import start_http_server
+import structlog
+from prometheus_client import make_wsgi_app
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.exposition import ThreadingWSGIServer
 from prometheus_client.registry import CollectorRegistry
 
 from ._config import ConfigError
 from .state import NodeStatus, PeerStatus
 
 MAX_PEER_SERIES = 16
+# Scrapes served at once (one thread each), and how long a connection may stay silent: more
+# connections than this are closed at once, so a client that opens hundreds and sends nothing
+# costs the node neither threads nor memory, only the scrapes that come meanwhile
+MAX_SCRAPES = 8
+SCRAPE_TIMEOUT_S = 10.0
+
+log = structlog.get_logger()
 
 
 class NodeCollector:
@@ -225,19 +236,83 @@ def _peers(s: NodeStatus, labels: PeerLabels) -> Iterator:
     yield codec
 
 
+class _QuietHandler(WSGIRequestHandler):
+    timeout = SCRAPE_TIMEOUT_S  # (a silent connection's read fails after this and it closes)
+
+    def log_message(self, format: str, *args) -> None:  # noqa: A002 (the base's signature)
+        """No line per request on stderr (the node logs through structlog)."""
+
+
+class _BoundedServer(ThreadingWSGIServer):
+    """prometheus_client's threaded WSGI server with at most MAX_SCRAPES connections served at
+    once; the others are closed unanswered and counted (`refused`)."""
+
+    request_queue_size = 64  # (connections waiting to be served or refused)
+
+    def __init__(self, *args, **kwargs) -> None:
+        self._slots = threading.BoundedSemaphore(MAX_SCRAPES)
+        self.refused = 0
+        super().__init__(*args, **kwargs)
+
+    def process_request(self, request, client_address) -> None:
+        if not self._slots.acquire(blocking=False):
+            self.refused += 1
+            if (self.refused & (self.refused - 1)) == 0:  # 1, 2, 4, 8...: said, not flooded
+                log.warning("metrics_connections_refused", refused=self.refused,
+                            limit=MAX_SCRAPES)  # fmt: skip
+            self.shutdown_request(request)
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self._slots.release()
+            raise
+
+    def process_request_thread(self, request, client_address) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
+
+    def handle_error(self, request, client_address) -> None:
+        """A client that went away or stayed silent: nothing to print."""
+
+
+def _family(host: str, port: int) -> socket.AddressFamily:
+    """IPv6 for an IPv6 host, else IPv4."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror:
+        return socket.AF_INET
+    return infos[0][0] if infos else socket.AF_INET
+
+
 class MetricsServer:
-    """The HTTP endpoint (prometheus_client's server, in its own thread) for one collector."""
+    """The HTTP endpoint (prometheus_client's WSGI app, served in its own thread, at most
+    MAX_SCRAPES connections at once) for one collector."""
 
     def __init__(self, listen: str, collector: NodeCollector) -> None:
         host, _, port = listen.rpartition(":")
+        host = host.strip("[]")  # ([::1]:9400)
         self.registry = CollectorRegistry()
         self.registry.register(collector)
+        server_class = type("_Server", (_BoundedServer,),
+                            {"address_family": _family(host, int(port))})  # fmt: skip
         try:
-            self._server, self._thread = start_http_server(int(port), host, self.registry)
+            self._server = make_server(host, int(port), make_wsgi_app(self.registry),
+                                       server_class, handler_class=_QuietHandler)  # fmt: skip
         except OSError as exc:
             raise ConfigError(f"metrics.listen = {listen!r}: cannot listen there ({exc.strerror})"
                               ) from exc  # fmt: skip
+        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True,
+                                        name="geotrain-metrics")  # fmt: skip
+        self._thread.start()
         self.port = self._server.server_port
+
+    @property
+    def refused(self) -> int:
+        """Connections closed unanswered because MAX_SCRAPES were being served."""
+        return self._server.refused
 
     def close(self) -> None:
         self._server.shutdown()

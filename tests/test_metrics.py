@@ -354,3 +354,46 @@ def test_the_metrics_file_is_rotated_past_its_size_keeping_one_old_file(tmp_path
     old = [json.loads(x)["t"] for x in (tmp_path / "metrics.jsonl.1").read_text().splitlines()]
     assert lines and old and old[-1] + 1 == lines[0] and lines[-1] == 9  # nothing lost between
     assert path.stat().st_size < 200 + 100 and len(list(tmp_path.iterdir())) == 2
+
+
+class _OneGauge:
+    def collect(self):
+        from prometheus_client.core import GaugeMetricFamily
+
+        yield GaugeMetricFamily("geotrain_up", "a gauge", value=1.0)
+
+
+def test_idle_connections_to_the_metrics_port_cost_no_thread_each():
+    # a client that opens hundreds of connections and sends nothing: the node serves at most
+    # MAX_SCRAPES at once (one thread each) and closes the rest at once; a silent one is closed
+    # after SCRAPE_TIMEOUT_S (10 s); once they are gone, scrapes are answered again
+    import threading
+    import time
+
+    from geotrain.node import _metrics
+
+    server = _metrics.MetricsServer("127.0.0.1:0", _OneGauge())
+    before = threading.active_count()
+    idle = []
+    try:
+        for _ in range(200):
+            idle.append(socket.create_connection(("127.0.0.1", server.port), timeout=5))
+        deadline = time.monotonic() + 10
+        while server.refused < 200 - _metrics.MAX_SCRAPES and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert server.refused == 200 - _metrics.MAX_SCRAPES
+        assert threading.active_count() <= before + _metrics.MAX_SCRAPES
+        idle[-1].settimeout(5)
+        assert idle[-1].recv(1) == b""  # (refused: closed unanswered)
+        idle[0].settimeout(_metrics.SCRAPE_TIMEOUT_S + 10)
+        assert idle[0].recv(1) == b""  # (served, silent: closed after the timeout)
+        for s in idle:
+            s.close()
+        deadline = time.monotonic() + 10
+        while threading.active_count() > before and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert scrape(server.port)[("geotrain_up", ())] == 1.0
+    finally:
+        for s in idle:
+            s.close()
+        server.close()

@@ -304,7 +304,7 @@ class Diloco(Algorithm):
             return math.sqrt(total)
 
     def _start_distance(self, other: Update, live: Tensors | None = None) -> float:
-        """||other - round start|| (a worker thread, or the outer step under the lock)."""
+        """||other - round start||, a slice at a time (the outer step, under the lock)."""
         if not self._start_holds_delta:
             return update_distance(other, self.start)
         live = self.ctx.trainer.params() if live is None else live
