@@ -167,3 +167,19 @@ def test_status_from_an_address_needs_a_config(capsys):
 
     assert main(["status", "--node", "tcp://127.0.0.1:9"]) == 1
     assert "needs --config" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("level", [None, "info"])
+def test_status_prints_no_log_lines_of_its_own_transport_unless_asked(tmp_path, capsys, level):
+    # `geotrain status --node tcp://...` opens a transport of its own to ask: its start is no
+    # news to someone reading a status (warnings and errors still show)
+    from geotrain.node.cli._main import main
+
+    Identity.generate().save(tmp_path / "client.key")
+    (tmp_path / "client.toml").write_text(CONFIG.replace('"unused"', '"client.key"'))
+    argv = ["status", "--node", "tcp://127.0.0.1:9", "--config", str(tmp_path / "client.toml"),
+            "--timeout", "1"]  # fmt: skip
+    assert main(([] if level is None else ["--log-level", level]) + argv) == 1
+    err = capsys.readouterr().err
+    assert ("transport_listening" in err) == (level == "info"), err
+    assert "127.0.0.1:9" in err  # (the failure is said)

@@ -58,8 +58,9 @@ def build_parser(commands: Sequence[Register] | None = None) -> argparse.Argumen
     parser.add_argument(
         "--log-level",
         choices=LOG_LEVELS,
-        default="info",
-        help="lowest level logged (default: info)",
+        default=None,
+        help="lowest level logged (default: info; warning for `status`, whose result is its "
+        "output)",
     )
     parser.add_argument(
         "--log-format",
@@ -84,7 +85,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         sys.path.append(os.getcwd())
     parser = build_parser()
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
-    configure_logging(args.log_level, args.log_format)
+    configure_logging(args.log_level or getattr(args, "log_level_default", "info"),
+                      args.log_format)  # fmt: skip
     handler = getattr(args, "handler", None)
     if handler is None:
         parser.print_help()

@@ -193,4 +193,5 @@ def register_status(sub: argparse._SubParsersAction) -> None:
         metavar="S",
         help=f"with --watch: seconds between refreshes (default {WATCH_INTERVAL_S:g})",
     )
-    p.set_defaults(handler=status)
+    # (its own transport's start and handshakes are no news to someone reading a status)
+    p.set_defaults(handler=status, log_level_default="warning")
