@@ -14,11 +14,12 @@ LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 LOG_FORMATS: tuple[LogFormat, ...] = ("auto", "console", "json")
 
 
-def configure_logging(level: str, fmt: LogFormat, stream: TextIO | None = None) -> str:
+def configure_logging(level: str | None, fmt: LogFormat, stream: TextIO | None = None) -> str:
     """Configure structlog for this process.
 
     Args:
-        level: one of LOG_LEVELS.
+        level: one of LOG_LEVELS; None: info (`--log-level` not given to a command that has no
+            default of its own).
         fmt: "console" (human readable), "json" (one JSON object per line) or "auto" (console when
             `stream` is a terminal, JSON lines otherwise).
         stream: where log lines go; standard error by default, so that standard output stays free
@@ -30,6 +31,7 @@ def configure_logging(level: str, fmt: LogFormat, stream: TextIO | None = None) 
     Raises:
         ValueError: unknown level or format.
     """
+    level = "info" if level is None else level
     if level not in LOG_LEVELS:
         raise ValueError(f"log level {level!r}: expected one of {', '.join(LOG_LEVELS)}")
     if fmt not in LOG_FORMATS:

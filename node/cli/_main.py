@@ -85,7 +85,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         sys.path.append(os.getcwd())
     parser = build_parser()
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
-    configure_logging(args.log_level or getattr(args, "log_level_default", "info"),
+    configure_logging(args.log_level or getattr(args, "log_level_default", None),
                       args.log_format)  # fmt: skip
     handler = getattr(args, "handler", None)
     if handler is None:
