@@ -278,6 +278,19 @@ class _BoundedServer(ThreadingWSGIServer):
         """A client that went away or stayed silent: nothing to print."""
 
 
+class _RefusedConnections:
+    """geotrain_metrics_connections_refused_total: the endpoint's own refusals."""
+
+    def __init__(self, server: _BoundedServer) -> None:
+        self._server = server
+
+    def collect(self) -> Iterator:
+        yield CounterMetricFamily(
+            "geotrain_metrics_connections_refused",
+            f"connections to this endpoint closed unanswered ({MAX_SCRAPES} were being served)",
+            value=self._server.refused)
+
+
 def _family(host: str, port: int) -> socket.AddressFamily:
     """IPv6 for an IPv6 host, else IPv4."""
     try:
@@ -304,6 +317,7 @@ class MetricsServer:
         except OSError as exc:
             raise ConfigError(f"metrics.listen = {listen!r}: cannot listen there ({exc.strerror})"
                               ) from exc  # fmt: skip
+        self.registry.register(_RefusedConnections(self._server))
         self._thread = threading.Thread(target=self._server.serve_forever, daemon=True,
                                         name="geotrain-metrics")  # fmt: skip
         self._thread.start()

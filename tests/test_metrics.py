@@ -392,7 +392,9 @@ def test_idle_connections_to_the_metrics_port_cost_no_thread_each():
         deadline = time.monotonic() + 10
         while threading.active_count() > before and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert scrape(server.port)[("geotrain_up", ())] == 1.0
+        numbers = scrape(server.port)
+        assert numbers[("geotrain_up", ())] == 1.0
+        assert numbers[("geotrain_metrics_connections_refused_total", ())] == server.refused
     finally:
         for s in idle:
             s.close()
