@@ -158,12 +158,18 @@ class Swarm:
         self.close()
 
 
-class SwarmOptimizer:
+class SwarmOptimizer(torch.optim.Optimizer):
     """The user's optimizer inside a swarm: `step()` is the optimizer's step, then the mixes that
     arrived meanwhile, then the swarm is told (exchanges start per the algorithm, in the
-    background). Everything else (zero_grad, param_groups, state_dict, ...) is the optimizer's."""
+    background). Everything else (zero_grad, param_groups, state_dict, ...) is the optimizer's.
+
+    An Optimizer to torch and to other libraries (a learning-rate scheduler built on it after
+    `wrap`, an isinstance check), without Optimizer's own state: its constructor is not run, and
+    each of its methods but `step` is the wrapped optimizer's.
+    """
 
     def __init__(self, swarm: Swarm, optimizer: torch.optim.Optimizer, scheduler: Any) -> None:
+        # (no super().__init__: the parameters, groups, state and hooks are the optimizer's)
         self._swarm = swarm
         self.optimizer = optimizer
         self.scheduler = scheduler
@@ -184,8 +190,35 @@ class SwarmOptimizer:
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.optimizer.zero_grad(set_to_none=set_to_none)
 
-    def __getattr__(self, name: str) -> Any:
+    def state_dict(self) -> dict[str, Any]:
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.optimizer.load_state_dict(state_dict)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        self.optimizer.add_param_group(param_group)
+
+    def __getattr__(self, name: str) -> Any:  # (what Optimizer's class does not define)
         return getattr(self.optimizer, name)
+
+    def __repr__(self) -> str:
+        return f"SwarmOptimizer({self.optimizer!r})"
+
+    def __getstate__(self) -> dict[str, Any]:
+        raise TypeError("a SwarmOptimizer is not picklable (it holds a swarm): pickle its "
+                        "`optimizer`, or save state_dict()")  # fmt: skip
+
+
+for _name in ("register_step_pre_hook", "register_step_post_hook",
+              "register_state_dict_pre_hook", "register_state_dict_post_hook",
+              "register_load_state_dict_pre_hook", "register_load_state_dict_post_hook"):
+    def _delegate(self, *args, _name=_name, **kwargs):
+        return getattr(self.optimizer, _name)(*args, **kwargs)
+
+    _delegate.__name__ = _name
+    _delegate.__doc__ = f"The wrapped optimizer's {_name}."
+    setattr(SwarmOptimizer, _name, _delegate)
 
 
 def join(

@@ -384,6 +384,30 @@ def test_a_node_that_stops_by_itself_is_an_error_at_the_next_step(tmp_path):
     swarm.close()
 
 
+def test_a_scheduler_built_on_the_wrapped_optimizer_schedules_it(tmp_path):
+    # a script that wraps first and builds its schedule (or anything that checks for a torch
+    # Optimizer) on what wrap returned: torch refused it ("SwarmOptimizer is not an Optimizer")
+    model = make_model()
+    swarm = joined(tmp_path, "a", model, "training.wait_for_peers=0")
+    try:
+        sgd = torch.optim.SGD(model.parameters(), lr=0.1)
+        opt = swarm.wrap(sgd)
+        assert isinstance(opt, torch.optim.Optimizer)
+        schedule = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+        stepped = []
+        opt.register_step_post_hook(lambda *_: stepped.append(1))
+        for _ in range(3):
+            opt.zero_grad()
+            model(torch.randn(4, 8)).sum().backward()
+            opt.step()
+            schedule.step()
+        assert sgd.param_groups[0]["lr"] == pytest.approx(0.1 * 0.5**3)
+        assert len(stepped) == 3 and opt.state_dict() == sgd.state_dict()
+        assert swarm.step == 3
+    finally:
+        swarm.close()
+
+
 def test_a_loops_step_time_is_its_whole_iteration():
     import time
 
