@@ -56,6 +56,15 @@ class Codec:
     inner_allowed: ClassVar[tuple[str, ...]] = ()
 
     @property
+    def contractive(self) -> bool:
+        """Whether what the codec drops never exceeds what it compresses (||C(x) - x|| <= ||x||,
+        in expectation for a random one), as error feedback and averaging whole models need.
+        Unbiased codecs that scale up what they keep (qsgd, randk) are not; a codec with an inner
+        one is when both are."""
+        inner = getattr(self, "inner", None)
+        return inner is None or inner.contractive
+
+    @property
     def spec(self) -> str:
         """Canonical spec string; `get_codec(c.spec) == c`."""
         parts = []

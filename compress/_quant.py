@@ -291,6 +291,7 @@ class QSGD(_Blockwise):
 
     levels: int = 16
     bucket: int = 512
+    contractive: ClassVar[bool] = False  # (its noise grows past the values with few levels)
     name: ClassVar[str] = "qsgd"
     codec_id: ClassVar[int] = 5
     params: ClassVar[dict[str, type]] = {"levels": int, "bucket": int}

@@ -269,6 +269,12 @@ class RandK(Codec):
     codec_id: ClassVar[int] = 7
     params: ClassVar[dict[str, type]] = {"fraction": float, "unscaled": bool}
 
+    @property
+    def contractive(self) -> bool:
+        """Scaled by n / k (unbiased), what it keeps outweighs what it drops; unscaled, a
+        contraction (when its inner codec is one)."""
+        return self.unscaled and self.inner.contractive
+
     def __post_init__(self) -> None:
         _check_fraction(type(self), self.fraction)
         _check_inner(type(self), self.inner)

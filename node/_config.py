@@ -30,12 +30,6 @@ class ConfigError(ValueError):
     """A config value is wrong; the message names the field, the value and what was expected."""
 
 
-# Codecs that are unbiased but not contractions (their error can exceed what they compress): with
-# error feedback on whole models (adpsgd, dpsgd, selsync) or pseudo-gradients (diloco) the
-# models diverged; choco, which compresses differences to its estimates, is left to them
-UNBIASED_CODECS = ("qsgd", "randk")
-
-
 def _fail(name: str, value: Any, expected: str) -> typing.NoReturn:
     raise ConfigError(f"{name} = {value!r}: expected {expected}")
 
@@ -429,12 +423,17 @@ class GossipConfig:
             codec = compress.get_codec(self.codec)
         except ValueError as exc:
             _fail("gossip.codec", self.codec, f"'auto' or a codec spec ({exc})")
-        if codec.name in UNBIASED_CODECS and self.algorithm != "choco":
+        # a codec whose error can exceed what it compresses (unbiased, not a contraction):
+        # with error feedback on whole models (adpsgd, dpsgd, selsync) or pseudo-gradients
+        # (diloco) the models diverged; choco, which compresses differences to its estimates,
+        # is left to them
+        if not codec.contractive and self.algorithm != "choco":
             _fail("gossip.codec", self.codec,
-                  f"a codec {self.algorithm} can average with: {codec.name} is unbiased but adds "
+                  f"a codec {self.algorithm} can average with: {codec.spec} is unbiased but adds "
                   "noise as large as what it compresses, and the models diverged (digits, two "
                   "nodes: adpsgd with qsgd:levels=4 ended at loss 5e5, diloco with randk:0.1 at "
-                  "1e6); use int8, int4, sign or topk:F[+int8], or 'auto'")  # fmt: skip
+                  "1e6); use int8, int4, sign, topk:F[+int8], randk:F,unscaled, or "
+                  "'auto'")  # fmt: skip
 
     @property
     def settings(self) -> Any:
