@@ -37,7 +37,7 @@ from ._peer_choice import PeerChoice, model_dtype
 from ._protocol import node_header_codec
 from ._state_sync import StateSync
 from ._status_report import Progress, StatusReporter, StatusSources
-from .algorithms import Algorithm, AlgorithmContext, get_algorithm
+from .algorithms import VALUE_CODECS, Algorithm, AlgorithmContext, get_algorithm
 from .identity import Admission, Identity
 from .state import Checkpoint, CheckpointStore, NodeStatus, StateDir, write_atomically
 from .training import LoopTrainer, Task, TaskContext, Trainer, resolve_device, resolve_task
@@ -271,6 +271,7 @@ class Node:
         if self._prepared is None:
             self._check_certificate()
             self._warn_unused_settings()
+            self._warn_codec_for_models()
             tune_allocator()
             self._start_metrics()  # first: a port in use stops the node before it writes a file
             try:
@@ -293,6 +294,23 @@ class Node:
                         algorithm=gossip.algorithm,
                         hint=f"gossip.algorithm is {gossip.algorithm!r}: these tables do "
                         "nothing")  # fmt: skip
+
+    def _warn_codec_for_models(self) -> None:
+        """A fixed codec that does not carry every value (top-k, random-k, sign, PowerSGD), for
+        an algorithm that averages whole models, is taken but said: two digits nodes, 300 steps
+        (BENCHMARKS.md): adpsgd with topk:0.1 left one of them at 0.73-0.89 accuracy, dpsgd
+        with topk:0.1 both at 0.87-0.91 and with sign at 0.65-0.68, where none, int8 (and
+        `auto`, which chooses among VALUE_CODECS for these) ended at 0.95-0.96."""
+        gossip = self.config.gossip
+        if gossip.codec == "auto" or not self.spec.averages_models:
+            return
+        from geotrain import compress
+
+        if compress.get_codec(gossip.codec).name not in VALUE_CODECS:
+            log.warning("codec_drops_model_values", codec=gossip.codec, algorithm=gossip.algorithm,
+                        hint=f"{gossip.algorithm} averages whole models: a codec that drops or "
+                        "flattens values cost accuracy where int8 did not; prefer 'auto', int8 "
+                        "or int4 (or choco or diloco, which send differences)")  # fmt: skip
 
     def _take_state_dir(self) -> None:
         """Create state.dir and hold it (StateDirInUse when another node does)."""

@@ -298,6 +298,27 @@ async def test_a_table_of_another_algorithm_is_said_to_do_nothing(tmp_path):
     assert said[0]["algorithm"] == "adpsgd" and said[0]["log_level"] == "warning"
 
 
+@pytest.mark.parametrize(("algorithm", "codec", "said"), [
+    ("adpsgd", "topk:0.1", True), ("dpsgd", "sign", True), ("adpsgd", "int8", False),
+    ("adpsgd", "auto", False), ("choco", "topk:0.1", False), ("diloco", "topk:0.1", False)])
+async def test_a_codec_that_drops_values_for_whole_models_is_said(tmp_path, algorithm, codec,
+                                                                  said):  # fmt: skip
+    """adpsgd and dpsgd average whole models: top-k and sign cost accuracy there (BENCHMARKS)."""
+    from structlog.testing import capture_logs
+
+    cfg = config(tmp_path, "w", f'gossip.algorithm="{algorithm}"', f'gossip.codec="{codec}"',
+                 "training.max_steps=2")  # fmt: skip
+    admission = Admission.open_swarm("geotrain")
+    with capture_logs() as logs:
+        async with geotrain.open_node(cfg, identity=Identity.generate(), admission=admission) as n:
+            with trio.fail_after(60):
+                await n.wait_stopped()
+    warned = [e for e in logs if e["event"] == "codec_drops_model_values"]
+    assert len(warned) == int(said), warned
+    if said:
+        assert warned[0]["codec"] == codec and warned[0]["log_level"] == "warning"
+
+
 async def test_a_task_parameter_the_task_does_not_have_is_refused_naming_it(tmp_path):
     """A typo'd [training.params] key of a built-in task was ignored (the default trained)."""
     from geotrain.node import ConfigError

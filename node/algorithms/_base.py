@@ -26,6 +26,8 @@ from ..transport import Header, PeerInfo
 
 Tensors = dict[str, torch.Tensor]
 Reply = tuple[Header, bytes]
+# codecs that carry every value (at most quantized): what a model, not a difference, travels in
+VALUE_CODECS = ("none", "fp16", "bf16", "int8", "int4")
 
 
 class Network(Protocol):
@@ -293,6 +295,8 @@ class AlgorithmSpec:
             is checked with it. None: unknown (nothing is checked).
         fit: for an algorithm whose memory grows with a setting, the gossip config with that
             setting lowered so that it keeps at most the given model copies (None: it cannot).
+        averages_models: it mixes whole models (not differences or updates), which want a codec
+            that carries every value (VALUE_CODECS): the node warns about another fixed codec.
     """
 
     name: str
@@ -302,6 +306,7 @@ class AlgorithmSpec:
     summary: str
     memory: Callable[[GossipConfig, int], float] | None = None
     fit: Callable[[GossipConfig, float], GossipConfig | None] | None = None
+    averages_models: bool = False
 
     def default_settings(self) -> Any:
         return self.settings() if self.settings is not None else None

@@ -508,5 +508,6 @@ ALGORITHM = register_algorithm(
         messages=(Exchange, ExchangeReply, ExchangeChunk, ExchangeChunkReply, ExchangeAbort),
         summary="asynchronous pairwise averaging every exchange_every steps (default)",
         memory=lambda g, numel: adpsgd_copies(g.codec),
+        averages_models=True,
     )
 )

@@ -451,5 +451,6 @@ ALGORITHM = register_algorithm(
         # the round's model and the last one while a neighbour fetches it (at most KEEP_ROUNDS),
         # and each neighbour's model during a round
         memory=lambda g, numel: KEEP_ROUNDS + g.settings.degree,
+        averages_models=True,
     )
 )

@@ -153,5 +153,6 @@ ALGORITHM = register_algorithm(
         # + the reference: the model in float32 up to reference_mb, a sample of that size beyond
         memory=lambda g, numel: adpsgd_copies(g.codec)
         + min(1.0, g.settings.reference_numel / max(1, numel)),
+        averages_models=True,
     )
 )
