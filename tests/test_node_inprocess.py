@@ -282,17 +282,23 @@ async def test_a_checkpoint_of_another_model_or_optimizer_is_one_clear_resume_er
     assert after == before
 
 
-async def test_a_table_of_another_algorithm_is_said_to_do_nothing(tmp_path):
-    """[gossip.dpsgd] under algorithm = "adpsgd" was ignored without a word (every other unknown
-    key is refused; this one is kept, since one may switch back)."""
+async def _logs_of_a_short_run(cfg) -> list[dict]:
+    """What a node of `cfg` (a few steps, alone) logged from start to stop."""
     from structlog.testing import capture_logs
 
-    cfg = config(tmp_path, "t", "gossip.dpsgd.degree=4", "training.max_steps=2")
     admission = Admission.open_swarm("geotrain")
     with capture_logs() as logs:
         async with geotrain.open_node(cfg, identity=Identity.generate(), admission=admission) as n:
             with trio.fail_after(60):
                 await n.wait_stopped()
+    return logs
+
+
+async def test_a_table_of_another_algorithm_is_said_to_do_nothing(tmp_path):
+    """[gossip.dpsgd] under algorithm = "adpsgd" was ignored without a word (every other unknown
+    key is refused; this one is kept, since one may switch back)."""
+    logs = await _logs_of_a_short_run(
+        config(tmp_path, "t", "gossip.dpsgd.degree=4", "training.max_steps=2"))
     said = [e for e in logs if e["event"] == "gossip_settings_unused"]
     assert len(said) == 1 and said[0]["tables"] == ["gossip.dpsgd"]
     assert said[0]["algorithm"] == "adpsgd" and said[0]["log_level"] == "warning"
@@ -304,15 +310,9 @@ async def test_a_table_of_another_algorithm_is_said_to_do_nothing(tmp_path):
 async def test_a_codec_that_drops_values_for_whole_models_is_said(tmp_path, algorithm, codec,
                                                                   said):  # fmt: skip
     """adpsgd and dpsgd average whole models: top-k and sign cost accuracy there (BENCHMARKS)."""
-    from structlog.testing import capture_logs
-
-    cfg = config(tmp_path, "w", f'gossip.algorithm="{algorithm}"', f'gossip.codec="{codec}"',
-                 "training.max_steps=2")  # fmt: skip
-    admission = Admission.open_swarm("geotrain")
-    with capture_logs() as logs:
-        async with geotrain.open_node(cfg, identity=Identity.generate(), admission=admission) as n:
-            with trio.fail_after(60):
-                await n.wait_stopped()
+    logs = await _logs_of_a_short_run(
+        config(tmp_path, "w", f'gossip.algorithm="{algorithm}"', f'gossip.codec="{codec}"',
+               "training.max_steps=2"))  # fmt: skip
     warned = [e for e in logs if e["event"] == "codec_drops_model_values"]
     assert len(warned) == int(said), warned
     if said:
