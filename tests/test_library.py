@@ -321,16 +321,19 @@ def test_an_evaluation_that_raises_or_gives_no_number_is_logged_and_training_goe
                               admission=Admission.open_swarm("geotrain"))  # fmt: skip
         with swarm:
             opt = swarm.wrap(torch.optim.SGD(model.parameters(), lr=0.01))
-            for _ in range(40):
+            steps = 0  # (an evaluation runs at the user's step after the node asks: on a busy
+            # box the node may ask for the fifth only after 40 quick steps, so step on to it)
+            while steps < 40 or (len(calls) < 5 and steps < 4000):
                 model(torch.randn(4, 8)).pow(2).mean().backward()
                 opt.step()
                 opt.zero_grad()
+                steps += 1
             status = swarm.status()
-    assert status.step == 40 and len(calls) >= 5 and status.metric == 0.5
+    assert status.step == steps and len(calls) >= 5 and status.metric == 0.5
     failed = [e for e in logs if e["event"] == "evaluate_failed"]
     assert [e["failures"] for e in failed] == [1]  # said once (then every 100th)
     assert "RuntimeError: my eval broke" in failed[0]["error"]
-    assert list((tmp_path / "e" / "checkpoints").glob("ckpt-0000000040*"))
+    assert list((tmp_path / "e" / "checkpoints").glob(f"ckpt-{steps:010d}*"))
 
 
 def test_evaluations_run_between_the_users_steps_never_during_a_forward_pass(tmp_path):
