@@ -202,6 +202,22 @@ class SwarmOptimizer(torch.optim.Optimizer):
     def __getattr__(self, name: str) -> Any:  # (what Optimizer's class does not define)
         return getattr(self.optimizer, name)
 
+    # what torch.amp.GradScaler hands a fused optimizer for its step (set, then deleted), on the
+    # object it was given: the wrapped optimizer must see them, or it steps on scaled gradients
+    _FOR_THE_OPTIMIZER = frozenset({"grad_scale", "found_inf"})
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in self._FOR_THE_OPTIMIZER:
+            setattr(self.optimizer, name, value)
+        else:
+            super().__setattr__(name, value)
+
+    def __delattr__(self, name: str) -> None:
+        if name in self._FOR_THE_OPTIMIZER:
+            delattr(self.optimizer, name)
+        else:
+            super().__delattr__(name)
+
     def __repr__(self) -> str:
         return f"SwarmOptimizer({self.optimizer!r})"
 

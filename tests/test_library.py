@@ -411,6 +411,33 @@ def test_a_scheduler_built_on_the_wrapped_optimizer_schedules_it(tmp_path):
         swarm.close()
 
 
+def test_a_grad_scaler_steps_a_wrapped_fused_optimizer_as_the_bare_one(tmp_path):
+    # torch.amp.GradScaler gives a fused optimizer its scale by setting attributes on what it
+    # was handed (grad_scale, found_inf): on the wrapper, the wrapped optimizer never saw them and
+    # stepped on gradients still scaled (here 1024 times too far)
+    import copy
+
+    model = make_model()
+    bare_model = copy.deepcopy(model)
+    swarm = joined(tmp_path, "a", model, "training.wait_for_peers=0")
+    try:
+        opt = swarm.wrap(torch.optim.SGD(model.parameters(), lr=0.1, fused=True))
+        bare = torch.optim.SGD(bare_model.parameters(), lr=0.1, fused=True)
+        scalers = [torch.amp.GradScaler("cpu", init_scale=1024.0) for _ in range(2)]
+        for _ in range(3):
+            x = torch.randn(4, 8)
+            for m, o, scaler in ((model, opt, scalers[0]), (bare_model, bare, scalers[1])):
+                o.zero_grad()
+                scaler.scale(m(x).pow(2).mean()).backward()
+                scaler.step(o)
+                scaler.update()
+        for p, q in zip(model.parameters(), bare_model.parameters(), strict=True):
+            assert torch.allclose(p, q, atol=1e-6)
+        assert not hasattr(opt.optimizer, "grad_scale")  # (the scaler took them back)
+    finally:
+        swarm.close()
+
+
 def test_a_loops_step_time_is_its_whole_iteration():
     import time
 
