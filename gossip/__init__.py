@@ -45,6 +45,7 @@ from ._simulator import compare_policies as compare_policies
 from ._simulator import simulate as simulate
 
 _AVERAGING = (
+    "SLICE",
     "RejectedUpdate",
     "add_difference",
     "all_finite",

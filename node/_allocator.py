@@ -12,8 +12,8 @@ M_TRIM_THRESHOLD, M_MMAP_THRESHOLD, M_ARENA_MAX = -1, -3, -8  # glibc's mallopt 
 MMAP_THRESHOLD = 16 << 20  # blocks above this are mapped and unmapped (a model's tensors)
 TRIM_THRESHOLD = 64 << 20  # free memory an arena keeps at its top for the next step's tensors
 _tuned = False
-# a model above this gives freed chunk buffers back after each exchange or round end (below it,
-# what the arenas keep is small, and trimming it would cost the next steps page faults)
+# a model above this gives freed chunk buffers back after each diloco round end (below it, what
+# the arenas keep is small, and trimming it would cost the next steps page faults)
 RELEASE_ABOVE_BYTES = 64 << 20
 
 

@@ -10,8 +10,6 @@ import resource
 import sys
 from dataclasses import dataclass
 
-from ._allocator import release_free_memory as release_free_memory
-from ._allocator import tune_allocator as tune_allocator
 from ._config import ConfigError, NodeConfig
 from .algorithms import CHUNKS_IN_FLIGHT, AlgorithmSpec
 from .training import Trainer

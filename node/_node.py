@@ -25,19 +25,20 @@ import trio
 
 from geotrain.gossip import LinkTable, PartnerSelector, client_address
 
+from ._allocator import tune_allocator
 from ._certificate_watch import CertificateWatch, renew_hint, utc
 from ._checkpointer import Checkpointer, load_checkpoint
 from ._config import ConfigError, NodeConfig
 from ._credentials import load_identity
 from ._driver import LoopDriver, TrainingDriver
 from ._membership_service import MembershipService
-from ._memory import check_budget, fit_budget, tune_allocator
+from ._memory import check_budget, fit_budget
 from ._metrics import MetricsServer, NodeCollector
 from ._peer_choice import PeerChoice, model_dtype
 from ._protocol import node_header_codec
 from ._state_sync import StateSync
 from ._status_report import Progress, StatusReporter, StatusSources
-from .algorithms import VALUE_CODECS, Algorithm, AlgorithmContext, get_algorithm
+from .algorithms import MODEL_CODECS, Algorithm, AlgorithmContext, get_algorithm
 from .identity import Admission, Identity
 from .state import Checkpoint, CheckpointStore, NodeStatus, StateDir, write_atomically
 from .training import LoopTrainer, Task, TaskContext, Trainer, resolve_device, resolve_task
@@ -300,13 +301,13 @@ class Node:
         an algorithm that averages whole models, is taken but said: two digits nodes, 300 steps
         (BENCHMARKS.md): adpsgd with topk:0.1 left one of them at 0.73-0.89 accuracy, dpsgd
         with topk:0.1 both at 0.87-0.91 and with sign at 0.65-0.68, where none, int8 (and
-        `auto`, which chooses among VALUE_CODECS for these) ended at 0.95-0.96."""
+        `auto`, which chooses among MODEL_CODECS for these) ended at 0.95-0.96."""
         gossip = self.config.gossip
         if gossip.codec == "auto" or not self.spec.averages_models:
             return
         from geotrain import compress
 
-        if compress.get_codec(gossip.codec).name not in VALUE_CODECS:
+        if compress.get_codec(gossip.codec).name not in MODEL_CODECS:
             log.warning("codec_drops_model_values", codec=gossip.codec, algorithm=gossip.algorithm,
                         hint=f"{gossip.algorithm} averages whole models: a codec that drops or "
                         "flattens values cost accuracy where int8 did not; prefer 'auto', int8 "

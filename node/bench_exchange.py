@@ -32,8 +32,9 @@ import trio
 
 from geotrain.gossip import LinkTable, PartnerSelector
 
+from ._allocator import tune_allocator
 from ._config import GossipConfig
-from ._memory import peak_rss_mb, reset_peak_rss, rss_mb, tune_allocator
+from ._memory import peak_rss_mb, reset_peak_rss, rss_mb
 from ._peer_choice import PeerChoice
 from ._protocol import node_header_codec
 from ._state_sync import StateSync

@@ -44,7 +44,7 @@ MIXES = """
 import json, re, torch
 torch.set_num_threads(1)
 from geotrain import gossip
-from geotrain.node._memory import tune_allocator
+from geotrain.node._allocator import tune_allocator
 tune_allocator()
 def rss():
     s = open("/proc/self/status").read()
@@ -96,7 +96,7 @@ def test_checks_and_mixes_hold_no_model_sized_temporary():
 # until release_free_memory gives them back (what diloco does after each round end).
 ARENA = """
 import re, threading, torch
-from geotrain.node._memory import release_free_memory, tune_allocator
+from geotrain.node._allocator import release_free_memory, tune_allocator
 assert tune_allocator()
 def rss():
     return int(re.search(r"VmRSS:\\s+(\\d+)", open("/proc/self/status").read()).group(1)) / 1024

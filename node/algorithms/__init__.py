@@ -5,7 +5,7 @@ Adding an algorithm is adding one module here that defines its messages, its set
 the node, the config and the transport pick it up from the registry.
 """
 
-from ._base import VALUE_CODECS as VALUE_CODECS
+from ._base import MODEL_CODECS as MODEL_CODECS
 from ._base import Algorithm as Algorithm
 from ._base import AlgorithmContext as AlgorithmContext
 from ._base import AlgorithmSpec as AlgorithmSpec

@@ -27,7 +27,8 @@ from ..transport import Header, PeerInfo
 Tensors = dict[str, torch.Tensor]
 Reply = tuple[Header, bytes]
 # codecs that carry every value (at most quantized): what a model, not a difference, travels in
-VALUE_CODECS = ("none", "fp16", "bf16", "int8", "int4")
+# (compress's VALUE_CODECS are the narrower set a sparse codec's kept values may use)
+MODEL_CODECS = ("none", "fp16", "bf16", "int8", "int4")
 
 
 class Network(Protocol):
@@ -296,7 +297,7 @@ class AlgorithmSpec:
         fit: for an algorithm whose memory grows with a setting, the gossip config with that
             setting lowered so that it keeps at most the given model copies (None: it cannot).
         averages_models: it mixes whole models (not differences or updates), which want a codec
-            that carries every value (VALUE_CODECS): the node warns about another fixed codec.
+            that carries every value (MODEL_CODECS): the node warns about another fixed codec.
     """
 
     name: str

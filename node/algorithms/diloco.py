@@ -21,6 +21,7 @@ import trio
 
 from geotrain import compress
 from geotrain.gossip import (
+    SLICE,
     ClipRadius,
     NesterovOuter,
     RejectedUpdate,
@@ -38,7 +39,7 @@ from .._allocator import RELEASE_ABOVE_BYTES, release_free_memory
 from .._config import check_field
 from ..training import StepResult
 from ..transport import U63, CodecSpec, ErrorReply, Header, PeerInfo, TransportError
-from ._base import VALUE_CODECS, Algorithm, AlgorithmContext, AlgorithmSpec, Reply, Tensors
+from ._base import MODEL_CODECS, Algorithm, AlgorithmContext, AlgorithmSpec, Reply, Tensors
 from ._registry import register_algorithm
 from ._stream import (
     ChunkPlan,
@@ -109,12 +110,11 @@ class OuterReply(Header, frozen=True, tag="outer_reply"):
     round: U63
 
 
-DENSE_CODECS = VALUE_CODECS  # codecs that can carry parameters
+DENSE_CODECS = MODEL_CODECS  # codecs that can carry parameters
 # A model up to this keeps its own update between rounds (to answer partners whose rounds end
 # later); a bigger one drops it after its outer step (its encoded chunks, with a lossy codec,
 # still answer offers in that codec): a whole model held through every inner step otherwise
 KEEP_UPDATE_BYTES = 64 * 2**20
-SLICE = 1 << 20  # elements per step of the round start's reads while it holds our update
 
 
 @dataclass(frozen=True)
