@@ -55,6 +55,11 @@ class Codec:
     params: ClassVar[dict[str, type]] = {}
     inner_allowed: ClassVar[tuple[str, ...]] = ()
 
+    # Whether it sends only some of a tensor's values (the rest decode as 0.0): a receiver that
+    # averages whole models must leave the values that were not sent as they are, not move them
+    # toward zero. Quantizers and low-rank codecs carry (an approximation of) every value.
+    sparse: ClassVar[bool] = False
+
     @property
     def contractive(self) -> bool:
         """Whether what the codec drops never exceeds what it compresses (||C(x) - x|| <= ||x||,

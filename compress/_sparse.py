@@ -72,6 +72,7 @@ class TopK(Codec):
     tol: float = 0.1
     inner: Codec = dataclasses.field(default_factory=NoneCodec)
     name: ClassVar[str] = "topk"
+    sparse: ClassVar[bool] = True
     codec_id: ClassVar[int] = 6
     params: ClassVar[dict[str, type]] = {"fraction": float, "tol": float}
 
@@ -266,6 +267,7 @@ class RandK(Codec):
     unscaled: bool = False
     inner: Codec = dataclasses.field(default_factory=NoneCodec)
     name: ClassVar[str] = "randk"
+    sparse: ClassVar[bool] = True
     codec_id: ClassVar[int] = 7
     params: ClassVar[dict[str, type]] = {"fraction": float, "unscaled": bool}
 

@@ -63,6 +63,19 @@ def model(algorithm) -> dict[str, torch.Tensor]:
     return algorithm.ctx.trainer.snapshot()
 
 
+def averaged_where_sent(after: dict, mine: dict, theirs: dict) -> float:
+    """Asserts that every value of `after` is either `mine` (not sent by the peer) or the mean
+    of `mine` and `theirs` (sent); returns the share of values averaged."""
+    averaged = total = 0
+    for name, now in after.items():
+        mean = (mine[name] + theirs[name]) / 2
+        kept = now == mine[name]
+        assert torch.allclose(now[~kept], mean[~kept], atol=1e-6), name
+        averaged += int((~kept).sum())
+        total += now.numel()
+    return averaged / total
+
+
 def same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 

@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 import trio
-from _runtimes import model, poison, runtimes, same, step
+from _runtimes import averaged_where_sent, model, poison, runtimes, same, step
 
 from geotrain.node.algorithms import decode_chunk
 from geotrain.node.algorithms.dpsgd import ROUND_WAIT_CAP_S, RoundReply, RoundRequest
@@ -40,6 +40,19 @@ async def test_a_round_mixes_both_ways_and_a_responder_waits_for_the_round(autoj
         assert all(torch.allclose(model(a)[k], expected[k]) for k in expected)
         assert all(torch.allclose(model(b)[k], expected[k]) for k in expected)
         assert a.counters.statistics().peers["p1"].ok == 1
+
+
+async def test_a_sparse_codec_averages_the_values_sent_and_leaves_the_others(autojump_clock):
+    wide = {"task": "wide-linear", "params": {"millions": 0.1}}  # 100,489 parameters
+    async with runtimes(2, **{**DPSGD, "codec": "topk:0.1"}, init_seeds=[1, 2],
+                        **wide) as (net, (a, b)):  # fmt: skip
+        a_model, b_model = model(a), model(b)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(a.after_step, step(a, 1))
+            await b.after_step(step(b, 1))
+        assert a.full_rounds == b.full_rounds == 1
+        assert 0.08 < averaged_where_sent(model(a), a_model, b_model) < 0.12
+        assert 0.08 < averaged_where_sent(model(b), b_model, a_model) < 0.12
 
 
 async def test_a_round_ends_at_its_deadline_without_a_peer_that_never_gets_there(autojump_clock):

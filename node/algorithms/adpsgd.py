@@ -217,9 +217,9 @@ class Adpsgd(Algorithm):
     def _mix(self, plan: ChunkPlan, spec: str) -> PairwiseMix:
         cfg = self.ctx.gossip
         self._seed += len(plan)
-        lossless = spec == "none"
         return PairwiseMix(
-            self.ctx.trainer, plan, spec, None if lossless else self.feedback, weight=0.5,
+            self.ctx.trainer, plan, spec, self.feedback if keeps_feedback(spec) else None,
+            weight=0.5,
             max_norm_ratio=cfg.max_norm_ratio, clip=cfg.clip, seed=self._seed,
             radius=self.ctx.robust, spare=self._spare,
         )  # fmt: skip
@@ -494,10 +494,20 @@ class Adpsgd(Algorithm):
             del self._sessions[session.peer]
 
 
+def keeps_feedback(spec: str) -> bool:
+    """Whether whole models sent with `spec` take error feedback: lossy codecs that carry every
+    value (int8, sign, ...) do; none needs none, and a sparse one (top-k, random-k) takes none
+    because a model is not an increment: the residual of what a send left out is the model's
+    own value, which the next send would add again (two digits nodes with `topk:0.1`, values
+    not sent left as they were, 300 steps: training losses 1e7-3e8 with it, 0.05-0.14 without,
+    BENCHMARKS.md)."""
+    return spec != "none" and not compress.get_codec(spec).sparse
+
+
 def adpsgd_copies(codec: str) -> float:
     """Model copies adpsgd keeps beyond a plain loop: the mix buffer of the one exchange it takes
     part in (1), and half-precision error feedback when a lossy codec may be used (0.5)."""
-    return 1.0 if codec == "none" else 1.5
+    return 1.0 if codec != "auto" and not keeps_feedback(codec) else 1.5
 
 
 ALGORITHM = register_algorithm(

@@ -40,6 +40,7 @@ from ._stream import (
     cached_plan,
     encode_chunk,
     in_window,
+    keep_unsent,
     model_chunk,
     plan_refusal,
 )
@@ -141,7 +142,8 @@ class Dpsgd(Algorithm):
         self.rounds = self.full_rounds = self.missed = self.late_ignored = 0
         self._said_fallback = False  # the trim -> clip fallback is logged once
         self._pushes: dict[str, tuple[ModelAssembly, int]] = {}  # client -> its model arriving
-        self._pushed: dict[str, tuple[Tensors, int]] = {}  # clients' models for our next round
+        # clients' models for our next round: model, degree, codec
+        self._pushed: dict[str, tuple[Tensors, int, str]] = {}
         self._pushers = 0  # clients mixed in our last round (counted in our degree)
 
     def statistics(self) -> DpsgdStatistics:
@@ -228,7 +230,7 @@ class Dpsgd(Algorithm):
         deadline = max((ctx.peers.round_deadline(p, nbytes, now) for p in neighbours), default=0)
         deadline += slack
         started = now
-        got: dict[str, tuple[Tensors, int]] = {}
+        got: dict[str, tuple[Tensors, int, str]] = {}  # model, degree, codec
         reasons: dict[str, str] = {}  # why a neighbour is missing (for the log)
         with trio.move_on_after(deadline if neighbours else 0):
             async with trio.open_nursery() as nursery:
@@ -256,10 +258,16 @@ class Dpsgd(Algorithm):
         got.update({p: v for p, v in pushed.items() if p not in got})
         self._pushers = len(pushed)
         self_w, weights = metropolis_hastings_weights(
-            len(neighbours) + len(pushed), {p: d for p, (_, d) in got.items()}
+            len(neighbours) + len(pushed), {p: d for p, (_, d, _) in got.items()}
         )
-        remotes = {p: m for p, (m, _) in got.items()}
-        await ctx.to_thread(lambda: ctx.trainer.apply(self._mixer(sent, remotes, weights)))
+        remotes = {p: m for p, (m, _, _) in got.items()}
+
+        def mix() -> None:
+            for remote, _, spec in got.values():  # what a sparse codec did not send mixes nothing
+                keep_unsent(remote, sent, spec)
+            ctx.trainer.apply(self._mixer(sent, remotes, weights))
+
+        await ctx.to_thread(mix)
         self.rounds += 1
         self.full_rounds += not missing
         self.missed += len(missing)
@@ -345,7 +353,7 @@ class Dpsgd(Algorithm):
             self.counters.record_rejected(peer, first.codec, exc)
             log.warning("update_rejected", peer=peer[:12], reason=str(exc))
             return
-        got[peer] = (remote, reply.degree)
+        got[peer] = (remote, reply.degree, first.codec)
 
     async def _push(self, round_: int, plan: ChunkPlan, codec: str, index: int) -> bytes:
         """What goes with our request for chunk `index`: nothing, or, when we are a client (nobody
@@ -438,7 +446,7 @@ class Dpsgd(Algorithm):
             self.counters.record_rejected(peer, header.codec, exc)
             log.warning("update_rejected", peer=peer[:12], reason=str(exc))
             return
-        self._pushed[peer] = (remote, entry[1])
+        self._pushed[peer] = (remote, entry[1], header.codec)
 
 
 ALGORITHM = register_algorithm(
