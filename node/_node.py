@@ -297,22 +297,24 @@ class Node:
                         "nothing")  # fmt: skip
 
     def _warn_codec_for_models(self) -> None:
-        """A fixed codec that flattens every value (sign, PowerSGD), for an algorithm that
-        averages whole models, is taken but said: two digits nodes, 300 steps (BENCHMARKS.md):
-        dpsgd with sign ended both at 0.65-0.68, where none, int8 (and `auto`, which chooses
-        among MODEL_CODECS for these) ended at 0.95-0.96. Sparse codecs (top-k, random-k) send
-        some values exactly and the others not at all: the mix averages the ones sent."""
+        """A fixed codec that does not carry every value (top-k, random-k, sign, PowerSGD), for
+        an algorithm that averages whole models, is taken but said (BENCHMARKS.md): dpsgd with
+        sign ended two digits nodes at 0.61; sparse codecs average only the values they carry,
+        and eight digits peers whose slow links took top-k stalled near 0.92 where int4 and
+        int8 (what `auto` chooses among for these) reached 0.95."""
         gossip = self.config.gossip
         if gossip.codec == "auto" or not self.spec.averages_models:
             return
         from geotrain import compress
 
         codec = compress.get_codec(gossip.codec)
-        if codec.name not in MODEL_CODECS and not codec.sparse:
+        if codec.name not in MODEL_CODECS:
+            what = ("averages only the values it sends, which leaves models further apart"
+                    if codec.sparse else "flattens every value")  # fmt: skip
             log.warning("codec_drops_model_values", codec=gossip.codec, algorithm=gossip.algorithm,
-                        hint=f"{gossip.algorithm} averages whole models: a codec that flattens "
-                        "values cost accuracy where int8 did not; prefer 'auto', int8 or int4 "
-                        "(or choco or diloco, which send differences)")  # fmt: skip
+                        hint=f"{gossip.algorithm} averages whole models and this codec {what}: "
+                        "it cost accuracy where int8 did not; prefer 'auto', int8 or int4 (or "
+                        "choco or diloco, which send differences)")  # fmt: skip
 
     def _take_state_dir(self) -> None:
         """Create state.dir and hold it (StateDirInUse when another node does)."""
