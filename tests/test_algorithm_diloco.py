@@ -20,7 +20,12 @@ from geotrain.gossip import (
     robust_average,
 )
 from geotrain.node.algorithms import diloco
-from geotrain.node.algorithms._stream import EncodedAssembly, encode_chunk, model_chunk
+from geotrain.node.algorithms._stream import (
+    ChunkPlan,
+    EncodedAssembly,
+    encode_chunk,
+    model_chunk,
+)
 from geotrain.node.algorithms.diloco import DeltaOffer, DeltaReply, DilocoSettings
 from geotrain.node.training import StepResult
 from geotrain.node.transport import PeerInfo
@@ -505,10 +510,11 @@ async def test_an_offer_stalled_past_its_deadline_is_dropped_and_stands_for_noth
         assert a.statistics().peer_deltas_used == 1  # b's update, from its replies
 
 
-async def _rounds_ending_together(in_place: bool, monkeypatch) -> dict:
+async def _rounds_ending_together(in_place: bool, monkeypatch, hold: bool = False) -> dict:
     # two nodes end two rounds at the same instant: offers and consensus swaps cross, each
     # answered while the other's round start may hold its update
     monkeypatch.setattr(diloco, "KEEP_UPDATE_BYTES", 0 if in_place else 2**40)
+    monkeypatch.setattr(diloco, "HOLD_HALF_ABOVE_BYTES", 0 if hold else 2**40)
     settings = {"diloco": DilocoSettings(inner_steps=2, consensus_every=1,
                                          consensus_codec="none")}  # fmt: skip
     seen = []
@@ -517,6 +523,7 @@ async def _rounds_ending_together(in_place: bool, monkeypatch) -> dict:
                         **{**DILOCO, "algorithm_settings": settings}) as (net, nodes):
         nodes[1].ctx.trainer.apply(lambda live: [t.add_(0.005) for t in live.values()])
         nodes[1].model_replaced()  # (apart: the consensus swap moves them)
+        initial = [{k: v.clone() for k, v in n.start.items()} for n in nodes]
         for node in nodes:
             real = node._outer_step
 
@@ -534,6 +541,8 @@ async def _rounds_ending_together(in_place: bool, monkeypatch) -> dict:
                     nursery.start_soon(node.after_step, step(node, number))
         return {
             "in_place": seen,
+            "initial": initial,
+            "held": [n._hold for n in nodes],
             "starts": [{k: v.clone() for k, v in n.start.items()} for n in nodes],
             "models": [model(n) for n in nodes],
             "momenta": [{k: v.clone() for k, v in n.outer.buffers.items()} for n in nodes],
@@ -566,6 +575,34 @@ async def test_a_big_model_s_update_over_its_round_start_steps_as_a_copy_would(
         assert _close(copied[key], in_place[key]), key
     for start, live in zip(in_place["starts"], in_place["models"], strict=True):
         assert same(start, live)
+
+
+async def test_a_big_model_holds_peers_updates_in_bfloat16_and_steps_almost_as_exactly(
+    autojump_clock, monkeypatch
+):
+    # codec none's updates held as they came were a whole float32 model each (+0.5 model copies
+    # at a 100M node's peak, bench_memory); bfloat16 keeps 8 bits of each value's mantissa
+    exact = await _rounds_ending_together(True, monkeypatch)
+    held = await _rounds_ending_together(True, monkeypatch, hold=True)
+    assert exact["held"] == [None, None] and held["held"] == ["bf16", "bf16"]
+    assert exact["stats"] == held["stats"]
+    for i in range(2):
+        moved = {k: exact["starts"][i][k] - exact["initial"][i][k] for k in exact["initial"][i]}
+        error = {k: held["starts"][i][k] - exact["starts"][i][k] for k in moved}
+        size, off = params_norm(moved), params_norm(error)
+        assert 0 < off < 0.01 * size, (off, size)  # rounded, not lost nor scaled
+
+
+def test_an_update_held_in_bfloat16_takes_half_the_bytes_and_keeps_its_exact_norm():
+    plan = ChunkPlan.build([("w", (3000,))], 1000)
+    update = {"w": torch.randn(3000)}
+    held = EncodedAssembly(plan, "none", torch.device("cpu"), hold="bf16")
+    for i in range(len(plan)):
+        held.add(i, bytearray(encode_chunk(model_chunk(update, plan, i), "none")))
+    assert held.complete and held.nbytes < 0.55 * 3000 * 4
+    assert held.norm == pytest.approx(float(update["w"].norm()), rel=1e-6)  # as sent
+    values = torch.cat([t for _, _, t in held.slices()])
+    assert torch.equal(values, update["w"].bfloat16().float())
 
 
 async def _outer_step_with_held(in_place: bool, monkeypatch, rule: str) -> dict:

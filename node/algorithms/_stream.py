@@ -627,17 +627,21 @@ class EncodedAssembly(_Arrivals):
     """A peer's update arriving chunk by chunk, each checked as it comes (decoded once: the
     plan's slices, finite; its norm added up) and kept as it came: a lossy codec's chunks are a
     fraction of the values' bytes (int8 about a quarter, top-k 1% about 2%), codec none's are
-    the values (the received buffers themselves, not copied). `slices` decodes them again where
-    the update is used, one chunk at a time.
+    the values (the received buffers themselves, not copied), or, with `hold` given, the
+    values re-encoded in that codec as they come (checked and counted in the norm as sent).
+    `slices` decodes them again where the update is used, one chunk at a time.
 
     Args:
         plan: the chunk plan both ends agreed on; spec: the codec; device: where values land.
+        hold: keep codec none's chunks in this codec instead ("bf16": half their bytes).
     """
 
-    def __init__(self, plan: ChunkPlan, spec: str, device: torch.device) -> None:
+    def __init__(self, plan: ChunkPlan, spec: str, device: torch.device,
+                 hold: str | None = None) -> None:  # fmt: skip
         super().__init__(plan, spec, device)
         self._payloads: dict[int, bytes | bytearray | memoryview] = {}  # chunks that are in
         self._squares = 0.0
+        self.held_spec = hold if hold is not None and spec == "none" else spec
 
     @property
     def norm(self) -> float:
@@ -657,6 +661,9 @@ class EncodedAssembly(_Arrivals):
         """
         values = self._take(index, payload)
         squares = sum(float(torch.linalg.vector_norm(t)) ** 2 for t in values)
+        if self.held_spec != self.spec:
+            payload = encode_chunk(list(zip(self.plan.chunks[index], values, strict=True)),
+                                   self.held_spec, seed=index)  # fmt: skip
         with self._lock:
             self._payloads[index] = payload
             self._squares += squares
@@ -666,7 +673,8 @@ class EncodedAssembly(_Arrivals):
         """(tensor name, offset of the first element, values) of every slice, a chunk decoded
         at a time (uncompressed values are views of the kept buffers: read them only)."""
         for index in range(len(self.plan)):
-            values = decode_chunk(self._payloads[index], self.spec, self.plan, index, self.device)
+            values = decode_chunk(self._payloads[index], self.held_spec, self.plan, index,
+                                  self.device)  # fmt: skip
             for s, t in zip(self.plan.chunks[index], values, strict=True):
                 yield s.name, s.start, t
 
