@@ -96,7 +96,8 @@ def fit_budget(
     if spec.fit is None or limit is None or estimate.total_gb <= limit or not estimate.model_gb:
         return config, estimate, ""
     room = (limit - estimate.buffers_gb - estimate.runtime_gb) / estimate.model_gb
-    fitted = spec.fit(config.gossip, room - estimate.plain_copies)
+    numel = sum(p.numel() for p in trainer.params().values())
+    fitted = spec.fit(config.gossip, room - estimate.plain_copies, numel)
     if fitted is None or fitted == config.gossip:
         return config, estimate, ""
     config = dataclasses.replace(config, gossip=fitted)

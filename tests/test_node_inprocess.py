@@ -526,3 +526,31 @@ async def test_a_node_that_peers_cannot_dial_back_says_so(tmp_path, monkeypatch)
     assert [w["address"] for w in warned] == [nowhere], recorder.events
     assert "network.reachable = false" in warned[0]["hint"]
     assert fine_address != nowhere
+
+
+@pytest.mark.parametrize("limit", ["limits.memory_gb=1.5", None])  # given, or the machine's
+async def test_diloco_offers_to_as_many_partners_as_their_updates_fit_the_memory(
+    tmp_path, monkeypatch, limit
+):
+    # each partner may leave an update in the inbox and one in its reply (fanout 8: 16 copies
+    # of the model with codec none): a node lowers fanout to what fits instead of running into
+    # the OOM killer on a big model
+    from geotrain.node import _memory
+
+    monkeypatch.setattr(_memory, "machine_memory_gb", lambda: 1.5)
+    sets = ['training.task="wide-linear"', "training.params.millions=10.0", "training.max_steps=2",
+            'gossip.algorithm="diloco"'] + ([limit] if limit else [])  # fmt: skip
+    admission = Admission.open_swarm("geotrain")
+    async with geotrain.open_node(config(tmp_path, "d", *sets), identity=Identity.generate(),
+                                  admission=admission) as node:  # fmt: skip
+        with trio.fail_after(60):
+            await node.wait_stopped()
+        # 0.04 GB x (3 plain + 1 auto + 2 x f + 0.5 consensus) + 0.27 GB chunks + 0.5 GB runtime
+        # <= 1.5 GB for f = 5; 6 would not
+        assert node.config.gossip.settings.fanout == 5
+        assert node.algorithm.ctx.settings.fanout == 5
+        assert node.status().memory_estimate_mb <= 1500
+    tight = config(tmp_path, "t", *sets[:4], "limits.memory_gb=1.1")  # not even one partner
+    with pytest.raises(geotrain.MemoryBudgetError, match="limits.memory_gb = 1.1"):
+        async with geotrain.open_node(tight, identity=Identity.generate(), admission=admission):
+            pass

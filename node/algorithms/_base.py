@@ -295,7 +295,8 @@ class AlgorithmSpec:
             (its settings and codec) and the model's parameter count; the node's memory budget
             is checked with it. None: unknown (nothing is checked).
         fit: for an algorithm whose memory grows with a setting, the gossip config with that
-            setting lowered so that it keeps at most the given model copies (None: it cannot).
+            setting lowered so that it keeps at most the given model copies, for a model of the
+            given parameter count (None: it cannot).
         averages_models: it mixes whole models (not differences or updates), which want a codec
             that carries every value (MODEL_CODECS): the node warns about another fixed codec.
     """
@@ -306,7 +307,7 @@ class AlgorithmSpec:
     messages: tuple[type[Header], ...]
     summary: str
     memory: Callable[[GossipConfig, int], float] | None = None
-    fit: Callable[[GossipConfig, float], GossipConfig | None] | None = None
+    fit: Callable[[GossipConfig, float, int], GossipConfig | None] | None = None
     averages_models: bool = False
 
     def default_settings(self) -> Any:

@@ -436,9 +436,9 @@ def choco_copies(max_peers: int) -> float:
     return 1.0 + 2 * max_peers
 
 
-def fit_max_peers(gossip: GossipConfig, copies: float) -> GossipConfig | None:
+def fit_max_peers(gossip: GossipConfig, copies: float, numel: int = 0) -> GossipConfig | None:
     """`gossip` with max_peers lowered to what `copies` model copies hold (None: not even one
-    neighbour fits)."""
+    neighbour fits; the model's size does not change what a neighbour costs in copies)."""
     most = int((copies - choco_copies(0)) // 2)
     if most < 1:
         return None

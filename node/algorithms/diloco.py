@@ -9,6 +9,7 @@
 # of the round's partners, both ends alike (each at its next outer step), so the models agree.
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import threading
@@ -36,7 +37,7 @@ from geotrain.gossip import (
 )
 
 from .._allocator import RELEASE_ABOVE_BYTES, release_free_memory
-from .._config import check_field
+from .._config import GossipConfig, check_field
 from ..training import StepResult
 from ..transport import U63, CodecSpec, ErrorReply, Header, PeerInfo, TransportError
 from ._base import MODEL_CODECS, Algorithm, AlgorithmContext, AlgorithmSpec, Reply, Tensors
@@ -911,6 +912,28 @@ class Diloco(Algorithm):
         self.counters.record_ok(peer, header.codec)
 
 
+def diloco_copies(gossip: GossipConfig, numel: int, fanout: int) -> float:
+    """Model copies diloco keeps beyond a plain loop with `fanout` partners (see ALGORITHM)."""
+    s = gossip.settings
+    return (3.0 + (gossip.codec != "none") + 2 * fanout * held_share(gossip.codec, numel)
+            + (2 * wire_share(s.consensus_codec) if s.consensus_every else 0))  # fmt: skip
+
+
+def fit_fanout(gossip: GossipConfig, copies: float, numel: int) -> GossipConfig | None:
+    """`gossip` with fanout lowered to what `copies` model copies hold: each partner may leave
+    an update in our inbox and one in its reply (None: not even one partner fits)."""
+    s = gossip.settings
+    most = next((f for f in range(s.fanout, 0, -1) if diloco_copies(gossip, numel, f) <= copies),
+                0)  # fmt: skip
+    if most < 1:
+        return None
+    if most == s.fanout:
+        return gossip
+    fitted = dataclasses.replace(s, fanout=most)
+    return dataclasses.replace(gossip, algorithm_settings={**gossip.algorithm_settings,
+                                                           "diloco": fitted})  # fmt: skip
+
+
 ALGORITHM = register_algorithm(
     AlgorithmSpec(
         name="diloco",
@@ -924,8 +947,7 @@ ALGORITHM = register_algorithm(
         # us plus fanout replies, held as they came (codec none's in bfloat16 for a big model;
         # held_share); with consensus, a partner's outer
         # parameters we asked for and one we answer, as they came in consensus_codec
-        memory=lambda g, numel: (
-            3.0 + (g.codec != "none") + 2 * g.settings.fanout * held_share(g.codec, numel)
-            + (2 * wire_share(g.settings.consensus_codec) if g.settings.consensus_every else 0)),
+        memory=lambda g, numel: diloco_copies(g, numel, g.settings.fanout),
+        fit=fit_fanout,
     )
 )
