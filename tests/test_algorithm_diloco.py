@@ -28,7 +28,7 @@ from geotrain.node.algorithms._stream import (
 )
 from geotrain.node.algorithms.diloco import DeltaOffer, DeltaReply, DilocoSettings
 from geotrain.node.training import StepResult
-from geotrain.node.transport import PeerInfo
+from geotrain.node.transport import ErrorReply, PeerInfo
 
 DILOCO = {
     "algorithm": "diloco",
@@ -243,7 +243,9 @@ async def test_a_closed_connection_frees_the_slot_of_an_unfinished_offer(autojum
         # p0 dies before its other chunks: with fanout 1 its half offer fills b's only slot ...
         p2 = PeerInfo("p2", b"", "mem://p2", "inbound")
         refused, _ = await b.handle(p2, offer(0, xid=2), memoryview(chunk))
-        assert not isinstance(refused, DeltaReply)
+        # declined, not rejected: p2 did nothing wrong (its fanout may be larger than b's)
+        assert isinstance(refused, ErrorReply) and refused.code == "busy"
+        assert b.counters.statistics().rejected == 0
         b.peer_disconnected("p0")  # ... until the transport sees its connection close
         assert not b._incoming
         reply, _ = await b.handle(p2, offer(0, xid=2), memoryview(chunk))
@@ -603,6 +605,31 @@ def test_an_update_held_in_bfloat16_takes_half_the_bytes_and_keeps_its_exact_nor
     assert held.norm == pytest.approx(float(update["w"].norm()), rel=1e-6)  # as sent
     values = torch.cat([t for _, _, t in held.slices()])
     assert torch.equal(values, update["w"].bfloat16().float())
+
+
+def test_a_peers_update_is_held_in_our_codec_when_it_came_in_a_wider_one():
+    # a node that chose int8 was sent codec none by a peer running auto, and held it whole:
+    # four times what its memory estimate counted for each update
+    plan = ChunkPlan.build([("w", (3000,))], 1000)
+    update = {"w": torch.randn(3000)}
+
+    def held(spec: str, hold: str | None) -> EncodedAssembly:
+        assembly = EncodedAssembly(plan, spec, torch.device("cpu"), hold=hold)
+        for i in range(len(plan)):
+            assembly.add(i, bytearray(encode_chunk(model_chunk(update, plan, i), spec)))
+        return assembly
+
+    assert held("none", "int8").held_spec == "int8" and held("none", "int8").nbytes < 0.3 * 12000
+    assert held("int4", "int8").held_spec == "int4"  # a narrower one stays as it came
+    big, small = 2**25, 1000  # parameters: above and below HOLD_HALF_ABOVE_BYTES
+    assert [diloco.hold_codec(c, small) for c in ("int8", "auto", "none", "topk:0.01")] == [
+        "int8", None, None, None]
+    assert [diloco.hold_codec(c, big) for c in ("int8", "auto", "none", "topk:0.01")] == [
+        "int8", "bf16", "bf16", "bf16"]
+    # what the estimate counts per held update: a peer may send any codec of the dense ladder
+    assert diloco.held_share("int8", small) == pytest.approx(0.25, abs=0.01)
+    assert diloco.held_share("topk:0.01", small) == 1.0
+    assert diloco.held_share("auto", big) == pytest.approx(0.5, abs=0.01)
 
 
 async def _outer_step_with_held(in_place: bool, monkeypatch, rule: str) -> dict:

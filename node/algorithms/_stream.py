@@ -627,13 +627,13 @@ class EncodedAssembly(_Arrivals):
     """A peer's update arriving chunk by chunk, each checked as it comes (decoded once: the
     plan's slices, finite; its norm added up) and kept as it came: a lossy codec's chunks are a
     fraction of the values' bytes (int8 about a quarter, top-k 1% about 2%), codec none's are
-    the values (the received buffers themselves, not copied), or, with `hold` given, the
-    values re-encoded in that codec as they come (checked and counted in the norm as sent).
-    `slices` decodes them again where the update is used, one chunk at a time.
+    the values (the received buffers themselves, not copied), or, with a narrower `hold`
+    codec, the values re-encoded in it as they come (checked, and counted in the norm, as they
+    were sent). `slices` decodes them again where the update is used, one chunk at a time.
 
     Args:
         plan: the chunk plan both ends agreed on; spec: the codec; device: where values land.
-        hold: keep codec none's chunks in this codec instead ("bf16": half their bytes).
+        hold: a dense codec to keep chunks in when it takes fewer bytes than `spec`'s.
     """
 
     def __init__(self, plan: ChunkPlan, spec: str, device: torch.device,
@@ -641,7 +641,8 @@ class EncodedAssembly(_Arrivals):
         super().__init__(plan, spec, device)
         self._payloads: dict[int, bytes | bytearray | memoryview] = {}  # chunks that are in
         self._squares = 0.0
-        self.held_spec = hold if hold is not None and spec == "none" else spec
+        narrower = hold is not None and value_share(hold) < value_share(spec)
+        self.held_spec = hold if narrower else spec
 
     @property
     def norm(self) -> float:
@@ -650,7 +651,7 @@ class EncodedAssembly(_Arrivals):
 
     @property
     def nbytes(self) -> int:
-        """The bytes held: what came over the wire."""
+        """The bytes held: what came over the wire, or its values in the `hold` codec."""
         return sum(len(p) for p in self._payloads.values())
 
     def add(self, index: int, payload: bytes | bytearray | memoryview) -> bool:
@@ -687,6 +688,13 @@ class EncodedAssembly(_Arrivals):
                 out[name] = torch.empty(shapes[name], device=self.device)
             out[name].view(-1)[offset : offset + t.numel()] = t
         return out
+
+
+@functools.lru_cache(maxsize=64)
+def value_share(spec: str) -> float:
+    """The bytes of 2^20 values encoded with `spec` over their float32 bytes."""
+    numel = 2**20
+    return compress.expected_nbytes_named([("t", (numel,))], compress.get_codec(spec)) / (4 * numel)
 
 
 def update_slices(update: EncodedAssembly | Tensors) -> Iterable[tuple[str, int, torch.Tensor]]:

@@ -499,8 +499,8 @@ def keeps_feedback(spec: str) -> bool:
     value (int8, sign, ...) do; none needs none, and a sparse one (top-k, random-k) takes none
     because a model is not an increment: the residual of what a send left out is the model's
     own value, which the next send would add again (two digits nodes with `topk:0.1`, values
-    not sent left as they were, 300 steps: training losses 1e7-3e8 with it, 0.05-0.14 without,
-    BENCHMARKS.md)."""
+    not sent left as they were: training losses of 1e7-3e8 with it, 0.03-0.06 without in
+    `python -m geotrain.node.bench_codecs`, BENCHMARKS.md)."""
     return spec != "none" and not compress.get_codec(spec).sparse
 
 

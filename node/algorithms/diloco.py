@@ -53,6 +53,7 @@ from ._stream import (
     plan_refusal,
     update_distance,
     update_slices,
+    value_share,
 )
 
 Update = EncodedAssembly | Tensors  # a peer's update: as it came, or (tests) as tensors
@@ -64,6 +65,11 @@ class _Refused(Exception):
 
 class _Stale(_Refused):
     """Our update was asked for as the outer step wrote the next round start over it."""
+
+
+class _Full(Exception):
+    """We hold as many peers' updates as fanout allows: an offer is declined as busy (its
+    sender's fanout may be larger than ours, e.g. ours fitted to the memory), not rejected."""
 
 log = structlog.get_logger()
 
@@ -180,18 +186,24 @@ class DilocoSettings:
 def wire_share(codec: str) -> float:
     """The bytes of a model encoded with `codec` over its float32 bytes (1 for "auto": it may
     choose none), measured on a 2^20-element tensor."""
-    if codec in ("auto", "none"):
-        return 1.0
-    numel = 2**20
-    nbytes = compress.expected_nbytes_named([("t", (numel,))], compress.get_codec(codec))
-    return nbytes / (4 * numel)
+    return 1.0 if codec in ("auto", "none") else value_share(codec)
+
+
+def hold_codec(codec: str, numel: int) -> str | None:
+    """What peers' updates that come in a wider codec are held in (None: as they came): our
+    own fixed codec when it is a dense one (a peer running `auto` may send codec none, which
+    a node that chose int8 would otherwise hold whole), else bfloat16 above
+    HOLD_HALF_ABOVE_BYTES."""
+    if codec in DENSE_CODECS and codec != "none":
+        return codec
+    return "bf16" if 4 * numel > HOLD_HALF_ABOVE_BYTES else None
 
 
 def held_share(codec: str, numel: int) -> float:
-    """The bytes of a peer's update as held, over a model's float32 bytes: as it came, but
-    codec none's (or auto's) in bfloat16 above HOLD_HALF_ABOVE_BYTES."""
-    share = wire_share(codec)
-    return min(share, 0.5) if 4 * numel > HOLD_HALF_ABOVE_BYTES else share
+    """The most bytes a peer's update takes as held, over a model's float32 bytes: peers may
+    send any codec of the dense ladder, which is held in `hold_codec` when that is narrower."""
+    hold = hold_codec(codec, numel)
+    return 1.0 if hold is None else wire_share(hold)
 
 
 @dataclass(frozen=True)
@@ -232,8 +244,8 @@ class Diloco(Algorithm):
         self.latest: tuple[int, list[bytes], str] = (0, [], "")
         self.latest_delta: Tensors | None = None
         self._keep_update = 4 * ctx.peers.numel <= KEEP_UPDATE_BYTES
-        # peers' updates that came uncompressed are held in bfloat16 by a big model
-        self._hold = "bf16" if 4 * ctx.peers.numel > HOLD_HALF_ABOVE_BYTES else None
+        # peers' updates that came in a wider codec than ours (or uncompressed, to a big model)
+        self._hold = hold_codec(ctx.gossip.codec, ctx.peers.numel)
         # a big model whose training waits for the round end (the daemon's) writes its update
         # over the round start (start - live: one model copy less at the round end, the
         # peak) and takes the outer step from there; a loop of the user's own keeps stepping
@@ -820,6 +832,9 @@ class Diloco(Algorithm):
             return ErrorReply(code="bad_request", reason=why[:500]), b""
         try:
             await self._take(peer.peer_id, header, payload, plan)
+        except _Full as exc:
+            log.debug("offer_declined", peer=peer.short_id, reason=str(exc))
+            return ErrorReply(code="busy", reason=str(exc)), b""
         except (RejectedUpdate, compress.DecodeError, ValueError) as exc:
             if self._incoming.pop(peer.peer_id, None) is not None:
                 self._offer_ended()
@@ -893,7 +908,7 @@ class Diloco(Algorithm):
             self.inbox
         ) + len(self._incoming) >= ctx.settings.fanout:  # as many updates held as the memory
             # budget counts (a partner we offer to: its update stands for its reply's)
-            raise ValueError(f"already holding {ctx.settings.fanout} peers' updates")
+            raise _Full(f"already holding {ctx.settings.fanout} peers' updates")
         if current is None or current[0] != header.xid:  # a new offer replaces an unfinished one
             assembly = EncodedAssembly(plan, header.codec, ctx.trainer.task_device, self._hold)
             current = self._incoming[peer] = (header.xid, header.round, assembly)
