@@ -71,6 +71,7 @@ class _Full(Exception):
     """We hold as many peers' updates as fanout allows: an offer is declined as busy (its
     sender's fanout may be larger than ours, e.g. ours fitted to the memory), not rejected."""
 
+
 log = structlog.get_logger()
 
 
@@ -959,9 +960,9 @@ ALGORITHM = register_algorithm(
         # round start, outer momentum and our update (a model above KEEP_UPDATE_BYTES holds it
         # only through its round end, where this peak is); with a lossy codec its encoded
         # chunks and half-precision error feedback; up to fanout updates from peers offered to
-        # us plus fanout replies, held as they came (codec none's in bfloat16 for a big model;
-        # held_share); with consensus, a partner's outer
-        # parameters we asked for and one we answer, as they came in consensus_codec
+        # us plus fanout replies, held as they came or narrower (hold_codec, held_share); with
+        # consensus, a partner's outer parameters we asked for and one we answer, as they came
+        # in consensus_codec
         memory=lambda g, numel: diloco_copies(g, numel, g.settings.fanout),
         fit=fit_fanout,
     )
