@@ -268,6 +268,23 @@ async def test_a_sparse_codec_averages_the_values_sent_and_leaves_the_others(
         assert not a.feedback.state_dict() and not b.feedback.state_dict()
 
 
+@pytest.mark.parametrize(("own", "kept"), [("none", False), ("topk:0.1", False), ("auto", True)])
+async def test_a_peers_lossy_exchange_is_answered_with_error_feedback_only_where_it_is_counted(
+    autojump_clock, own, kept
+):
+    # a node set to codec none (memory estimate: no residuals) answered a peer running auto in
+    # int8 with error feedback: half a model of residuals its estimate did not count
+    async with runtimes(2, algorithm="adpsgd", codec=own) as (net, (a, b)):
+        a.ctx.trainer.train_step()
+        chunk = a._mix(a.plan(a.ctx.chunk_numel), "int8").send(0)
+        peer = PeerInfo("p0", b"", "mem://p0", "inbound")
+        reply, _ = await b.handle(peer, _opening(b, codec="int8"), memoryview(chunk))
+        assert not isinstance(reply, ErrorReply), reply
+        await settle()
+        assert b.counters.statistics().ok == 1
+        assert bool(b.feedback.state_dict()) == kept
+
+
 async def test_the_responder_drops_an_exchange_its_initiator_gave_up(autojump_clock):
     async with runtimes(2, **CHUNKED) as (net, (a, b)):
         net.set_delay("p0", "p1", 0.05)

@@ -141,6 +141,10 @@ class Adpsgd(Algorithm):
         super().__init__(ctx)
         # Residuals of lossy codecs in half precision: half a model's bytes (the memory budget).
         self.feedback = SliceFeedback(torch.float16)  # half a model, lossy codecs only
+        # only where the memory estimate counts it: a node set to codec none (or a sparse one)
+        # answers a peer's exchange in int8 without (adpsgd_copies)
+        own = ctx.gossip.codec
+        self._feedback_counted = own == "auto" or keeps_feedback(own)
         self._plans: dict[int, ChunkPlan] = {}
         self._sessions: dict[str, _Session] = {}  # the exchanges we answer, by peer
         model_bytes = 4 * ctx.peers.numel
@@ -218,7 +222,8 @@ class Adpsgd(Algorithm):
         cfg = self.ctx.gossip
         self._seed += len(plan)
         return PairwiseMix(
-            self.ctx.trainer, plan, spec, self.feedback if keeps_feedback(spec) else None,
+            self.ctx.trainer, plan, spec,
+            self.feedback if self._feedback_counted and keeps_feedback(spec) else None,
             weight=0.5,
             max_norm_ratio=cfg.max_norm_ratio, clip=cfg.clip, seed=self._seed,
             radius=self.ctx.robust, spare=self._spare,
