@@ -454,29 +454,39 @@ async def test_a_config_that_cannot_fit_its_memory_limit_is_refused_with_the_fig
         assert status.peak_rss_mb > 0.04 * 1000  # it did hold the model
 
 
+async def _fitted_node(tmp_path, monkeypatch, algorithm: str, limit: str | None,
+                       machine_gb: float, tight_gb: float):  # fmt: skip
+    """A node of `algorithm` (a 10M-parameter model) run to its end with limits.memory_gb =
+    `limit` or, when None, a machine of `machine_gb`; then one with `tight_gb`, which must be
+    refused. Returns the first node."""
+    from geotrain.node import _memory
+
+    monkeypatch.setattr(_memory, "machine_memory_gb", lambda: machine_gb)
+    sets = ['training.task="wide-linear"', "training.params.millions=10.0", "training.max_steps=2",
+            f'gossip.algorithm="{algorithm}"'] + ([limit] if limit else [])  # fmt: skip
+    admission = Admission.open_swarm("geotrain")
+    async with geotrain.open_node(config(tmp_path, "f", *sets), identity=Identity.generate(),
+                                  admission=admission) as node:  # fmt: skip
+        with trio.fail_after(60):
+            await node.wait_stopped()
+    tight = config(tmp_path, "t", *sets[:4], f"limits.memory_gb={tight_gb}")
+    with pytest.raises(geotrain.MemoryBudgetError, match=f"limits.memory_gb = {tight_gb}"):
+        async with geotrain.open_node(tight, identity=Identity.generate(), admission=admission):
+            pass
+    return node
+
+
 @pytest.mark.parametrize("limit", ["limits.memory_gb=1.2", None])  # given, or the machine's
 async def test_choco_keeps_as_many_neighbours_estimates_as_fit_the_memory(tmp_path, monkeypatch,
                                                                           limit):  # fmt: skip
     # choco holds two model copies per neighbour (max_peers 16 by default: 33 copies): a node
-    # lowers max_peers to what fits instead of being refused, or killed by the OOM killer
-    from geotrain.node import _memory
-
-    monkeypatch.setattr(_memory, "machine_memory_gb", lambda: 1.2)
-    sets = ['training.task="wide-linear"', "training.params.millions=10.0", "training.max_steps=2",
-            'gossip.algorithm="choco"'] + ([limit] if limit else [])  # fmt: skip
-    admission = Admission.open_swarm("geotrain")
-    async with geotrain.open_node(config(tmp_path, "c", *sets), identity=Identity.generate(),
-                                  admission=admission) as node:  # fmt: skip
-        with trio.fail_after(60):
-            await node.wait_stopped()
-        # 0.04 GB x (3 plain + 1 + 2 x 3) + 0.27 GB chunks + 0.5 GB runtime <= 1.2 GB; 4 would not
-        assert node.config.gossip.settings.max_peers == 3
-        assert node.algorithm.links.max_peers == 3
-        assert node.status().memory_estimate_mb <= 1200
-    tight = config(tmp_path, "t", *sets[:4], "limits.memory_gb=0.85")  # not even one neighbour
-    with pytest.raises(geotrain.MemoryBudgetError, match="limits.memory_gb = 0.85"):
-        async with geotrain.open_node(tight, identity=Identity.generate(), admission=admission):
-            pass
+    # lowers max_peers to what fits instead of being refused, or killed by the OOM killer; at
+    # 0.85 GB not even one neighbour fits
+    node = await _fitted_node(tmp_path, monkeypatch, "choco", limit, 1.2, 0.85)
+    # 0.04 GB x (3 plain + 1 + 2 x 3) + 0.27 GB chunks + 0.5 GB runtime <= 1.2 GB; 4 would not
+    assert node.config.gossip.settings.max_peers == 3
+    assert node.algorithm.links.max_peers == 3
+    assert node.status().memory_estimate_mb <= 1200
 
 
 # -- a node nobody can dial back (behind NAT, configured as reachable) says so ---------------------
@@ -534,23 +544,10 @@ async def test_diloco_offers_to_as_many_partners_as_their_updates_fit_the_memory
 ):
     # each partner may leave an update in the inbox and one in its reply (fanout 8: 16 copies
     # of the model with codec none): a node lowers fanout to what fits instead of running into
-    # the OOM killer on a big model
-    from geotrain.node import _memory
-
-    monkeypatch.setattr(_memory, "machine_memory_gb", lambda: 1.5)
-    sets = ['training.task="wide-linear"', "training.params.millions=10.0", "training.max_steps=2",
-            'gossip.algorithm="diloco"'] + ([limit] if limit else [])  # fmt: skip
-    admission = Admission.open_swarm("geotrain")
-    async with geotrain.open_node(config(tmp_path, "d", *sets), identity=Identity.generate(),
-                                  admission=admission) as node:  # fmt: skip
-        with trio.fail_after(60):
-            await node.wait_stopped()
-        # 0.04 GB x (3 plain + 3 + 1 for auto + 2 x f + 0.5 consensus) + 0.27 GB chunks + 0.5 GB
-        # runtime = 1.47 GB <= 1.5 GB for f = 5; 6 would need 1.55
-        assert node.config.gossip.settings.fanout == 5
-        assert node.algorithm.ctx.settings.fanout == 5
-        assert node.status().memory_estimate_mb <= 1500
-    tight = config(tmp_path, "t", *sets[:4], "limits.memory_gb=1.1")  # not even one partner
-    with pytest.raises(geotrain.MemoryBudgetError, match="limits.memory_gb = 1.1"):
-        async with geotrain.open_node(tight, identity=Identity.generate(), admission=admission):
-            pass
+    # the OOM killer on a big model; at 1.1 GB not even one partner fits
+    node = await _fitted_node(tmp_path, monkeypatch, "diloco", limit, 1.5, 1.1)
+    # 0.04 GB x (3 plain + 3 + 1 for auto + 2 x f + 0.5 consensus) + 0.27 GB chunks + 0.5 GB
+    # runtime = 1.47 GB <= 1.5 GB for f = 5; 6 would need 1.55
+    assert node.config.gossip.settings.fanout == 5
+    assert node.algorithm.ctx.settings.fanout == 5
+    assert node.status().memory_estimate_mb <= 1500
