@@ -33,6 +33,7 @@ class MemoryEstimate:
     algorithm_copies: float | None  # None: the algorithm states none
     buffers_gb: float = 0.0  # chunks of model streams in flight
     runtime_gb: float = RUNTIME_GB
+    numel: int = 0  # the model's parameters (what an algorithm's fit is told)
 
     @property
     def copies(self) -> float:
@@ -66,7 +67,7 @@ def estimate_memory(
     buffers = CHUNKS_IN_FLIGHT * BUFFERS_PER_CHUNK * chunk_bytes
     return MemoryEstimate(
         model_bytes / 1e9, 2.0 + OPTIMIZER_COPIES.get(optimizer, 2.0), spec.name, extra,
-        buffers / 1e9,
+        buffers / 1e9, numel=numel,
     )  # fmt: skip
 
 
@@ -96,8 +97,7 @@ def fit_budget(
     if spec.fit is None or limit is None or estimate.total_gb <= limit or not estimate.model_gb:
         return config, estimate, ""
     room = (limit - estimate.buffers_gb - estimate.runtime_gb) / estimate.model_gb
-    numel = sum(p.numel() for p in trainer.params().values())
-    fitted = spec.fit(config.gossip, room - estimate.plain_copies, numel)
+    fitted = spec.fit(config.gossip, room - estimate.plain_copies, estimate.numel)
     if fitted is None or fitted == config.gossip:
         return config, estimate, ""
     config = dataclasses.replace(config, gossip=fitted)

@@ -23,6 +23,7 @@ import structlog
 import torch
 import trio
 
+from geotrain import compress
 from geotrain.gossip import LinkTable, PartnerSelector, client_address
 
 from ._allocator import tune_allocator
@@ -305,8 +306,6 @@ class Node:
         gossip = self.config.gossip
         if gossip.codec == "auto" or not self.spec.averages_models:
             return
-        from geotrain import compress
-
         codec = compress.get_codec(gossip.codec)
         if codec.name not in MODEL_CODECS:
             what = ("averages only the values it sends, which leaves models further apart"
