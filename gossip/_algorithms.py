@@ -127,13 +127,18 @@ class NesterovOuter:
     Args:
         lr: the outer learning rate (DiLoCo uses 0.7).
         momentum: the Nesterov momentum (DiLoCo uses 0.9).
+        dtype: what the momentum buffers are held in (None: each parameter's own dtype). The
+            arithmetic is the parameters' (a narrower buffer is widened slice by slice and
+            only stored narrower): bfloat16 halves a float32 model's outer state and rounds
+            each buffer value to 8 bits of mantissa at each step.
     """
 
-    def __init__(self, lr: float, momentum: float) -> None:
+    def __init__(self, lr: float, momentum: float, dtype: torch.dtype | None = None) -> None:
         if lr <= 0 or not 0 <= momentum < 1:
             raise ValueError(f"lr={lr}, momentum={momentum}: expected lr > 0, 0 <= momentum < 1")
         self.lr = lr
         self.momentum = momentum
+        self.dtype = dtype
         self.buffers: dict[str, torch.Tensor] = {}
 
     def step(self, start: MutableMapping[str, torch.Tensor], gradient: Params) -> None:
@@ -153,7 +158,7 @@ class NesterovOuter:
             for name, tensor in start.items():
                 buf = self.buffers.get(name)
                 if buf is None:
-                    self.buffers[name] = torch.zeros_like(tensor)
+                    self.buffers[name] = torch.zeros_like(tensor, dtype=self.dtype)
                     continue
                 tensor.sub_(buf, alpha=self.lr * self.momentum**2)
                 buf.mul_(self.momentum)

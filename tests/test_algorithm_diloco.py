@@ -19,6 +19,7 @@ from geotrain.gossip import (
     pseudo_gradient,
     robust_average,
 )
+from geotrain.node import GossipConfig
 from geotrain.node.algorithms import diloco
 from geotrain.node.algorithms._stream import (
     ChunkPlan,
@@ -512,11 +513,13 @@ async def test_an_offer_stalled_past_its_deadline_is_dropped_and_stands_for_noth
         assert a.statistics().peer_deltas_used == 1  # b's update, from its replies
 
 
-async def _rounds_ending_together(in_place: bool, monkeypatch, hold: bool = False) -> dict:
+async def _rounds_ending_together(in_place: bool, monkeypatch, hold: bool = False,
+                                  half_momentum: bool = False) -> dict:  # fmt: skip
     # two nodes end two rounds at the same instant: offers and consensus swaps cross, each
     # answered while the other's round start may hold its update
     monkeypatch.setattr(diloco, "KEEP_UPDATE_BYTES", 0 if in_place else 2**40)
     monkeypatch.setattr(diloco, "HOLD_HALF_ABOVE_BYTES", 0 if hold else 2**40)
+    monkeypatch.setattr(diloco, "MOMENTUM_HALF_ABOVE_BYTES", 0 if half_momentum else 2**40)
     settings = {"diloco": DilocoSettings(inner_steps=2, consensus_every=1,
                                          consensus_codec="none")}  # fmt: skip
     seen = []
@@ -593,6 +596,51 @@ async def test_a_big_model_holds_peers_updates_in_bfloat16_and_steps_almost_as_e
         error = {k: held["starts"][i][k] - exact["starts"][i][k] for k in moved}
         size, off = params_norm(moved), params_norm(error)
         assert 0 < off < 0.01 * size, (off, size)  # rounded, not lost nor scaled
+
+
+async def test_a_big_model_holds_its_outer_momentum_in_bfloat16_and_steps_almost_exactly(
+    autojump_clock, monkeypatch
+):
+    # a float32 outer momentum was a whole model copy through every inner step and at the
+    # round end's peak; in bfloat16 it is half, and the outer steps move as before to its
+    # rounding (the arithmetic stays float32)
+    exact = await _rounds_ending_together(True, monkeypatch)
+    half = await _rounds_ending_together(True, monkeypatch, half_momentum=True)
+    assert exact["stats"] == half["stats"]
+    assert all(t.dtype == torch.float32 for m in exact["momenta"] for t in m.values())
+    assert all(t.dtype == torch.bfloat16 for m in half["momenta"] for t in m.values())
+    for i in range(2):
+        moved = {k: exact["starts"][i][k] - exact["initial"][i][k] for k in exact["initial"][i]}
+        error = {k: half["starts"][i][k] - exact["starts"][i][k] for k in moved}
+        size, off = params_norm(moved), params_norm(error)
+        assert 0 < off < 0.01 * size, (off, size)
+    # the estimate counts half a copy for it; a small model keeps float32 momentum
+    gossip = GossipConfig(algorithm="diloco", codec="none")
+    big, small = 2**25, 1000
+    monkeypatch.setattr(diloco, "MOMENTUM_HALF_ABOVE_BYTES", 64 * 2**20)
+    assert diloco.momentum_dtype(big) == torch.bfloat16 and diloco.momentum_dtype(small) is None
+    assert (diloco.diloco_copies(gossip, small, 1) - diloco.diloco_copies(gossip, big, 1)
+            == pytest.approx(0.5 + 2 * (1 - diloco.held_share("none", big))))  # fmt: skip
+
+
+async def test_a_checkpoint_s_momentum_loads_in_the_dtype_the_node_holds_it_in(
+    autojump_clock, monkeypatch
+):
+    # a checkpoint written by a node holding float32 momentum, loaded where it is held in
+    # bfloat16 (a new release, or the threshold crossed), and back
+    monkeypatch.setattr(diloco, "MOMENTUM_HALF_ABOVE_BYTES", 0)
+    async with runtimes(1, **DILOCO) as (net, (a,)):
+        for _ in range(2):
+            a.ctx.trainer.train_step()
+        await a.after_step(step(a, 2))
+        tensors, meta = a.state()
+        momentum = {k: v for k, v in tensors.items() if k.startswith("momentum/")}
+        assert momentum and all(v.dtype == torch.bfloat16 for v in momentum.values())
+        a.load_state({**tensors, **{k: v.float() for k, v in momentum.items()}}, meta)
+        assert all(v.dtype == torch.bfloat16 for v in a.outer.buffers.values())
+        a.outer.dtype = None  # a node holding it in its parameters' dtype
+        a.load_state(tensors, meta)
+        assert all(v.dtype == torch.float32 for v in a.outer.buffers.values())
 
 
 def test_an_update_held_in_bfloat16_takes_half_the_bytes_and_keeps_its_exact_norm():

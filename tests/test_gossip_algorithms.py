@@ -183,6 +183,22 @@ def test_nesterov_outer_step_matches_torch_sgd_nesterov():
     assert torch.allclose(start["w"], reference.detach(), atol=1e-6)
 
 
+def test_nesterov_outer_momentum_held_in_bfloat16_stays_close_to_float32():
+    # a 100M diloco node holds its outer momentum in bfloat16 (half a model copy): the round
+    # start must still move as float32 momentum moves it, to its rounding, over many rounds
+    torch.manual_seed(2)
+    start = {"w": torch.randn(4096) * 0.02}
+    exact, half = {"w": start["w"].clone()}, {"w": start["w"].clone()}
+    full, narrow = NesterovOuter(0.7, 0.9), NesterovOuter(0.7, 0.9, torch.bfloat16)
+    for _ in range(100):
+        g = torch.randn(4096) * 1e-3 + 5e-4  # noise around a steady direction
+        full.step(exact, {"w": g})
+        narrow.step(half, {"w": g})
+    assert narrow.buffers["w"].dtype == torch.bfloat16 and half["w"].dtype == torch.float32
+    moved, off = (exact["w"] - start["w"]).norm(), (half["w"] - exact["w"]).norm()
+    assert 0 < off < 0.01 * moved, (off, moved)  # rounded, not lost nor scaled
+
+
 def test_pseudo_gradient_and_average():
     start, now = _model(1.0), _model(0.25)
     assert torch.allclose(pseudo_gradient(start, now)["w"], torch.full((3, 2), 0.75))

@@ -129,6 +129,14 @@ KEEP_UPDATE_BYTES = 64 * 2**20
 # bench_memory). bfloat16 keeps 8 bits of mantissa: in the tests' rounds the outer parameters
 # moved 0.12% differently, where the update was used at all
 HOLD_HALF_ABOVE_BYTES = 64 * 2**20
+# A model above this keeps its outer momentum in bfloat16: half a model copy through every inner
+# step and at the round end's peak (a 100M node's peak beyond a plain loop went from +2.52-2.68
+# copies to BENCHMARKS.md's figure). The outer step's arithmetic stays float32 (the buffer is
+# widened slice by slice); each buffer value is rounded to 8 bits of mantissa per step: over
+# 10-200 outer steps of noisy pseudo-gradients the round start moved 0.14-0.22% differently
+# from float32 momentum (norm of the difference over the norm of the move), less than the
+# bfloat16 holding above and far less than an int8 update's own rounding
+MOMENTUM_HALF_ABOVE_BYTES = 64 * 2**20
 
 
 @dataclass(frozen=True)
@@ -200,6 +208,11 @@ def hold_codec(codec: str, numel: int) -> str | None:
     return "bf16" if 4 * numel > HOLD_HALF_ABOVE_BYTES else None
 
 
+def momentum_dtype(numel: int) -> torch.dtype | None:
+    """What the outer momentum of a float32 model of `numel` values is held in (None: float32)."""
+    return torch.bfloat16 if 4 * numel > MOMENTUM_HALF_ABOVE_BYTES else None
+
+
 def held_share(codec: str, numel: int) -> float:
     """The most bytes a peer's update takes as held, over a model's float32 bytes: peers may
     send any codec of the dense ladder, which is held in `hold_codec` when that is narrower."""
@@ -237,7 +250,8 @@ class Diloco(Algorithm):
     def __init__(self, ctx: AlgorithmContext) -> None:
         super().__init__(ctx)
         cfg = ctx.settings
-        self.outer = NesterovOuter(cfg.outer_lr, cfg.outer_momentum)
+        self.outer = NesterovOuter(cfg.outer_lr, cfg.outer_momentum,
+                                   momentum_dtype(ctx.peers.numel))  # fmt: skip
         self.start = ctx.trainer.snapshot()  # the parameters this outer round started from
         self.round = 0  # outer rounds completed
         # our latest update: (round, its chunks encoded with `codec`, codec), and its values;
@@ -307,7 +321,10 @@ class Diloco(Algorithm):
         for prefix, target in (("start/", self.start), ("momentum/", self.outer.buffers)):
             for key, t in tensors.items():
                 if key.startswith(prefix):
-                    target[key[len(prefix) :]] = t.to(device)
+                    name = key[len(prefix) :]
+                    # (momentum as this node holds it, whatever the checkpoint's writer did)
+                    dtype = self.outer.dtype or self.start[name].dtype
+                    target[name] = t.to(device, dtype if target is self.outer.buffers else None)
         residuals = {k[3:]: v for k, v in tensors.items() if k.startswith("ef/") and "@" not in k}
         self.feedback.load_state_dict({k: v.to(device) for k, v in residuals.items()})
         self.round = int(meta.get("round", 0))
@@ -931,7 +948,9 @@ class Diloco(Algorithm):
 def diloco_copies(gossip: GossipConfig, numel: int, fanout: int) -> float:
     """Model copies diloco keeps beyond a plain loop with `fanout` partners (see ALGORITHM)."""
     s = gossip.settings
-    return (3.0 + (gossip.codec != "none") + 2 * fanout * held_share(gossip.codec, numel)
+    momentum = 0.5 if momentum_dtype(numel) == torch.bfloat16 else 1.0
+    return (2.0 + momentum + (gossip.codec != "none")
+            + 2 * fanout * held_share(gossip.codec, numel)
             + (2 * wire_share(s.consensus_codec) if s.consensus_every else 0))  # fmt: skip
 
 
@@ -957,7 +976,8 @@ ALGORITHM = register_algorithm(
         settings=DilocoSettings,
         messages=(DeltaOffer, DeltaReply, OuterOffer, OuterReply),
         summary="local SGD: inner_steps local steps, then an outer step on averaged updates",
-        # round start, outer momentum and our update (a model above KEEP_UPDATE_BYTES holds it
+        # round start, outer momentum (in bfloat16 above MOMENTUM_HALF_ABOVE_BYTES: half a
+        # copy) and our update (a model above KEEP_UPDATE_BYTES holds it
         # only through its round end, where this peak is); with a lossy codec its encoded
         # chunks and half-precision error feedback; up to fanout updates from peers offered to
         # us plus fanout replies, held as they came or narrower (hold_codec, held_share); with
