@@ -9,7 +9,7 @@ from collections.abc import Iterable, Mapping, MutableMapping
 
 import torch
 
-from ._averaging import add_difference, distance
+from ._averaging import SLICE, add_difference, distance
 from ._robust import ClipRadius, clip_scale
 
 Params = Mapping[str, torch.Tensor]
@@ -160,8 +160,12 @@ class NesterovOuter:
                 if buf is None:
                     self.buffers[name] = torch.zeros_like(tensor, dtype=self.dtype)
                     continue
-                tensor.sub_(buf, alpha=self.lr * self.momentum**2)
-                buf.mul_(self.momentum)
+                flat, flat_buf = tensor.view(-1), buf.view(-1)
+                for i in range(0, flat.numel(), SLICE):  # (a narrower buffer is widened a
+                    part = flat_buf[i : i + SLICE]  # slice at a time: torch on the CPU would
+                    # widen it whole for a mixed-dtype op, a model-sized temporary)
+                    flat[i : i + SLICE].sub_(part.to(flat.dtype), alpha=self.lr * self.momentum**2)
+                    part.mul_(self.momentum)
 
     def add(self, start: MutableMapping[str, torch.Tensor], name: str, values: torch.Tensor,
             weight: float = 1.0, offset: int = 0) -> None:  # fmt: skip
@@ -169,11 +173,14 @@ class NesterovOuter:
         `name` (flattened): buf += w * values; start -= lr * (1 + momentum) * w * values."""
         target = start[name]
         n = values.numel()
+        rate = self.lr * (1 + self.momentum) * weight
+        flat, flat_buf = target.view(-1), self.buffers[name].view(-1)
         with torch.no_grad():
-            v = values.detach().reshape(-1).to(target.dtype)
-            self.buffers[name].view(-1)[offset : offset + n].add_(v, alpha=weight)
-            rate = self.lr * (1 + self.momentum) * weight
-            target.view(-1)[offset : offset + n].sub_(v, alpha=rate)
+            for i in range(0, n, SLICE):  # (slices: as in begin)
+                v = values.detach().reshape(-1)[i : i + SLICE].to(target.dtype)
+                at = slice(offset + i, offset + i + v.numel())
+                flat_buf[at].add_(v, alpha=weight)
+                flat[at].sub_(v, alpha=rate)
 
 
 def fresh_deltas(

@@ -70,6 +70,9 @@ rule("robust_average", lambda: gossip.robust_average(own, [a, b], "clip", radius
 outer = gossip.NesterovOuter(0.7, 0.9)
 outer.step(sent, b)  # (the first step makes the momentum buffer)
 rule("NesterovOuter.step", lambda: outer.step(sent, b))
+half = gossip.NesterovOuter(0.7, 0.9, torch.bfloat16)  # (a mixed-dtype op on the CPU widens
+half.step(sent, b)  # its narrower operand whole: a diloco node's bfloat16 momentum did)
+rule("NesterovOuter.step, bfloat16 momentum", lambda: half.step(sent, b))
 print(json.dumps(out))
 """
 
