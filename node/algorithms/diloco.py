@@ -130,8 +130,9 @@ KEEP_UPDATE_BYTES = 64 * 2**20
 # moved 0.12% differently, where the update was used at all
 HOLD_HALF_ABOVE_BYTES = 64 * 2**20
 # A model above this keeps its outer momentum in bfloat16: half a model copy through every inner
-# step and at the round end's peak (a 100M node's peak beyond a plain loop went from +2.52-2.68
-# copies to BENCHMARKS.md's figure). The outer step's arithmetic stays float32 (the buffer is
+# step and at the round end's peak (a 100M node with codec none: +2.70-2.76 copies beyond a plain
+# loop with float32 momentum, +2.09-2.17 with this, bench_memory; int8's peak is elsewhere). The
+# outer step's arithmetic stays float32 (the buffer is
 # widened slice by slice); each buffer value is rounded to 8 bits of mantissa per step: over
 # 10-200 outer steps of noisy pseudo-gradients the round start moved 0.14-0.22% differently
 # from float32 momentum (norm of the difference over the norm of the move), less than the
