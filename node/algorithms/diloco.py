@@ -132,9 +132,8 @@ HOLD_HALF_ABOVE_BYTES = 64 * 2**20
 # A model above this keeps its outer momentum in bfloat16: half a model copy through every inner
 # step and at the round end's peak (a 100M node with codec none: +2.70-2.76 copies beyond a plain
 # loop with float32 momentum, +2.09-2.17 with this, bench_memory; int8's peak is elsewhere). The
-# outer step's arithmetic stays float32 (the buffer is
-# widened slice by slice); each buffer value is rounded to 8 bits of mantissa per step: over
-# 10-200 outer steps of noisy pseudo-gradients the round start moved 0.14-0.22% differently
+# outer step's arithmetic stays float32 (the buffer is widened slice by slice); each buffer
+# value is rounded to 8 bits of mantissa per step: over 10-200 outer steps of noisy pseudo-gradients the round start moved 0.14-0.22% differently
 # from float32 momentum (norm of the difference over the norm of the move), less than the
 # bfloat16 holding above and far less than an int8 update's own rounding
 MOMENTUM_HALF_ABOVE_BYTES = 64 * 2**20
