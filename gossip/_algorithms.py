@@ -10,7 +10,7 @@ from collections.abc import Iterable, Mapping, MutableMapping
 import torch
 
 from ._averaging import SLICE, add_difference, distance
-from ._robust import ClipRadius, clip_scale
+from ._robust import ClipRadius
 
 Params = Mapping[str, torch.Tensor]
 
@@ -93,7 +93,7 @@ def choco_consensus(
     if not 0.0 < gamma <= 1.0:
         raise ValueError(f"gamma={gamma}: expected 0 < gamma <= 1")
     gap = distance(peer_estimate, own_estimate)  # (a slice at a time: no model-sized temporary)
-    scale = 1.0 if radius is None else clip_scale(gap, radius.radius(gap))
+    scale = 1.0 if radius is None else radius.factor(gap)
     for name, tensor in live.items():
         add_difference(tensor, peer_estimate[name], own_estimate[name], gamma * weight * scale)
     return gap

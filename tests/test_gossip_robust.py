@@ -14,11 +14,13 @@ from _runtimes import model, runtimes, step
 
 from geotrain.gossip import (
     ClipRadius,
+    clip_scale,
     clipped_neighbourhood_mix,
     robust_average,
     trim_count,
     trimmed_mean_mix,
 )
+from geotrain.gossip._robust import ROBUST_FADE
 from geotrain.node import ConfigError, GossipConfig
 from geotrain.node._config import ROBUST_RULES as CONFIG_RULES
 from geotrain.node._config import config_from_toml
@@ -50,6 +52,47 @@ def test_the_radius_is_half_the_lower_quartile_of_recent_distances_and_counts_cl
         ClipRadius("median")
 
 
+def test_a_far_difference_pulls_less_the_farther_it_is_under_a_robust_rule():
+    # plain clipping let every far update (a sign-flipping or IPM peer's) move us by a whole
+    # tau, always toward where it points; beyond ROBUST_FADE tau its pull fades with distance
+    pulls = [d * clip_scale(d, 1.0, 4.0) for d in (0.5, 2.0, 4.0, 8.0, 16.0, 64.0)]
+    assert pulls == pytest.approx([0.5, 1.0, 1.0, 0.5, 0.25, 1 / 16])  # tau^2 fade / d beyond
+    assert [d * clip_scale(d, 1.0) for d in (0.5, 2.0, 64.0)] == pytest.approx([0.5, 1.0, 1.0])
+    radius = ClipRadius("clip", window=4)
+    for _ in range(3):
+        radius.factor(2.0)  # honest distances of 2: tau = 1
+    assert 64.0 * radius.factor(64.0) == pytest.approx(1 / 16) and radius.tau == 1.0
+    assert radius.faded == 1 and radius.statistics().robust_faded == 1
+    # gossip.clip alone (no robust rule) clips to its cap and never fades
+    plain = ClipRadius("none", cap=1.0)
+    assert [d * plain.factor(d) for d in (0.5, 8.0, 64.0)] == pytest.approx([0.5, 1.0, 1.0])
+    assert plain.faded == 0
+    with pytest.raises(ValueError, match="fade=0.5"):
+        ClipRadius("clip", fade=0.5)
+
+
+def test_a_node_pulled_by_a_far_attacker_drifts_less_than_plain_clipping_lets_it():
+    # one node averaging with an honest peer near it and an attacker that always sends a model
+    # far off in one direction: clipped, the attacker drags it by tau per exchange, steadily;
+    # faded, by tau^2 fade / distance
+    def drift(fade: float) -> float:
+        radius = ClipRadius("clip", fade=fade)
+        live = {"w": torch.zeros(8)}
+        gen = torch.Generator().manual_seed(0)
+        for i in range(64):
+            sent = {"w": live["w"].clone()}
+            if i % 4 == 3:  # a quarter of the exchanges with the attacker, 100 away
+                remote = {"w": sent["w"] + torch.full((8,), 100 / math.sqrt(8))}
+            else:
+                remote = {"w": sent["w"] + torch.randn(8, generator=gen) * 0.5}
+            clipped_neighbourhood_mix(live, sent, {"r": remote}, {"r": 0.5}, radius)
+        return float(live["w"].mean())
+
+    clipped, faded = drift(float("inf")), drift(4.0)
+    assert clipped > 1.0  # the attack's steady pull (16 exchanges x 0.5 x tau, tau ~ 0.4)
+    assert abs(faded) < 0.2 * clipped, (faded, clipped)
+
+
 def test_a_clipped_neighbourhood_mix_moves_us_at_most_weight_times_tau():
     sent = {"w": torch.zeros(4)}
     honest = [{"w": torch.full((4,), 0.5)} for _ in range(3)]
@@ -63,7 +106,9 @@ def test_a_clipped_neighbourhood_mix_moves_us_at_most_weight_times_tau():
     assert largest == pytest.approx(2000.0)
     tau = radius.tau
     assert tau == pytest.approx(0.5)  # half the lower quartile of (1, 1, 1, 2000)
-    assert float(torch.linalg.vector_norm(live["w"])) == pytest.approx(0.5 * tau)
+    # at most weight x tau, and this far off (beyond ROBUST_FADE tau) faded to a sliver of it
+    pull = float(torch.linalg.vector_norm(live["w"]))
+    assert pull == pytest.approx(0.5 * tau * (ROBUST_FADE * tau / 2000.0)) and pull < 0.5 * tau
     assert radius.clipped == 4  # (honest updates longer than tau are shortened too)
 
 
@@ -128,8 +173,10 @@ async def test_a_pairwise_exchange_clips_a_far_peer_by_the_full_difference(
         assert await c.exchange_once()
         moved = _distance(model(a), before)
         assert a.ctx.robust.clipped == clipped + 1 and a.ctx.robust.mixed == 4
-        # moved by half of tau (weight 0.5), and tau is still an honest distance's scale
-        assert moved == pytest.approx(0.5 * a.ctx.robust.tau)
+        # moved by half of tau (weight 0.5), faded as far beyond tau as the peer is, and tau
+        # is still an honest distance's scale
+        tau, far = a.ctx.robust.tau, _distance(theirs, before)
+        assert moved == pytest.approx(0.5 * tau * min(1.0, ROBUST_FADE * tau / far), rel=1e-4)
         assert a.ctx.robust.tau < 0.3 * _distance(theirs, before)
         assert a.status_counters()["robust_clipped"] == a.ctx.robust.clipped
 
@@ -197,7 +244,8 @@ async def test_choco_clips_the_estimates_difference_but_keeps_the_estimates_exac
         assert all(torch.equal(link_a.mine[k], link_b.theirs[k]) for k in xa)  # still exact
         moved = _distance(model(a), xa)
         assert a.ctx.robust.clipped == clipped + 1
-        assert moved == pytest.approx(0.25 * a.ctx.robust.tau, rel=1e-4)  # gamma/2 x tau
+        assert 0 < moved <= 0.25 * a.ctx.robust.tau * (1 + 1e-4)  # gamma/2 x tau at most
+        assert a.ctx.robust.faded == 1  # (100 radii away: faded)
         assert moved < 0.1 * 0.25 * _distance(xb, xa)  # unclipped it would be gamma/2 x that
 
 

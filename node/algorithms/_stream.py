@@ -532,8 +532,8 @@ class PairwiseMix:
         def apply(live: Tensors) -> None:
             # the radius is asked under the model's lock: concurrent exchanges' commits take
             # turns, so its window and counters see one update at a time
-            tau = self.clip if self.radius is None else self.radius.radius(distance)
-            scale = self.weight * clip_scale(distance, tau)
+            scale = self.weight * (clip_scale(distance, self.clip) if self.radius is None
+                                   else self.radius.factor(distance))  # fmt: skip
             for name, delta in self._delta.items():
                 live[name].add_(delta.view_as(live[name]), alpha=scale)
 

@@ -27,7 +27,6 @@ from geotrain.gossip import (
     NesterovOuter,
     RejectedUpdate,
     check_norm_ratio,
-    clip_scale,
     fresh_deltas,
     params_norm,
     pseudo_gradient,
@@ -133,9 +132,10 @@ HOLD_HALF_ABOVE_BYTES = 64 * 2**20
 # step and at the round end's peak (a 100M node with codec none: +2.70-2.76 copies beyond a plain
 # loop with float32 momentum, +2.09-2.17 with this, bench_memory; int8's peak is elsewhere). The
 # outer step's arithmetic stays float32 (the buffer is widened slice by slice); each buffer
-# value is rounded to 8 bits of mantissa per step: over 10-200 outer steps of noisy pseudo-gradients the round start moved 0.14-0.22% differently
-# from float32 momentum (norm of the difference over the norm of the move), less than the
-# bfloat16 holding above and far less than an int8 update's own rounding
+# value is rounded to 8 bits of mantissa per step: over 10-200 outer steps of noisy
+# pseudo-gradients the round start moved 0.14-0.22% differently from float32 momentum (norm of
+# the difference over the norm of the move), less than the bfloat16 holding above and far less
+# than an int8 update's own rounding
 MOMENTUM_HALF_ABOVE_BYTES = 64 * 2**20
 
 
@@ -669,7 +669,7 @@ class Diloco(Algorithm):
         shares = []
         for other in mixes.values():
             d = distance(other)
-            shares.append(weight * clip_scale(d, radius.radius(d)))
+            shares.append(weight * radius.factor(d))
         return shares
 
     @staticmethod
