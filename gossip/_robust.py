@@ -11,7 +11,13 @@
 #   fewer than three quarters of the updates a node sees come from Byzantine peers that send far
 #   models, that quantile is an honest peer's distance, so one bad update moves the node by at
 #   most a short honest update's length; Byzantine peers that send near models only make tau
-#   smaller (slower agreement, never a bigger pull). It does not stop an attacker that stays
+#   smaller (slower agreement, never a bigger pull). A difference longer than ROBUST_FADE tau
+#   moves the node by tau x ROBUST_FADE tau / distance only (a redescending rule, not in
+#   ClippedGossip): a peer that keeps sending a model far off in one direction no longer drags
+#   the node a whole tau that way at every exchange. An honest peer that far is pulled in by
+#   its own radius (a restarted one's starts at half its first distance; one cut off for long
+#   catches up once its window holds mostly long distances, as with plain clipping), while
+#   ours moves toward it slowly. It does not stop an attacker that stays
 #   inside that radius (ALIE is built to) from nudging every exchange, nor a large majority of
 #   Byzantine neighbours, nor a poisoned model that looks like an honest one (label flipping is
 #   only diluted). The first update a node ever sees is its own reference
