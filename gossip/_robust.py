@@ -53,7 +53,7 @@ ROBUST_FADE = 4.0  # in units of tau (twice the lower quartile): a difference lo
 #                  pulls less the longer it is (tau x ROBUST_FADE tau / distance) instead of
 #                  a whole tau. Plain clipping let two sign-flipping or IPM peers of 8 pull
 #                  every exchange by tau toward where they point, steadily: honest charlm
-#                  peers ended at 0.93-0.96 of their no-attack accuracy, 0.99-1.04 with the
+#                  peers ended at 0.93-0.97 of their no-attack accuracy, 0.98-1.04 with the
 #                  fade; honest distances (under twice the quartile, mostly) are clipped as
 #                  before (BENCHMARKS.md)
 TRIM_FRACTION = 0.4  # of the values in each coordinate dropped at each end (at least one): 4

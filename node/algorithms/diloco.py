@@ -322,9 +322,10 @@ class Diloco(Algorithm):
             for key, t in tensors.items():
                 if key.startswith(prefix):
                     name = key[len(prefix) :]
-                    # (momentum as this node holds it, whatever the checkpoint's writer did)
-                    dtype = self.outer.dtype or self.start[name].dtype
-                    target[name] = t.to(device, dtype if target is self.outer.buffers else None)
+                    if target is self.outer.buffers:  # (as this node holds it, whatever the
+                        # checkpoint's writer did)
+                        t = t.to(dtype=self.outer.dtype or self.start.get(name, t).dtype)
+                    target[name] = t.to(device)
         residuals = {k[3:]: v for k, v in tensors.items() if k.startswith("ef/") and "@" not in k}
         self.feedback.load_state_dict({k: v.to(device) for k, v in residuals.items()})
         self.round = int(meta.get("round", 0))
