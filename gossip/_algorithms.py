@@ -175,9 +175,10 @@ class NesterovOuter:
         n = values.numel()
         rate = self.lr * (1 + self.momentum) * weight
         flat, flat_buf = target.view(-1), self.buffers[name].view(-1)
+        flat_values = values.detach().reshape(-1)  # (once: a copy if it is not contiguous)
         with torch.no_grad():
             for i in range(0, n, SLICE):  # (slices: as in begin)
-                v = values.detach().reshape(-1)[i : i + SLICE].to(target.dtype)
+                v = flat_values[i : i + SLICE].to(target.dtype)
                 at = slice(offset + i, offset + i + v.numel())
                 flat_buf[at].add_(v, alpha=weight)
                 flat[at].sub_(v, alpha=rate)

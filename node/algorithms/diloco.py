@@ -949,7 +949,7 @@ class Diloco(Algorithm):
 def diloco_copies(gossip: GossipConfig, numel: int, fanout: int) -> float:
     """Model copies diloco keeps beyond a plain loop with `fanout` partners (see ALGORITHM)."""
     s = gossip.settings
-    momentum = 0.5 if momentum_dtype(numel) == torch.bfloat16 else 1.0
+    momentum = 1.0 if momentum_dtype(numel) is None else 0.5
     return (2.0 + momentum + (gossip.codec != "none")
             + 2 * fanout * held_share(gossip.codec, numel)
             + (2 * wire_share(s.consensus_codec) if s.consensus_every else 0))  # fmt: skip
