@@ -265,6 +265,10 @@ class SliceFeedback:
             residual[s.start : s.stop] = corrected - value.reshape(-1).float()
         return payload
 
+    def __bool__(self) -> bool:
+        """Whether any residual is held."""
+        return bool(self._residuals)
+
     def _residual(self, name: str, shape: tuple, device: torch.device) -> torch.Tensor:
         with self._lock:
             r = self._residuals.get(name)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import os
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -137,6 +138,15 @@ HOLD_HALF_ABOVE_BYTES = 64 * 2**20
 # the difference over the norm of the move), less than the bfloat16 holding above and far less
 # than an int8 update's own rounding
 MOMENTUM_HALF_ABOVE_BYTES = 64 * 2**20
+# A model above this sends its update in a codec that rounds finely (FINE_CODECS) without error
+# feedback: the residual was half a model copy (float16) held through every inner step and at
+# the round end, and with int8 a 100M node stayed +3.0-3.5 copies beyond a plain loop (the 2.5
+# goal: bench_memory). int8 then rounds stochastically (unbiased: what a round loses to rounding
+# is noise around zero, not a drift; our own update is always used exact), seeded per node so
+# that partners' rounding noise averages out. Coarse codecs (int4, sign, the sparse ones) keep
+# their feedback: they drop too much for rounding alone
+FEEDBACK_FINE_UP_TO_BYTES = 64 * 2**20
+FINE_CODECS = ("int8", "fp16", "bf16")
 
 
 @dataclass(frozen=True)
@@ -208,6 +218,21 @@ def hold_codec(codec: str, numel: int) -> str | None:
     return "bf16" if 4 * numel > HOLD_HALF_ABOVE_BYTES else None
 
 
+def update_encoding(spec: str, numel: int) -> tuple[str, bool]:
+    """How a round end's update negotiated as `spec` is encoded for a float32 model of `numel`
+    values: (the spec it is encoded with, whether error feedback applies). Above
+    FEEDBACK_FINE_UP_TO_BYTES a fine codec goes without feedback, int8 rounding stochastically
+    (the same codec on the wire: the receiver decodes it the same way)."""
+    if 4 * numel <= FEEDBACK_FINE_UP_TO_BYTES or spec == "none":
+        return spec, True
+    codec = compress.get_codec(spec)
+    if codec.name not in FINE_CODECS:
+        return spec, True
+    if codec.name == "int8" and not codec.stochastic:
+        return dataclasses.replace(codec, stochastic=True).spec, False
+    return spec, False
+
+
 def momentum_dtype(numel: int) -> torch.dtype | None:
     """What the outer momentum of a float32 model of `numel` values is held in (None: float32)."""
     return torch.bfloat16 if 4 * numel > MOMENTUM_HALF_ABOVE_BYTES else None
@@ -277,6 +302,9 @@ class Diloco(Algorithm):
         self._last_chunk: dict[str, float] = {}  # peer -> when a chunk of its offer came last
         self._plans: dict[int, ChunkPlan] = {}
         self.feedback = SliceFeedback(torch.float16)
+        # stochastic rounding's seeds (see update_encoding): this node's own, so that partners'
+        # rounding noise is independent
+        self._seed_base = int.from_bytes(os.urandom(4), "little") >> 1
         self._rejected_now: set[str] = set()  # partners whose update this round was refused
         self._replied: dict[str, int] = {}  # partner -> the round of its update this round end
         # offers crossing at a round end (both partners offer at once): each update travels in
@@ -432,9 +460,19 @@ class Diloco(Algorithm):
             return delta, []
         plan = self.plan(self.ctx.chunk_numel)
         shapes = dict(plan.shapes)
-        chunks = [encode_chunk(model_chunk(delta, plan, i), spec, self.feedback,
-                               seed=self.round + i, shapes=shapes)
+        encoding, feedback = update_encoding(spec, self.ctx.peers.numel)
+        seed = self.round
+        if not feedback:  # (a residual held from rounds in a coarse codec goes out once more)
+            seed = self._seed_base + self.round * len(plan)
+            if not self.feedback:
+                chunks = [encode_chunk(model_chunk(delta, plan, i), encoding, seed=seed + i)
+                          for i in range(len(plan))]  # fmt: skip
+                return delta, chunks
+        chunks = [encode_chunk(model_chunk(delta, plan, i), encoding, self.feedback,
+                               seed=seed + i, shapes=shapes)
                   for i in range(len(plan))]  # fmt: skip
+        if not feedback:
+            self.feedback.reset()
         return delta, chunks
 
     def _can_send(self, plan: ChunkPlan, codec: str) -> bool:
@@ -950,9 +988,20 @@ def diloco_copies(gossip: GossipConfig, numel: int, fanout: int) -> float:
     """Model copies diloco keeps beyond a plain loop with `fanout` partners (see ALGORITHM)."""
     s = gossip.settings
     momentum = 1.0 if momentum_dtype(numel) is None else 0.5
-    return (2.0 + momentum + (gossip.codec != "none")
+    return (2.0 + momentum + own_share(gossip.codec, numel)
             + 2 * fanout * held_share(gossip.codec, numel)
             + (2 * wire_share(s.consensus_codec) if s.consensus_every else 0))  # fmt: skip
+
+
+def own_share(codec: str, numel: int) -> float:
+    """Our update's encoded chunks and error feedback (a half-precision residual), over a
+    model's float32 bytes: none for codec none; chunks alone where update_encoding drops the
+    feedback; else counted as one copy."""
+    if codec == "none":
+        return 0.0
+    if codec != "auto" and not update_encoding(codec, numel)[1]:
+        return wire_share(codec)
+    return 1.0
 
 
 def fit_fanout(gossip: GossipConfig, copies: float, numel: int) -> GossipConfig | None:
@@ -978,9 +1027,9 @@ ALGORITHM = register_algorithm(
         messages=(DeltaOffer, DeltaReply, OuterOffer, OuterReply),
         summary="local SGD: inner_steps local steps, then an outer step on averaged updates",
         # round start, outer momentum (in bfloat16 above MOMENTUM_HALF_ABOVE_BYTES: half a
-        # copy) and our update (a model above KEEP_UPDATE_BYTES holds it
-        # only through its round end, where this peak is); with a lossy codec its encoded
-        # chunks and half-precision error feedback; up to fanout updates from peers offered to
+        # copy) and our update (a model above KEEP_UPDATE_BYTES holds it only through its round
+        # end, where this peak is); with a lossy codec its encoded chunks and half-precision
+        # error feedback (chunks alone: own_share); up to fanout updates from peers offered to
         # us plus fanout replies, held as they came or narrower (hold_codec, held_share); with
         # consensus, a partner's outer parameters we asked for and one we answer, as they came
         # in consensus_codec
