@@ -821,8 +821,9 @@ def test_which_updates_go_without_error_feedback(monkeypatch):
 async def test_a_residual_held_from_coarse_rounds_goes_out_once_then_is_dropped(
     autojump_clock, monkeypatch
 ):
-    # `auto` may send one round in top-k (feedback kept) and the next in int8 (none): the
-    # residual goes into that update once and its memory is given back
+    # `auto` may send one round in int4 (feedback kept) and the next in int8 (none), or a
+    # checkpoint brings one: the residual goes into that update once and its memory is given
+    # back (top-k's residual here: a big one)
     monkeypatch.setattr(diloco, "FEEDBACK_FINE_UP_TO_BYTES", -1)
     async with runtimes(2, chunk_numel=1000, params={"features": 4000, "samples": 64},
                         **{**DILOCO, "codec": "int8"}) as (net, nodes):  # fmt: skip
@@ -848,3 +849,27 @@ def _encoded_values(chunks: list[bytes], plan) -> dict:
     for index, chunk in enumerate(chunks):
         assembly.add(index, chunk)
     return {k: v.reshape(-1) for k, v in assembly.decoded().items()}
+
+
+async def test_stochastic_rounding_differs_between_nodes_and_rounds(autojump_clock, monkeypatch):
+    # independent rounding noise is what averages out over partners and rounds: each node has
+    # its own seeds, and a round's seeds are not the last one's
+    monkeypatch.setattr(diloco, "FEEDBACK_FINE_UP_TO_BYTES", -1)
+    async with runtimes(2, chunk_numel=1000, params={"features": 4000, "samples": 64},
+                        **{**DILOCO, "codec": "int8"}) as (net, nodes):  # fmt: skip
+        assert nodes[0]._seed_base != nodes[1]._seed_base
+        a = nodes[0]
+        a.ctx.trainer.train_step()
+        delta, first = a._round_end("int8")
+        delta = {k: v.clone() for k, v in delta.items()}
+        a._restore_start()
+        a.round += 1
+        _, second = a._round_end("int8")
+        assert len(first) == len(second) > 1
+        assert all(x != y for x, y in zip(first, second, strict=True))
+        plan = a.plan(a.ctx.chunk_numel)
+        for chunks in (first, second):
+            sent = _encoded_values(chunks, plan)
+            for name, values in sent.items():
+                target = delta[name].reshape(-1)
+                assert torch.allclose(values, target, rtol=0, atol=float(target.abs().max()) / 100)

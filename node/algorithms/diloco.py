@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-import os
+import random
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -303,8 +303,11 @@ class Diloco(Algorithm):
         self._plans: dict[int, ChunkPlan] = {}
         self.feedback = SliceFeedback(torch.float16)
         # stochastic rounding's seeds (see update_encoding): this node's own, so that partners'
-        # rounding noise is independent
-        self._seed_base = int.from_bytes(os.urandom(4), "little") >> 1
+        # rounding noise is independent, from its seeded stream (a run repeats) without drawing
+        # from it (the partner choices stay as they were)
+        twin = random.Random()
+        twin.setstate(ctx.rng.getstate())
+        self._seed_base = twin.getrandbits(31)
         self._rejected_now: set[str] = set()  # partners whose update this round was refused
         self._replied: dict[str, int] = {}  # partner -> the round of its update this round end
         # offers crossing at a round end (both partners offer at once): each update travels in
