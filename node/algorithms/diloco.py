@@ -259,7 +259,8 @@ class Diloco(Algorithm):
     """DiLoCo-style local SGD: H inner steps, then an outer Nesterov step on averaged updates.
 
     At a round end the pseudo-gradient (round start minus now) is encoded once (error feedback
-    keeps what the codec dropped), offered to up to `fanout` live peers, and averaged with the
+    keeps what the codec dropped, except for a big model in a fine codec: update_encoding),
+    offered to up to `fanout` live peers, and averaged with the
     peers' pseudo-gradients that arrived (replies, or offers pushed to us) within the deadline and
     at most `max_staleness` rounds old; the outer optimizer then moves the round's start and the
     model restarts there.
