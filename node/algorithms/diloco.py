@@ -465,14 +465,10 @@ class Diloco(Algorithm):
         plan = self.plan(self.ctx.chunk_numel)
         shapes = dict(plan.shapes)
         encoding, feedback = update_encoding(spec, self.ctx.peers.numel)
-        seed = self.round
-        if not feedback:  # (a residual held from rounds in a coarse codec goes out once more)
-            seed = self._seed_base + self.round * len(plan)
-            if not self.feedback:
-                chunks = [encode_chunk(model_chunk(delta, plan, i), encoding, seed=seed + i)
-                          for i in range(len(plan))]  # fmt: skip
-                return delta, chunks
-        chunks = [encode_chunk(model_chunk(delta, plan, i), encoding, self.feedback,
+        # without feedback, a residual held from rounds in a coarse codec goes out once more
+        residual = self.feedback if feedback or self.feedback else None
+        seed = self.round if feedback else self._seed_base + self.round * len(plan)
+        chunks = [encode_chunk(model_chunk(delta, plan, i), encoding, residual,
                                seed=seed + i, shapes=shapes)
                   for i in range(len(plan))]  # fmt: skip
         if not feedback:
