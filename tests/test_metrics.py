@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import socket
+import threading
 import urllib.request
 from pathlib import Path
 
@@ -264,9 +265,12 @@ async def test_a_checkpoint_that_cannot_be_written_is_logged_counted_and_trainin
 
     real_write, calls, seen = _checkpoint.write_checkpoint, [], []
     folder = tmp_path / "d" / "checkpoints"
+    scraped = threading.Event()  # the node stops at max_steps: it holds step 20 until scraped
 
     def write(f, ckpt):
         calls.append(ckpt.step)
+        if len(calls) == 4:
+            scraped.wait(60)
         if len(calls) in (2, 3):  # the first succeeds, the next two find the disk full
             f.write(b"x" * 1000)
             raise OSError(errno.ENOSPC, "No space left on device")
@@ -281,7 +285,10 @@ async def test_a_checkpoint_that_cannot_be_written_is_logged_counted_and_trainin
             with trio.fail_after(60):
                 while len(calls) < 3:
                     await trio.sleep(0.02)
-            samples = await trio.to_thread.run_sync(scrape, node.metrics.port)
+            try:
+                samples = await trio.to_thread.run_sync(scrape, node.metrics.port)
+            finally:
+                scraped.set()
             with trio.fail_after(60):
                 await node.wait_stopped()
             final = node.status()
