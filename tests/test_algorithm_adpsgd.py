@@ -399,3 +399,42 @@ async def test_a_peer_of_another_model_is_warned_about_once(autojump_clock):
                 assert isinstance(reply, ErrorReply) and "models differ" in reply.reason
     said = [e for e in logs if e["event"] == "models_differ"]
     assert len(said) == 1 and said[0]["log_level"] == "warning" and "_orig_mod." in said[0]["hint"]
+
+
+@pytest.mark.parametrize("codec", ["int8", "fp16"])
+async def test_a_big_model_in_a_fine_codec_mixes_in_bfloat16_and_keeps_the_pairs_sum(
+    autojump_clock, monkeypatch, codec
+):
+    # above MIX_HALF_ABOVE_BYTES (lowered here) the mix buffer is bfloat16 and each end mixes
+    # what the other decoded of it: x += (Q(x_peer) - Q(x_sent)) / 2. The pair's sum stays
+    # exactly where it was (a float32 buffer mixing Q(x_peer) - x_sent moved it by the rounding)
+    from geotrain.node.algorithms import _stream
+    from geotrain.node.algorithms.adpsgd import adpsgd_copies
+
+    monkeypatch.setattr(_stream, "MIX_HALF_ABOVE_BYTES", 0)
+    wide = {"task": "wide-linear", "params": {"millions": 0.01}}
+    async with runtimes(2, algorithm="adpsgd", codec=codec, init_seeds=[1, 2], chunk_numel=3000,
+                        **wide) as (net, (a, b)):  # fmt: skip
+        assert len(a.plan(3000)) > 2
+        for _ in range(3):  # the second and third exchanges start with residuals held
+            a.ctx.trainer.train_step()
+            before_a, before_b = model(a), model(b)
+            assert await a.exchange_once()
+            for k in before_a:
+                total = before_a[k] + before_b[k]
+                assert torch.allclose(model(a)[k] + model(b)[k], total, atol=1e-6), k
+                mean = total / 2
+                assert (model(a)[k] - mean).abs().max() < 0.01 * mean.abs().max(), k
+        assert all(t.dtype == torch.bfloat16 for t in a._spare._spare.values())
+        assert a.feedback.state_dict() and b.feedback.state_dict()  # error feedback kept
+        # a peer whose model is 100x ours: every chunk taken, the whole refused at the commit,
+        # our model as it was
+        b.ctx.trainer.update(lambda live: [t.mul_(100) for t in live.values()])
+        before_a = model(a)
+        assert not await a.exchange_once()
+        assert same(model(a), before_a) and a.counters.statistics().rejected == 1
+    assert adpsgd_copies(codec, 10**8) == 1.0 and adpsgd_copies("none", 10**8) == 1.0
+    monkeypatch.undo()
+    assert adpsgd_copies(codec, 10**8) == 1.0  # 0.5 buffer + 0.5 residual, above 64 MiB
+    assert adpsgd_copies(codec, 10**6) == adpsgd_copies("int4", 10**8) == 1.5
+    assert adpsgd_copies("auto", 10**8) == 1.5 and adpsgd_copies("topk:0.1", 10**8) == 1.0

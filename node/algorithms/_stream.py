@@ -37,6 +37,15 @@ from ._base import Tensors
 log = structlog.get_logger()
 DEFAULT_CHUNK_BYTES = 8 * 2**20  # of float32: small enough to pipeline, big enough per round trip
 CHUNKS_IN_FLIGHT = 4  # requests of one stream on the wire at once
+FINE_CODECS = ("int8", "fp16", "bf16")  # dense codecs that round finely (no values dropped)
+# A model above this, mixing pairwise in a fine codec, keeps its mix buffer in bfloat16 and what
+# it sent as the encoded chunk (decoded again when the peer's chunk comes): the mix is then
+# x += w (Q(x_peer) - Q(x_sent)), the difference of what each end received from the other, so
+# the pair's sum is kept exactly. The float32 buffer (a whole model copy through every exchange)
+# and a float32 copy of every chunk in flight put a 100M-parameter adpsgd node with int8 at +2.3
+# copies beyond a plain loop (bench_memory; the goal is 1.5). bfloat16 keeps 8 bits of mantissa
+# of the difference (int8 itself rounds each value to 1/254 of its slice's largest)
+MIX_HALF_ABOVE_BYTES = 64 * 2**20
 MAX_CHUNKS = 1 << 16  # the most chunks a plan may have: a peer cannot make us cut a model finely
 
 
@@ -248,21 +257,27 @@ class SliceFeedback:
         self._lock = threading.Lock()
 
     def encode(self, slices: list[tuple[Slice, torch.Tensor]], spec: str, shapes: dict,
-               seed: int = 0) -> bytes:  # fmt: skip
-        """The chunk's payload of `slices` + their residuals; keeps what the codec dropped."""
+               seed: int = 0, owned: bool = False) -> bytes:  # fmt: skip
+        """The chunk's payload of `slices` + their residuals; keeps what the codec dropped.
+        `owned`: the slices are the caller's own copies, which may be overwritten (no
+        temporaries of the chunk's size beyond the decoded payload)."""
         codec = compress.get_codec(spec)
         named = []
         corrected_all = []
         for s, t in slices:
             residual = self._residual(s.name, shapes[s.name], t.device).reshape(-1)
-            corrected = t.float() + residual[s.start : s.stop].float()
+            r = residual[s.start : s.stop]
+            if owned and t.dtype == torch.float32:
+                corrected = t.add_(r)
+            else:
+                corrected = t.float() + r.float()
             named.append((s.label, corrected))
             corrected_all.append((s, corrected, residual))
         payload = compress.encode_named(named, codec, seed=seed)
         sent = compress.decode_named(payload, max_numel=sum(s.numel for s, _ in slices),
                                      device=slices[0][1].device if slices else "cpu")  # fmt: skip
         for (s, corrected, residual), (_, value) in zip(corrected_all, sent, strict=True):
-            residual[s.start : s.stop] = corrected - value.reshape(-1).float()
+            residual[s.start : s.stop] = corrected.sub_(value.reshape(-1))  # ours: in place
         return payload
 
     def __bool__(self) -> bool:
@@ -295,11 +310,13 @@ def encode_chunk(
     feedback: SliceFeedback | None = None,
     seed: int = 0,
     shapes: dict | None = None,
+    owned: bool = False,
 ) -> bytes:
     """One chunk's payload: its slices, each named `name@start`, coded with `spec` (with error
-    feedback when given; `shapes` then names every tensor's shape)."""
+    feedback when given; `shapes` then names every tensor's shape; `owned`: see
+    SliceFeedback.encode)."""
     if feedback is not None:
-        return feedback.encode(slices, spec, shapes or {}, seed)
+        return feedback.encode(slices, spec, shapes or {}, seed, owned)
     named = [(s.label, t) for s, t in slices]
     return compress.encode_named(named, compress.get_codec(spec), seed=seed)
 
@@ -375,12 +392,14 @@ class SpareBuffers:
         self._lock = threading.Lock()
         self._spare: dict[str, torch.Tensor] = {}
 
-    def take(self, name: str, shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
-        """A float32 buffer of `shape` on `device` (its values are whatever it held)."""
+    def take(self, name: str, shape: tuple[int, ...], device: torch.device,
+             dtype: torch.dtype = torch.float32) -> torch.Tensor:  # fmt: skip
+        """A buffer of `shape` and `dtype` on `device` (its values are whatever it held)."""
         with self._lock:
             t = self._spare.pop(name, None)
-        if t is None or tuple(t.shape) != tuple(shape) or t.device != torch.device(device):
-            t = torch.empty(shape, device=device)
+        if (t is None or tuple(t.shape) != tuple(shape) or t.device != torch.device(device)
+                or t.dtype != dtype):  # fmt: skip
+            t = torch.empty(shape, device=device, dtype=dtype)
         return t
 
     def give(self, buffers: dict[str, torch.Tensor]) -> None:
@@ -400,6 +419,8 @@ class PairwiseMix:
     checked when it arrives (`receive`), and weight * (theirs - ours as sent) is kept in a buffer
     of the model's size; `commit` checks the whole (norm) and adds the buffer to the live model in
     one step under the trainer's lock. Dropping the object without `commit` changes nothing.
+    A model above MIX_HALF_ABOVE_BYTES in a fine codec keeps the buffer in bfloat16 and mixes
+    theirs - ours as the peer decoded it (see there: `half`).
 
     With a sparse codec (top-k, random-k) only the values the peer sent are averaged; the ones it
     did not send decode as 0.0 and leave ours as they are (a value sent as exactly 0.0 is taken
@@ -439,8 +460,10 @@ class PairwiseMix:
         self.weight, self.max_norm_ratio, self.clip, self.seed = weight, max_norm_ratio, clip, seed
         self.device = trainer.task_device
         self.sparse = compress.get_codec(spec).sparse
-        # chunk -> what we sent (until theirs came); None while it is being encoded
-        self.sent: dict[int, list[torch.Tensor] | None] = {}
+        self.half = mixes_in_half(spec, plan.numel)
+        # chunk -> what we sent (until theirs came: its values, or with `half` its payload);
+        # None while it is being encoded
+        self.sent: dict[int, list[torch.Tensor] | bytes | None] = {}
         self.received: set[int] = set()
         self._lock = threading.Lock()  # chunks are sent and received from several threads
         self._delta: dict[str, torch.Tensor] = {}  # name -> (shape,) buffer, made as needed
@@ -465,6 +488,11 @@ class PairwiseMix:
             self.sent[index] = sent
             return payload
         slices = read_chunk(self.trainer, self.plan, index)
+        if self.half:  # the copies read are ours to overwrite: only the payload is kept
+            payload = encode_chunk(slices, self.spec, self.feedback, seed=self.seed + index,
+                                   shapes=self.plan.shape_of, owned=True)  # fmt: skip
+            self.sent[index] = payload
+            return payload
         self.sent[index] = [t.float() for _, t in slices]
         return encode_chunk(slices, self.spec, self.feedback, seed=self.seed + index,
                             shapes=self.plan.shape_of)  # fmt: skip
@@ -489,6 +517,8 @@ class PairwiseMix:
         slices = self.plan.chunks[index]
         with self._lock:
             diffs = [self._buffer(s.name).reshape(-1)[s.start : s.stop] for s in slices]
+        if isinstance(ours, bytes):  # (self.half)
+            return self._receive_half(index, ours, theirs, theirs_sq, diffs)
         small = [i for i, s in enumerate(slices) if s.numel <= SMALL_SLICE]
         if small:  # many small tensors: a few multi-tensor calls, not a Python round per slice
             torch._foreach_copy_([diffs[i] for i in small], [theirs[i] for i in small])
@@ -507,15 +537,34 @@ class PairwiseMix:
             self.received.add(index)
             return self.complete
 
+    def _receive_half(self, index: int, ours: bytes, theirs: list[torch.Tensor],
+                      theirs_sq: list[float], diffs: list[torch.Tensor]) -> bool:  # fmt: skip
+        """`receive` with `half`: theirs - ours as the peer decoded it, into bfloat16."""
+        # (our own payload: checked when it was encoded)
+        sent = [value.reshape(-1).float() for _, value in compress.decode_named(
+            ours, max_numel=self.plan.chunk_numel_of(index), device=self.device)]  # fmt: skip
+        ours_sq = sum(squared_norms(sent))
+        for t, value in zip(theirs, sent, strict=True):
+            t.sub_(value)  # a fine codec decodes into new tensors: ours to change
+        diff_sq = sum(squared_norms(theirs))  # the exact difference, before it is rounded
+        torch._foreach_copy_(diffs, theirs)
+        with self._lock:
+            self._ours_sq += ours_sq
+            self._theirs_sq += sum(theirs_sq)
+            self._diff_sq += diff_sq
+            self.received.add(index)
+            return self.complete
+
     def _buffer(self, name: str) -> torch.Tensor:
         """Tensor `name`'s part of the mix buffer, made on first use (under the lock): every
         element is written before the commit reads it."""
         buffer = self._delta.get(name)
         if buffer is None:
             shape = self.plan.shape_of[name]
+            dtype = torch.bfloat16 if self.half else torch.float32
             buffer = self._delta[name] = (
-                torch.empty(shape, device=self.device) if self.spare is None
-                else self.spare.take(name, shape, self.device))  # fmt: skip
+                torch.empty(shape, device=self.device, dtype=dtype) if self.spare is None
+                else self.spare.take(name, shape, self.device, dtype))  # fmt: skip
         return buffer
 
     def commit(self) -> float:
@@ -546,6 +595,12 @@ class PairwiseMix:
             self.spare.give(self._delta)
         self._delta = {}
         return distance
+
+
+def mixes_in_half(spec: str, numel: int) -> bool:
+    """Whether a pairwise mix of a float32 model of `numel` values in codec `spec` keeps its
+    buffer in bfloat16 (MIX_HALF_ABOVE_BYTES)."""
+    return compress.get_codec(spec).name in FINE_CODECS and 4 * numel > MIX_HALF_ABOVE_BYTES
 
 
 class _Arrivals:

@@ -32,6 +32,7 @@ from ._stream import (
     SpareBuffers,
     cached_plan,
     in_window,
+    mixes_in_half,
     models_differ,
 )
 
@@ -509,10 +510,15 @@ def keeps_feedback(spec: str) -> bool:
     return spec != "none" and not compress.get_codec(spec).sparse
 
 
-def adpsgd_copies(codec: str) -> float:
-    """Model copies adpsgd keeps beyond a plain loop: the mix buffer of the one exchange it takes
-    part in (1), and half-precision error feedback when a lossy codec may be used (0.5)."""
-    return 1.0 if codec != "auto" and not keeps_feedback(codec) else 1.5
+def adpsgd_copies(codec: str, numel: int = 0) -> float:
+    """Model copies adpsgd keeps beyond a plain loop with a float32 model of `numel` values: the
+    mix buffer of the one exchange it takes part in (1; 0.5 in bfloat16 for a big model in a
+    fine codec: mixes_in_half), and half-precision error feedback when a lossy codec may be
+    used (0.5)."""
+    if codec == "auto":
+        return 1.5  # (it may choose none: a float32 buffer)
+    buffer = 0.5 if mixes_in_half(codec, numel) else 1.0
+    return buffer + (0.5 if keeps_feedback(codec) else 0.0)
 
 
 ALGORITHM = register_algorithm(
@@ -522,7 +528,7 @@ ALGORITHM = register_algorithm(
         settings=None,
         messages=(Exchange, ExchangeReply, ExchangeChunk, ExchangeChunkReply, ExchangeAbort),
         summary="asynchronous pairwise averaging every exchange_every steps (default)",
-        memory=lambda g, numel: adpsgd_copies(g.codec),
+        memory=lambda g, numel: adpsgd_copies(g.codec, numel),
         averages_models=True,
     )
 )

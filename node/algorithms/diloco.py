@@ -43,6 +43,7 @@ from ..transport import U63, CodecSpec, ErrorReply, Header, PeerInfo, TransportE
 from ._base import MODEL_CODECS, Algorithm, AlgorithmContext, AlgorithmSpec, Reply, Tensors
 from ._registry import register_algorithm
 from ._stream import (
+    FINE_CODECS,
     ChunkPlan,
     EncodedAssembly,
     SliceFeedback,
@@ -146,7 +147,6 @@ MOMENTUM_HALF_ABOVE_BYTES = 64 * 2**20
 # used exact), seeded per node so that partners' rounding noise averages out. Coarse codecs
 # (int4, sign, the sparse ones) keep their feedback: they drop too much for rounding alone
 FEEDBACK_FINE_UP_TO_BYTES = 64 * 2**20
-FINE_CODECS = ("int8", "fp16", "bf16")
 
 
 @dataclass(frozen=True)
