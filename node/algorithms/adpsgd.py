@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import structlog
 import torch
+import trio
 
 from geotrain import compress
 from geotrain.gossip import ExchangePacer, RejectedUpdate
@@ -26,6 +27,7 @@ from ._stream import (
     CHUNKS_IN_FLIGHT,
     MAX_CHUNKS,
     PEER_CHUNK_HINT,
+    TENSOR_SLOTS,
     ChunkPlan,
     PairwiseMix,
     SliceFeedback,
@@ -161,6 +163,7 @@ class Adpsgd(Algorithm):
         # training core); a big one gives it back, so that it is held only during an exchange:
         # kept, it raised a 100M-parameter node's peak by ~0.2 model copies (bench_memory).
         self._spare = SpareBuffers() if self.max_exchanges > 1 else None
+        self._coding = trio.CapacityLimiter(TENSOR_SLOTS)  # chunks read and coded at once
         self.pacer = make_pacer(ctx)
 
     def statistics(self) -> PacingStatistics:
@@ -346,7 +349,8 @@ class Adpsgd(Algorithm):
         ctx = self.ctx
         started = ctx.clock()
         try:
-            payload = await ctx.to_thread(mix.send, index)
+            async with self._coding:
+                payload = await ctx.to_thread(mix.send, index)
         except ValueError as exc:  # e.g. our own model went NaN: nothing sensible to send
             raise _Abort("skipped", f"cannot encode: {exc}") from None
         encoded = ctx.clock()
@@ -365,7 +369,8 @@ class Adpsgd(Algorithm):
         moved[0] += len(payload) + len(data)
         received = ctx.clock()
         try:
-            await ctx.to_thread(mix.receive, index, data)
+            async with self._coding:
+                await ctx.to_thread(mix.receive, index, data)
         except (RejectedUpdate, compress.DecodeError, ValueError) as exc:
             raise _Abort("rejected", str(exc), exc) from None
         self._timed((encoded - started) + (ctx.clock() - received))
@@ -457,8 +462,9 @@ class Adpsgd(Algorithm):
         session.expires_at = ctx.now() + session.idle_s
         try:
             started = ctx.clock()
-            ours = await ctx.to_thread(mix.send, index)
-            completed = await ctx.to_thread(mix.receive, index, data)
+            async with self._coding:
+                ours = await ctx.to_thread(mix.send, index)
+                completed = await ctx.to_thread(mix.receive, index, data)
             self._timed(ctx.clock() - started)
         except (RejectedUpdate, compress.DecodeError) as exc:
             self._end(session)
