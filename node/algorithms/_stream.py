@@ -56,7 +56,8 @@ MIX_HALF_ABOVE_BYTES = 64 * 2**20
 # dpsgd +1.44-1.47 instead of +1.62; bench_memory, 2 cores), and a 400 MB int8 exchange took
 # 1.54 s instead of 1.47 s (bench_exchange, both nodes in one process; codec none 1.25-1.30 s
 # either way). A core for each two, at most four
-TENSOR_SLOTS = max(1, min(4, (os.cpu_count() or 2) // 2))
+TENSOR_SLOTS = max(1, min(4, len(os.sched_getaffinity(0)) // 2 if hasattr(os, "sched_getaffinity")
+                          else (os.cpu_count() or 2) // 2))  # (the cores we may run on)
 MAX_CHUNKS = 1 << 16  # the most chunks a plan may have: a peer cannot make us cut a model finely
 
 
@@ -287,6 +288,8 @@ class SliceFeedback:
         payload = compress.encode_named(named, codec, seed=seed)
         sent = compress.decode_named(payload, max_numel=sum(s.numel for s, _ in slices),
                                      device=slices[0][1].device if slices else "cpu")  # fmt: skip
+        if codec.name == "fp16":  # the one codec that rounds a finite value to inf
+            check_fp16_range(value for _, value in sent)
         for (s, corrected, residual), (_, value) in zip(corrected_all, sent, strict=True):
             residual[s.start : s.stop] = corrected.sub_(value.reshape(-1))  # ours: in place
         return payload
@@ -313,6 +316,15 @@ class SliceFeedback:
     def reset(self) -> None:
         with self._lock:
             self._residuals.clear()
+
+
+def check_fp16_range(tensors: Iterable[torch.Tensor]) -> None:
+    """Raise ValueError when a value is (or became) infinite in float16: beyond its +-65504, a
+    peer would refuse the chunk, and an error-feedback residual or a mix of what we sent would
+    turn infinite (NaN later) on our side."""
+    for t in tensors:
+        if not all_finite(t):
+            raise ValueError("a value beyond float16's range (65504): use codec bf16 or int8")
 
 
 def encode_chunk(
@@ -500,6 +512,8 @@ class PairwiseMix:
             return payload
         slices = read_chunk(self.trainer, self.plan, index)
         if self.half:  # the copies read are ours to overwrite: only the payload is kept
+            if self.feedback is None and compress.get_codec(self.spec).name == "fp16":
+                check_fp16_range(t.to(torch.float16) for _, t in slices)
             payload = encode_chunk(slices, self.spec, self.feedback, seed=self.seed + index,
                                    shapes=self.plan.shape_of, owned=True)  # fmt: skip
             self.sent[index] = payload
@@ -551,7 +565,7 @@ class PairwiseMix:
     def _receive_half(self, index: int, ours: bytes, theirs: list[torch.Tensor],
                       theirs_sq: list[float], diffs: list[torch.Tensor]) -> bool:  # fmt: skip
         """`receive` with `half`: theirs - ours as the peer decoded it, into bfloat16."""
-        # (our own payload: checked when it was encoded)
+        # (our own payload: checked when it was encoded, within float16's range included)
         sent = [value.reshape(-1).float() for _, value in compress.decode_named(
             ours, max_numel=self.plan.chunk_numel_of(index), device=self.device)]  # fmt: skip
         ours_sq = sum(squared_norms(sent))

@@ -34,7 +34,6 @@ from ._stream import (
     SpareBuffers,
     cached_plan,
     in_window,
-    mixes_in_half,
     models_differ,
 )
 
@@ -347,13 +346,13 @@ class Adpsgd(Algorithm):
     async def _chunk(self, partner, address, mix: PairwiseMix, index: int, header: Header,
                      expect: type, moved: list) -> None:  # fmt: skip
         ctx = self.ctx
-        started = ctx.clock()
         try:
-            async with self._coding:
+            async with self._coding:  # (a wait for a slot is not our tensor work: not timed)
+                started = ctx.clock()
                 payload = await ctx.to_thread(mix.send, index)
+                encoded = ctx.clock()
         except ValueError as exc:  # e.g. our own model went NaN: nothing sensible to send
             raise _Abort("skipped", f"cannot encode: {exc}") from None
-        encoded = ctx.clock()
         deadline = self.chunk_deadline(partner, len(payload))
         try:
             reply, data, _ = await ctx.network.request(
@@ -367,9 +366,9 @@ class Adpsgd(Algorithm):
         if not isinstance(reply, expect) or getattr(reply, "xid", None) != header.xid:
             raise _Abort("failed", f"chunk {index}: unexpected {type(reply).__name__}")
         moved[0] += len(payload) + len(data)
-        received = ctx.clock()
         try:
             async with self._coding:
+                received = ctx.clock()
                 await ctx.to_thread(mix.receive, index, data)
         except (RejectedUpdate, compress.DecodeError, ValueError) as exc:
             raise _Abort("rejected", str(exc), exc) from None
@@ -461,8 +460,8 @@ class Adpsgd(Algorithm):
         ctx, mix = self.ctx, session.mix
         session.expires_at = ctx.now() + session.idle_s
         try:
-            started = ctx.clock()
             async with self._coding:
+                started = ctx.clock()
                 ours = await ctx.to_thread(mix.send, index)
                 completed = await ctx.to_thread(mix.receive, index, data)
             self._timed(ctx.clock() - started)
@@ -516,15 +515,12 @@ def keeps_feedback(spec: str) -> bool:
     return spec != "none" and not compress.get_codec(spec).sparse
 
 
-def adpsgd_copies(codec: str, numel: int = 0) -> float:
-    """Model copies adpsgd keeps beyond a plain loop with a float32 model of `numel` values: the
-    mix buffer of the one exchange it takes part in (1; 0.5 in bfloat16 for a big model in a
-    fine codec: mixes_in_half), and half-precision error feedback when a lossy codec may be
-    used (0.5)."""
-    if codec == "auto":
-        return 1.5  # (it may choose none: a float32 buffer)
-    buffer = 0.5 if mixes_in_half(codec, numel) else 1.0
-    return buffer + (0.5 if keeps_feedback(codec) else 0.0)
+def adpsgd_copies(codec: str) -> float:
+    """Model copies adpsgd keeps beyond a plain loop: the mix buffer of the one exchange it takes
+    part in (1), and half-precision error feedback when a lossy codec may be used (0.5). A big
+    model's exchanges in a fine codec take a bfloat16 buffer (half a copy: mixes_in_half), but a
+    peer may open one in another codec (none, int4) while the residuals are held: 1.5 then."""
+    return 1.0 if codec != "auto" and not keeps_feedback(codec) else 1.5
 
 
 ALGORITHM = register_algorithm(
@@ -534,7 +530,7 @@ ALGORITHM = register_algorithm(
         settings=None,
         messages=(Exchange, ExchangeReply, ExchangeChunk, ExchangeChunkReply, ExchangeAbort),
         summary="asynchronous pairwise averaging every exchange_every steps (default)",
-        memory=lambda g, numel: adpsgd_copies(g.codec, numel),
+        memory=lambda g, numel: adpsgd_copies(g.codec),
         averages_models=True,
     )
 )

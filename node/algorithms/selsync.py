@@ -151,7 +151,7 @@ ALGORITHM = register_algorithm(
         messages=(Exchange, ExchangeReply, ExchangeChunk, ExchangeChunkReply, ExchangeAbort),
         summary="an adpsgd exchange only when the model moved more than a threshold",
         # + the reference: the model in float32 up to reference_mb, a sample of that size beyond
-        memory=lambda g, numel: adpsgd_copies(g.codec, numel)
+        memory=lambda g, numel: adpsgd_copies(g.codec)
         + min(1.0, g.settings.reference_numel / max(1, numel)),
         averages_models=True,
     )
