@@ -555,9 +555,13 @@ class PairwiseMix:
             for diff, value in zip(diffs, theirs, strict=True):
                 diff.masked_fill_(value == 0, 0.0)
         ours_sq, diff_sq = sum(squared_norms(ours)), sum(squared_norms(diffs))
+        return self._received(index, ours_sq, sum(theirs_sq), diff_sq)
+
+    def _received(self, index: int, ours_sq: float, theirs_sq: float, diff_sq: float) -> bool:
+        """Count chunk `index` in (its squared norms); whether the model is complete now."""
         with self._lock:
             self._ours_sq += ours_sq
-            self._theirs_sq += sum(theirs_sq)
+            self._theirs_sq += theirs_sq
             self._diff_sq += diff_sq
             self.received.add(index)
             return self.complete
@@ -573,12 +577,7 @@ class PairwiseMix:
             t.sub_(value)  # a fine codec decodes into new tensors: ours to change
         diff_sq = sum(squared_norms(theirs))  # the exact difference, before it is rounded
         torch._foreach_copy_(diffs, theirs)
-        with self._lock:
-            self._ours_sq += ours_sq
-            self._theirs_sq += sum(theirs_sq)
-            self._diff_sq += diff_sq
-            self.received.add(index)
-            return self.complete
+        return self._received(index, ours_sq, sum(theirs_sq), diff_sq)
 
     def _buffer(self, name: str) -> torch.Tensor:
         """Tensor `name`'s part of the mix buffer, made on first use (under the lock): every
