@@ -42,12 +42,17 @@ def test_robust_mixing_keeps_every_honest_peer_within_bounds(kind, no_attack):
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", ["sign_flip", "ipm", "replay", "noise"])  # label_flip: ~-8%
 def test_without_robust_mixing_the_strong_attacks_hurt(kind, no_attack):
-    result = run_swarm(attackers=dict.fromkeys(TWO_OF_EIGHT, kind), robust="none", steps=STEPS)
     # Without robust mixing the damage varies from run to run (testbed/_byzantine.py says why):
     # under sign flip the worst honest peer ended at 0.19-0.74 in six runs here and at 0.78 once
     # in CI, where 0.85 x the clean run was below that (the clean run at most 0.92); a tenth
-    # below the clean run is the bound.
-    assert result.worst < 0.9 * no_attack, (kind, result.honest, no_attack)
+    # below the clean run is the bound. Later, 0.20-0.82 of the clean run in nine runs here and
+    # 0.92 once in CI: a run that stays above the bound is followed by a second, which must not
+    # (both above: about one in a hundred if one in ten is)
+    results = []
+    while len(results) < 2 and (not results or results[-1].worst >= 0.9 * no_attack):
+        results.append(run_swarm(attackers=dict.fromkeys(TWO_OF_EIGHT, kind), robust="none",
+                                 steps=STEPS))  # fmt: skip
+    assert results[-1].worst < 0.9 * no_attack, (kind, [r.honest for r in results], no_attack)
 
 
 @pytest.mark.slow
