@@ -11,7 +11,6 @@ from __future__ import annotations
 import functools
 import hashlib
 import math
-import os
 import threading
 import weakref
 from collections.abc import Awaitable, Callable, Iterable, Sequence
@@ -48,16 +47,6 @@ FINE_CODECS = ("int8", "fp16", "bf16")  # dense codecs that round finely (no val
 # same build with this threshold out of reach; the goal is 1.5). bfloat16 keeps 8 bits of
 # mantissa of the difference (int8 itself rounds each value to 1/254 of its slice's largest)
 MIX_HALF_ABOVE_BYTES = 64 * 2**20
-# Chunks a node reads and codes at once for its exchanges (adpsgd, selsync, dpsgd: one trio
-# limiter per node): each holds a few buffers of the chunk's size while it works, and chunks
-# worked on from many threads at once left their buffers spread over malloc's arenas. With no
-# bound, the four chunks in flight each way put a 100M-parameter adpsgd node with int8 at
-# +1.70-1.80 model copies beyond a plain loop, one at a time at +1.46-1.47 (selsync +1.49-1.57,
-# dpsgd +1.44-1.47 instead of +1.62; bench_memory, 2 cores), and a 400 MB int8 exchange took
-# 1.54 s instead of 1.47 s (bench_exchange, both nodes in one process; codec none 1.25-1.30 s
-# either way). A core for each two, at most four
-TENSOR_SLOTS = max(1, min(4, len(os.sched_getaffinity(0)) // 2 if hasattr(os, "sched_getaffinity")
-                          else (os.cpu_count() or 2) // 2))  # (the cores we may run on)
 MAX_CHUNKS = 1 << 16  # the most chunks a plan may have: a peer cannot make us cut a model finely
 
 

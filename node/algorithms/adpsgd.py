@@ -14,7 +14,6 @@ from dataclasses import dataclass, field
 
 import structlog
 import torch
-import trio
 
 from geotrain import compress
 from geotrain.gossip import ExchangePacer, RejectedUpdate
@@ -27,7 +26,6 @@ from ._stream import (
     CHUNKS_IN_FLIGHT,
     MAX_CHUNKS,
     PEER_CHUNK_HINT,
-    TENSOR_SLOTS,
     ChunkPlan,
     PairwiseMix,
     SliceFeedback,
@@ -162,7 +160,6 @@ class Adpsgd(Algorithm):
         # training core); a big one gives it back, so that it is held only during an exchange:
         # kept, it raised a 100M-parameter node's peak by ~0.2 model copies (bench_memory).
         self._spare = SpareBuffers() if self.max_exchanges > 1 else None
-        self._coding = trio.CapacityLimiter(TENSOR_SLOTS)  # chunks read and coded at once
         self.pacer = make_pacer(ctx)
 
     def statistics(self) -> PacingStatistics:
@@ -347,7 +344,7 @@ class Adpsgd(Algorithm):
                      expect: type, moved: list) -> None:  # fmt: skip
         ctx = self.ctx
         try:
-            async with self._coding:  # (a wait for a slot is not our tensor work: not timed)
+            async with ctx.coding:  # (a wait for a slot is not our tensor work: not timed)
                 started = ctx.clock()
                 payload = await ctx.to_thread(mix.send, index)
                 encoded = ctx.clock()
@@ -367,7 +364,7 @@ class Adpsgd(Algorithm):
             raise _Abort("failed", f"chunk {index}: unexpected {type(reply).__name__}")
         moved[0] += len(payload) + len(data)
         try:
-            async with self._coding:
+            async with ctx.coding:
                 received = ctx.clock()
                 await ctx.to_thread(mix.receive, index, data)
         except (RejectedUpdate, compress.DecodeError, ValueError) as exc:
@@ -460,7 +457,7 @@ class Adpsgd(Algorithm):
         ctx, mix = self.ctx, session.mix
         session.expires_at = ctx.now() + session.idle_s
         try:
-            async with self._coding:
+            async with ctx.coding:
                 started = ctx.clock()
                 ours = await ctx.to_thread(mix.send, index)
                 completed = await ctx.to_thread(mix.receive, index, data)

@@ -35,7 +35,6 @@ from ..transport import U63, CodecSpec, ErrorReply, Header, Name, PeerInfo, Tran
 from ._base import Algorithm, AlgorithmContext, AlgorithmSpec, Reply, Tensors
 from ._registry import register_algorithm
 from ._stream import (
-    TENSOR_SLOTS,
     ChunkPlan,
     ModelAssembly,
     cached_plan,
@@ -140,7 +139,6 @@ class Dpsgd(Algorithm):
         self._step_s = 0.0
         self._rejected_now: set[str] = set()  # neighbours whose model this round was refused
         self._plans: dict[int, ChunkPlan] = {}
-        self._coding = trio.CapacityLimiter(TENSOR_SLOTS)  # chunks coded at once (_stream)
         self.rounds = self.full_rounds = self.missed = self.late_ignored = 0
         self._said_fallback = False  # the trim -> clip fallback is logged once
         self._pushes: dict[str, tuple[ModelAssembly, int]] = {}  # client -> its model arriving
@@ -337,8 +335,7 @@ class Dpsgd(Algorithm):
                 self.late_ignored += 1
                 reasons[peer] = f"reply for round {reply.round}"
                 return
-            async with self._coding:
-                await ctx.to_thread(assembly.add, 0, payload)
+            await ctx.coded(assembly.add, 0, payload)
             await self._rest(address, peer, plan, assembly, request(reply.round, 0), deadline,
                              ours=round_)  # fmt: skip
             remote = assembly.tensors
@@ -365,10 +362,9 @@ class Dpsgd(Algorithm):
         if entry is None:
             return b""
         model = entry[0]
-        async with self._coding:
-            return await self.ctx.to_thread(
-                lambda: encode_chunk(model_chunk(model, plan, index), codec, seed=round_)
-            )
+        return await self.ctx.coded(
+            lambda: encode_chunk(model_chunk(model, plan, index), codec, seed=round_)
+        )
 
     async def _rest(self, address, peer, plan, assembly, template, deadline, *, ours) -> None:
         """Chunks 1.. of the round `template` names, CHUNKS_IN_FLIGHT at a time (each with our
@@ -382,8 +378,7 @@ class Dpsgd(Algorithm):
             )  # fmt: skip
             if not isinstance(reply, RoundReply) or reply.round != template.round:
                 raise _Refused(getattr(reply, "reason", "") or f"chunk {index}: no reply")
-            async with self._coding:
-                await self.ctx.to_thread(assembly.add, index, payload)
+            await self.ctx.coded(assembly.add, index, payload)
 
         await in_window(range(1, len(plan)), one)
 
@@ -417,11 +412,9 @@ class Dpsgd(Algorithm):
             if round_ not in self._models:  # (resumed from a checkpoint: nothing published yet)
                 return ErrorReply(code="busy", reason=f"round {round_} not published yet"), b""
         model, degree = self._models[round_]
-        async with self._coding:
-            data = await ctx.to_thread(  # (our degree counts the clients that send us their model)
-                lambda: encode_chunk(model_chunk(model, plan, header.index), header.codec,
-                                     seed=round_)  # fmt: skip
-            )
+        data = await ctx.coded(  # (our degree counts the clients that send us their model)
+            lambda: encode_chunk(model_chunk(model, plan, header.index), header.codec, seed=round_)
+        )
         self._served(peer.peer_id, round_, len(plan))
         return RoundReply(round=round_, degree=degree, chunks=len(plan)), data
 
@@ -442,9 +435,7 @@ class Dpsgd(Algorithm):
         if entry is None or (entry[0].plan.digest, entry[0].spec) != (plan.digest, header.codec):
             return
         try:
-            async with self._coding:
-                added = await ctx.to_thread(entry[0].add, header.index, payload)
-            if not added:
+            if not await ctx.coded(entry[0].add, header.index, payload):
                 return
             del self._pushes[peer]
             remote = entry[0].tensors
