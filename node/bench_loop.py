@@ -1,16 +1,20 @@
 """Step overhead of geotrain in your own loop: steps/s of a wrapped loop vs the same loop bare.
 
-    python -m geotrain.node.bench_loop [--hidden 1024] [--steps 400] [--repeats 3] [--json]
+    python -m geotrain.node.bench_loop [--model mlp|gpt] [--hidden 1024] [--batch N]
+        [--steps 400] [--repeats 3] [--json]
 
-One core for the loop (this process is pinned to core 0 with one torch thread), a peer in
-another process on core 1 running the same loop through geotrain.join. The loop: an MLP of
-`--hidden` wide layers (1024: 1.1M parameters) on generated batches of 64, AdamW, gradient
-clipping. Bare and wrapped runs of `--steps` steps take turns, `--repeats` times each; the
-wrapped node exchanges every 4 steps (adpsgd, codec none) with the peer over loopback, and the
-peer with it (both start exchanges: each node takes part in about one every 2 of its steps), and
-its network and tensor work runs on the same core as the loop. During a bare run the peer is
-stopped (SIGSTOP), so that the bare loop, which runs in the same process as the joined node,
-shares its core with nothing of geotrain's: before 2026-12-02 the node went on answering the
+One core for the loop (this process is pinned to core 0 with one torch thread), a peer in another
+process on core 1 running the same loop through geotrain.join. The loop: AdamW and gradient clipping
+on generated batches, of either an MLP of `--hidden` wide layers (1024: 1.1M parameters; batches of
+`--batch` 64 by default) or (`--model gpt`) the `gpt` task's 1m decoder (1.07M parameters, context
+128; batches of `--batch` 16 sequences by default: 2,048 tokens a step). The two models have the
+same size, so the same exchanges, and a step of very different cost: what the wrapper costs is the
+exchanges' work over the step's compute. Bare and wrapped runs of `--steps` steps take turns,
+`--repeats` times each; the wrapped node exchanges every 4 steps (adpsgd, codec none) with the peer
+over loopback, and the peer with it (both start exchanges: each node takes part in about one every 2
+of its steps), and its network and tensor work runs on the same core as the loop. During a bare run
+the peer is stopped (SIGSTOP), so that the bare loop, which runs in the same process as the joined
+node, shares its core with nothing of geotrain's: before 2026-12-02 the node went on answering the
 peer's exchanges during the bare runs, which hid about half the cost. The figure is the median
 wrapped rate over the median bare rate (goal >= 0.95).
 
@@ -51,19 +55,35 @@ checkpoint_every = 1000000
 """
 
 
-def make_model(hidden: int) -> nn.Module:
+CONTEXT = 128  # the gpt model's sequence length here
+
+
+def make_model(kind: str, hidden: int) -> nn.Module:
     torch.manual_seed(0)
+    if kind == "gpt":
+        from .training._gpt import GPT, SIZES
+
+        size = SIZES["1m"]
+        return GPT(CONTEXT, size.d_model, size.layers, size.heads)
     return nn.Sequential(nn.Linear(64, hidden), nn.ReLU(), nn.Linear(hidden, hidden), nn.ReLU(),
                          nn.Linear(hidden, 10))  # fmt: skip
 
 
-def run_loop(model: nn.Module, opt, steps: int, gen: torch.Generator) -> float:
+def _batch(kind: str, batch: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """Generated inputs and targets (flattened for cross_entropy) for `kind`."""
+    if kind == "gpt":
+        tokens = torch.randint(0, 256, (batch, CONTEXT + 1), generator=gen)
+        return tokens[:, :-1], tokens[:, 1:].reshape(-1)
+    return torch.randn(batch, 64, generator=gen), torch.randint(0, 10, (batch,), generator=gen)
+
+
+def run_loop(model: nn.Module, opt, steps: int, gen: torch.Generator, kind: str = "mlp",
+             batch: int = 64) -> float:  # fmt: skip
     """Steps a second of `steps` steps of the loop (opt: the optimizer or the wrapped one)."""
     started = time.perf_counter()
     for _ in range(steps):
-        x = torch.randn(64, 64, generator=gen)
-        y = torch.randint(0, 10, (64,), generator=gen)
-        loss = nn.functional.cross_entropy(model(x), y)
+        x, y = _batch(kind, batch, gen)
+        loss = nn.functional.cross_entropy(model(x).reshape(y.numel(), -1), y)
         loss.backward()
         nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
@@ -87,24 +107,24 @@ def _config(root: Path, name: str, bootstrap: str | None) -> Path:
     return path
 
 
-def peer(root: Path, hidden: int) -> None:
+def peer(root: Path, kind: str, hidden: int, batch: int) -> None:
     """The other node: the same loop, joined, until SIGTERM."""
     import geotrain
 
     os.sched_setaffinity(0, {1})
     torch.set_num_threads(1)
     torch.set_flush_denormal(True)
-    model = make_model(hidden)
+    model = make_model(kind, hidden)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     with geotrain.join(_config(root, "peer", None), model) as swarm:
         print(swarm.address, flush=True)
         opt = swarm.wrap(torch.optim.AdamW(model.parameters(), lr=1e-3))
         gen = torch.Generator().manual_seed(1)
         while True:
-            run_loop(model, opt, 50, gen)
+            run_loop(model, opt, 50, gen, kind, batch)
 
 
-def measure(hidden: int, steps: int, repeats: int) -> dict:
+def measure(kind: str, hidden: int, batch: int, steps: int, repeats: int) -> dict:
     import geotrain
 
     os.sched_setaffinity(0, {0})
@@ -114,25 +134,25 @@ def measure(hidden: int, steps: int, repeats: int) -> dict:
         root = Path(tmp)
         other = subprocess.Popen(
             [sys.executable, "-m", "geotrain.node.bench_loop", "--role", "peer", "--root",
-             str(root), "--hidden", str(hidden)],
+             str(root), "--model", kind, "--hidden", str(hidden), "--batch", str(batch)],
             stdout=subprocess.PIPE, text=True,
         )  # fmt: skip
         try:
             address = other.stdout.readline().strip()  # type: ignore[union-attr]
-            bare_model, joined_model = make_model(hidden), make_model(hidden)
+            bare_model, joined_model = make_model(kind, hidden), make_model(kind, hidden)
             bare_opt = torch.optim.AdamW(bare_model.parameters(), lr=1e-3)
             gen = torch.Generator().manual_seed(0)
-            run_loop(bare_model, bare_opt, 20, gen)  # warm-up
+            run_loop(bare_model, bare_opt, 20, gen, kind, batch)  # warm-up
             with geotrain.join(_config(root, "me", address), joined_model) as swarm:
                 opt = swarm.wrap(torch.optim.AdamW(joined_model.parameters(), lr=1e-3))
-                run_loop(joined_model, opt, 20, gen)
+                run_loop(joined_model, opt, 20, gen, kind, batch)
                 bare, wrapped = [], []
                 for _ in range(repeats):
                     other.send_signal(signal.SIGSTOP)  # nobody to exchange with: a bare loop
                     time.sleep(0.5)  # an exchange it was in the middle of ends (its deadline)
-                    bare.append(run_loop(bare_model, bare_opt, steps, gen))
+                    bare.append(run_loop(bare_model, bare_opt, steps, gen, kind, batch))
                     other.send_signal(signal.SIGCONT)
-                    wrapped.append(run_loop(joined_model, opt, steps, gen))
+                    wrapped.append(run_loop(joined_model, opt, steps, gen, kind, batch))
                 status = swarm.status()
         finally:
             other.send_signal(signal.SIGCONT)
@@ -140,16 +160,23 @@ def measure(hidden: int, steps: int, repeats: int) -> dict:
             other.wait(60)
     numel = sum(p.numel() for p in bare_model.parameters())
     return {
-        "parameters": numel, "steps": steps, "bare_steps_per_s": bare,
-        "wrapped_steps_per_s": wrapped,
+        "model": kind, "batch": batch, "parameters": numel, "steps": steps,
+        "bare_steps_per_s": bare, "wrapped_steps_per_s": wrapped,
         "ratio": statistics.median(wrapped) / statistics.median(bare),
         "exchanges_ok": status.exchanges_ok, "exchanges_failed": status.exchanges_failed,
     }  # fmt: skip
 
 
+def _rate(steps_per_s: float) -> float:
+    """A rate as printed: 3 significant digits."""
+    return float(f"{steps_per_s:.3g}")
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--hidden", type=int, default=1024)
+    parser.add_argument("--model", default="mlp", choices=("mlp", "gpt"))
+    parser.add_argument("--hidden", type=int, default=1024, help="the MLP's width")
+    parser.add_argument("--batch", type=int, help="samples (mlp: 64) or sequences (gpt: 16) a step")
     parser.add_argument("--steps", type=int, default=400)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--json", action="store_true")
@@ -159,16 +186,21 @@ def main(argv: list[str] | None = None) -> None:
     from .cli import configure_logging
 
     configure_logging("warning", "console")
+    batch = args.batch if args.batch is not None else 16 if args.model == "gpt" else 64
+    if batch < 1:
+        parser.error(f"--batch {batch}: expected at least 1")
     if args.role == "peer":
-        peer(args.root, args.hidden)
+        peer(args.root, args.model, args.hidden, batch)
         return
-    r = measure(args.hidden, args.steps, args.repeats)
+    r = measure(args.model, args.hidden, batch, args.steps, args.repeats)
     if args.json:
         print(json.dumps(r))
         return
-    print(f"MLP of {r['parameters']:,} parameters, {r['steps']} steps a run, one core")
-    print(f"bare loop:    {[round(x) for x in r['bare_steps_per_s']]} steps/s")
-    print(f"with geotrain: {[round(x) for x in r['wrapped_steps_per_s']]} steps/s "
+    what = "MLP" if r["model"] == "mlp" else f"GPT (context {CONTEXT})"
+    print(f"{what} of {r['parameters']:,} parameters, batches of {r['batch']}, {r['steps']} "
+          "steps a run, one core")
+    print(f"bare loop:    {[_rate(x) for x in r['bare_steps_per_s']]} steps/s")
+    print(f"with geotrain: {[_rate(x) for x in r['wrapped_steps_per_s']]} steps/s "
           f"({r['exchanges_ok']} exchanges, {r['exchanges_failed']} failed)")
     print(f"wrapped / bare: {r['ratio']:.2f} (goal >= 0.95)")
 
