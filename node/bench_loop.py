@@ -1,7 +1,7 @@
 """Step overhead of geotrain in your own loop: steps/s of a wrapped loop vs the same loop bare.
 
     python -m geotrain.node.bench_loop [--model mlp|gpt] [--hidden 1024] [--batch N]
-        [--steps 400] [--repeats 3] [--json]
+        [--comm-fraction F] [--steps 400] [--repeats 3] [--json]
 
 One core for the loop (this process is pinned to core 0 with one torch thread), a peer in another
 process on core 1 running the same loop through geotrain.join. The loop: AdamW and gradient clipping
@@ -13,10 +13,20 @@ exchanges' work over the step's compute. Bare and wrapped runs of `--steps` step
 `--repeats` times each; the wrapped node exchanges every 4 steps (adpsgd, codec none) with the peer
 over loopback, and the peer with it (both start exchanges: each node takes part in about one every 2
 of its steps), and its network and tensor work runs on the same core as the loop. During a bare run
-the peer is stopped (SIGSTOP), so that the bare loop, which runs in the same process as the joined
-node, shares its core with nothing of geotrain's: before 2026-12-02 the node went on answering the
-peer's exchanges during the bare runs, which hid about half the cost. The figure is the median
+the peer steps its own optimizer without the swarm (SIGUSR1; SIGUSR2 back), so that nobody starts an
+exchange and the bare loop, which runs in the same process as the joined node, shares its core with
+nothing of geotrain's, while the other core carries the same training load in both runs. Before
+2026-12-02 the node went on answering the peer's exchanges during the bare runs, which hid about
+half the cost; from then until 2026-12-05 the peer was stopped (SIGSTOP) during them, which left the
+bare loop the whole machine's shared cache and memory bandwidth: its forward and backward passes ran
+8-10% faster than the same loop's beside a busy neighbour, which counted against the wrapper, and
+the peer's pauses made the number of exchanges in a wrapped run vary 4x. The figure is the median
 wrapped rate over the median bare rate (goal >= 0.95).
+
+With `--comm-fraction F` both nodes pace their exchanges by gossip.comm_fraction instead: the
+next exchange waits until the last one's time is at most F of the steps' time between them (from
+every 4 steps up to every 1000). That is the setting that bounds the wrapper's cost when a step
+is short.
 
 Both processes flush denormal floats to zero (torch.set_flush_denormal): on random batches the
 model learns nothing, its values decay into denormals, and a plain loop here slowed from 117 to
@@ -34,6 +44,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -91,13 +102,14 @@ def run_loop(model: nn.Module, opt, steps: int, gen: torch.Generator, kind: str 
     return steps / (time.perf_counter() - started)
 
 
-def _config(root: Path, name: str, bootstrap: str | None) -> Path:
+def _config(root: Path, name: str, bootstrap: str | None, comm_fraction: float = 0.0) -> Path:
     """A node config (and key) for this benchmark under `root`."""
     from geotrain.node import Identity
 
     Identity.generate().save(root / f"{name}.key")
     text = CONFIG.replace("[identity]\n", f'[identity]\nkey = "{root / name}.key"\n')
     text = text.replace("[state]\n", f'[state]\ndir = "{root / name}"\n')
+    text = text.replace("[gossip]\n", f"[gossip]\ncomm_fraction = {comm_fraction}\n")
     if bootstrap:
         text += f'[network]\nbootstrap = ["{bootstrap}"]\n'
     else:  # the first node: nobody to wait for (it prints its address once joined)
@@ -107,24 +119,30 @@ def _config(root: Path, name: str, bootstrap: str | None) -> Path:
     return path
 
 
-def peer(root: Path, kind: str, hidden: int, batch: int) -> None:
-    """The other node: the same loop, joined, until SIGTERM."""
+def peer(root: Path, kind: str, hidden: int, batch: int, comm_fraction: float) -> None:
+    """The other node: the same loop, joined, until SIGTERM; from SIGUSR1 to SIGUSR2 it steps
+    its optimizer itself (the swarm hears of no step, so it starts no exchanges)."""
     import geotrain
 
     os.sched_setaffinity(0, {1})
     torch.set_num_threads(1)
     torch.set_flush_denormal(True)
     model = make_model(kind, hidden)
+    bare = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-    with geotrain.join(_config(root, "peer", None), model) as swarm:
-        print(swarm.address, flush=True)
-        opt = swarm.wrap(torch.optim.AdamW(model.parameters(), lr=1e-3))
+    signal.signal(signal.SIGUSR1, lambda *_: bare.set())
+    signal.signal(signal.SIGUSR2, lambda *_: bare.clear())
+    with geotrain.join(_config(root, "peer", None, comm_fraction), model) as swarm:
+        inner = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        opt = swarm.wrap(inner)
+        print(swarm.address, flush=True)  # (the signals' handlers are in place)
         gen = torch.Generator().manual_seed(1)
         while True:
-            run_loop(model, opt, 50, gen, kind, batch)
+            run_loop(model, inner if bare.is_set() else opt, 1, gen, kind, batch)
 
 
-def measure(kind: str, hidden: int, batch: int, steps: int, repeats: int) -> dict:
+def measure(kind: str, hidden: int, batch: int, steps: int, repeats: int,
+            comm_fraction: float = 0.0) -> dict:  # fmt: skip
     import geotrain
 
     os.sched_setaffinity(0, {0})
@@ -134,7 +152,8 @@ def measure(kind: str, hidden: int, batch: int, steps: int, repeats: int) -> dic
         root = Path(tmp)
         other = subprocess.Popen(
             [sys.executable, "-m", "geotrain.node.bench_loop", "--role", "peer", "--root",
-             str(root), "--model", kind, "--hidden", str(hidden), "--batch", str(batch)],
+             str(root), "--model", kind, "--hidden", str(hidden), "--batch", str(batch),
+             "--comm-fraction", str(comm_fraction)],
             stdout=subprocess.PIPE, text=True,
         )  # fmt: skip
         try:
@@ -143,24 +162,24 @@ def measure(kind: str, hidden: int, batch: int, steps: int, repeats: int) -> dic
             bare_opt = torch.optim.AdamW(bare_model.parameters(), lr=1e-3)
             gen = torch.Generator().manual_seed(0)
             run_loop(bare_model, bare_opt, 20, gen, kind, batch)  # warm-up
-            with geotrain.join(_config(root, "me", address), joined_model) as swarm:
+            with geotrain.join(_config(root, "me", address, comm_fraction), joined_model) as swarm:
                 opt = swarm.wrap(torch.optim.AdamW(joined_model.parameters(), lr=1e-3))
                 run_loop(joined_model, opt, 20, gen, kind, batch)
                 bare, wrapped = [], []
                 for _ in range(repeats):
-                    other.send_signal(signal.SIGSTOP)  # nobody to exchange with: a bare loop
-                    time.sleep(0.5)  # an exchange it was in the middle of ends (its deadline)
+                    other.send_signal(signal.SIGUSR1)  # the peer steps bare too: no exchanges
+                    time.sleep(0.5)  # (those in flight end)
                     bare.append(run_loop(bare_model, bare_opt, steps, gen, kind, batch))
-                    other.send_signal(signal.SIGCONT)
+                    other.send_signal(signal.SIGUSR2)
                     wrapped.append(run_loop(joined_model, opt, steps, gen, kind, batch))
                 status = swarm.status()
         finally:
-            other.send_signal(signal.SIGCONT)
             other.send_signal(signal.SIGTERM)
             other.wait(60)
     numel = sum(p.numel() for p in bare_model.parameters())
     return {
-        "model": kind, "batch": batch, "parameters": numel, "steps": steps,
+        "model": kind, "batch": batch, "comm_fraction": comm_fraction, "parameters": numel,
+        "steps": steps,
         "bare_steps_per_s": bare, "wrapped_steps_per_s": wrapped,
         "ratio": statistics.median(wrapped) / statistics.median(bare),
         "exchanges_ok": status.exchanges_ok, "exchanges_failed": status.exchanges_failed,
@@ -179,6 +198,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--batch", type=int, help="samples (mlp: 64) or sequences (gpt: 16) a step")
     parser.add_argument("--steps", type=int, default=400)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--comm-fraction", type=float, default=0.0,
+                        help="gossip.comm_fraction of both nodes (0: an exchange every 4 steps)")
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--role", default="main", choices=("main", "peer"))
     parser.add_argument("--root", type=Path)
@@ -190,9 +211,9 @@ def main(argv: list[str] | None = None) -> None:
     if batch < 1:
         parser.error(f"--batch {batch}: expected at least 1")
     if args.role == "peer":
-        peer(args.root, args.model, args.hidden, batch)
+        peer(args.root, args.model, args.hidden, batch, args.comm_fraction)
         return
-    r = measure(args.model, args.hidden, batch, args.steps, args.repeats)
+    r = measure(args.model, args.hidden, batch, args.steps, args.repeats, args.comm_fraction)
     if args.json:
         print(json.dumps(r))
         return
