@@ -175,7 +175,7 @@ def measure(kind: str, hidden: int, batch: int, steps: int, repeats: int,
                 status = swarm.status()
         finally:
             other.send_signal(signal.SIGTERM)
-            other.wait(60)
+            peer_exit = other.wait(60)  # 0: it ran the whole time and left on SIGTERM
     numel = sum(p.numel() for p in bare_model.parameters())
     return {
         "model": kind, "batch": batch, "comm_fraction": comm_fraction, "parameters": numel,
@@ -183,6 +183,7 @@ def measure(kind: str, hidden: int, batch: int, steps: int, repeats: int,
         "bare_steps_per_s": bare, "wrapped_steps_per_s": wrapped,
         "ratio": statistics.median(wrapped) / statistics.median(bare),
         "exchanges_ok": status.exchanges_ok, "exchanges_failed": status.exchanges_failed,
+        "peer_exit": peer_exit,
     }  # fmt: skip
 
 

@@ -25,6 +25,8 @@ def test_the_gpt_loop_is_measured_bare_and_wrapped():
     assert len(r["bare_steps_per_s"]) == len(r["wrapped_steps_per_s"]) == 1
     assert min(r["bare_steps_per_s"] + r["wrapped_steps_per_s"]) > 0
     assert r["ratio"] == pytest.approx(r["wrapped_steps_per_s"][0] / r["bare_steps_per_s"][0])
+    # the peer switched to bare steps and back (SIGUSR1/2) and was alive until told to leave
+    assert r["peer_exit"] == 0
 
 
 def test_a_batch_below_one_is_refused():
