@@ -137,7 +137,7 @@ def peer(root: Path, kind: str, hidden: int, batch: int, comm_fraction: float) -
         opt = swarm.wrap(inner)
         print(swarm.address, flush=True)  # (the signals' handlers are in place)
         gen = torch.Generator().manual_seed(1)
-        while True:
+        while True:  # (bare, a mix that arrives waits for the next wrapped step: timing only)
             run_loop(model, inner if bare.is_set() else opt, 1, gen, kind, batch)
 
 
