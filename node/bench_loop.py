@@ -72,9 +72,9 @@ CONTEXT = 128  # the gpt model's sequence length here
 def make_model(kind: str, hidden: int) -> nn.Module:
     torch.manual_seed(0)
     if kind == "gpt":
-        from .training._gpt import GPT, SIZES
+        from .training import GPT, GPT_SIZES
 
-        size = SIZES["1m"]
+        size = GPT_SIZES["1m"]
         return GPT(CONTEXT, size.d_model, size.layers, size.heads)
     return nn.Sequential(nn.Linear(64, hidden), nn.ReLU(), nn.Linear(hidden, hidden), nn.ReLU(),
                          nn.Linear(hidden, 10))  # fmt: skip
