@@ -119,14 +119,19 @@ def _config(root: Path, name: str, bootstrap: str | None, comm_fraction: float =
     return path
 
 
+def _one_core(core: int) -> None:
+    """This process on `core` with one torch thread, denormals flushed (see above)."""
+    os.sched_setaffinity(0, {core})
+    torch.set_num_threads(1)
+    torch.set_flush_denormal(True)
+
+
 def peer(root: Path, kind: str, hidden: int, batch: int, comm_fraction: float) -> None:
     """The other node: the same loop, joined, until SIGTERM; from SIGUSR1 to SIGUSR2 it steps
     its optimizer itself (the swarm hears of no step, so it starts no exchanges)."""
     import geotrain
 
-    os.sched_setaffinity(0, {1})
-    torch.set_num_threads(1)
-    torch.set_flush_denormal(True)
+    _one_core(1)
     model = make_model(kind, hidden)
     bare = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
@@ -145,9 +150,7 @@ def measure(kind: str, hidden: int, batch: int, steps: int, repeats: int,
             comm_fraction: float = 0.0) -> dict:  # fmt: skip
     import geotrain
 
-    os.sched_setaffinity(0, {0})
-    torch.set_num_threads(1)
-    torch.set_flush_denormal(True)
+    _one_core(0)
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         other = subprocess.Popen(
