@@ -64,6 +64,7 @@ class FaultRunner:
             self.applied_all.append({
                 "system": self.system, "at_s": fault.at_s, "applied_at_s": round(elapsed_s, 2),
                 "fault": fault.describe(), "applied": note is None, "note": note,
+                "action": fault.action, "peer": fault.peer,
                 **({} if wall_t is None else {"t": wall_t}),
             })  # fmt: skip
             self._echo(
@@ -79,6 +80,7 @@ class FaultRunner:
             self.applied_all.append({
                 "system": self.system, "at_s": fault.at_s, "applied_at_s": None,
                 "fault": fault.describe(), "applied": False, "note": note,
+                "action": fault.action, "peer": fault.peer,
             })  # fmt: skip
             self._echo(f"{self.system}: fault {fault.describe()} {note}")
         self._pending = []

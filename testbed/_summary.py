@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import statistics
 from pathlib import Path
 from typing import Any
@@ -102,21 +103,72 @@ def bytes_at(samples: list[dict[str, Any]], t: float) -> int | None:
     return next((s["bytes"] for s in samples if s["t"] >= t), None)
 
 
-def swarm_quality(peers, higher_is_better: bool) -> list[tuple[float, float]]:
+def swarm_quality(peers, higher_is_better: bool,
+                  outages: list[list[tuple[float, float | None]]] | None = None,
+                  ) -> list[tuple[float, float]]:  # fmt: skip
     """(t, the worst peer's latest metric) at each evaluation once every peer has one: the level
-    the whole swarm is at or past."""
+    the whole swarm is at or past.
+
+    `outages` (aligned with `peers`): each peer's kills by the testbed, as (killed at, restarted
+    at or None). The run's stop rule is followed: a killed peer's last metric no longer counts;
+    the swarm is at no level until a restarted peer has reported from its new process, and a
+    peer killed for good leaves the swarm (the others' level is the swarm's from then on)."""
     events = sorted(
-        (r["t"], i, r["metric"]) for i, rs in enumerate(peers) for r in rs
-        if r.get("metric") is not None
+        [(r["t"], 1, i, r["metric"]) for i, rs in enumerate(peers) for r in rs
+         if r.get("metric") is not None]
+        + [(killed, 0, i, back) for i, downs in enumerate(outages or []) for killed, back in downs]
     )  # fmt: skip
     latest: dict[int, float] = {}
+    gone: set[int] = set()
+    back_at: dict[int, float] = {}  # killed peers to come back, and when they were restarted
     out = []
-    for t, i, metric in events:
-        latest[i] = metric
-        if len(latest) == len(peers):
+    for t, is_metric, i, value in events:
+        if not is_metric:  # a kill: value is when the peer was restarted (None: never)
+            latest.pop(i, None)
+            if value is None:
+                gone.add(i)
+            else:
+                back_at[i] = value
+        elif i in gone or (i in back_at and t <= back_at[i]):
+            continue  # a line the killed process wrote before the kill was seen
+        else:
+            back_at.pop(i, None)
+            latest[i] = value
+        if latest and not back_at and len(latest) == len(peers) - len(gone):
             worst = min(latest.values()) if higher_is_better else max(latest.values())
             out.append((t, worst))
     return out
+
+
+def peer_outages(run: dict[str, Any], system: str) -> list[list[tuple[float, float | None]]]:
+    """Per peer of `system`, the testbed's kills that were applied: (wall time of the kill, of
+    the next restart of that peer or None). Runs from before the faults named their peer are
+    read from the fault's description ("t=15s kill peer 2")."""
+    done: list[tuple[float, str, int]] = []
+    for f in run.get("faults") or []:
+        if f.get("system") != system or not f.get("applied") or "t" not in f:
+            continue
+        action, peer = f.get("action"), f.get("peer")
+        if action is None:
+            m = re.search(r"\b(kill|restart) peer (\d+)\b", f.get("fault", ""))
+            action, peer = (m.group(1), int(m.group(2))) if m else (None, None)
+        if action in ("kill", "restart") and isinstance(peer, int):
+            done.append((f["t"], action, peer))
+    downs: list[list[tuple[float, float | None]]] = [[] for _ in range(run["peers"])]
+    for t, action, peer in sorted(done):
+        if action == "kill" and 0 <= peer < len(downs):
+            back = next((u for u, a, q in sorted(done) if a == "restart" and q == peer and u > t),
+                        None)  # fmt: skip
+            downs[peer].append((t, back))
+    return downs
+
+
+def quality_curve(run: dict[str, Any], system: str, peers) -> list[tuple[float, float]]:
+    """The swarm quality of `system` as every figure counts it: honest peers only, kills and
+    restarts as the run's stop rule treats them."""
+    attackers = attacker_peers(run, system)
+    outages = [d for i, d in enumerate(peer_outages(run, system)) if i not in attackers]
+    return swarm_quality(honest(peers, attackers), run.get("higher_is_better", True), outages)
 
 
 def time_bytes_to(curve, samples, level: float, higher_is_better: bool,
@@ -194,7 +246,7 @@ def _system(run: dict[str, Any], system: str, peers, samples) -> dict[str, Any]:
               next((r["metric"] for r in reversed(rs) if r.get("metric") is not None), None)
               for i, rs in enumerate(peers)]  # fmt: skip
     higher = run.get("higher_is_better", True)
-    curve = swarm_quality(honest(peers, attackers), higher)
+    curve = quality_curve(run, system, peers)
     best = (max if higher else min)((w for _, w in curve), default=None)
     to_target = None if t0 is None else time_bytes_to(
         curve, samples, run["target_value"], higher, t0)  # fmt: skip
@@ -211,8 +263,7 @@ def _system(run: dict[str, Any], system: str, peers, samples) -> dict[str, Any]:
         "algorithm": entry.get("algorithm") or (
             run["algorithm"] if system == "geotrain" else "allreduce (gloo DDP)"),
         "settings": entry.get("settings"),
-        "time_to_target_s": None if t0 is None else time_to_target(
-            honest(peers, attackers), run["target_value"], run.get("higher_is_better", True), t0),
+        "time_to_target_s": None if to_target is None else to_target[0],
         "attackers": sorted(attackers),
         "final_metric": round(statistics.fmean(known), 4) if known else None,
         "final_metric_by_peer": finals,
@@ -288,7 +339,7 @@ def equal_quality(run: dict[str, Any], systems: list[dict[str, Any]],
     curves, starts = {}, []
     for s in systems:
         peers, samples = loaded[s["system"]]
-        curve = swarm_quality(honest(peers, attacker_peers(run, s["system"])), higher)
+        curve = quality_curve(run, s["system"], peers)
         curves[s["system"]] = (curve, samples, train_start(peers))
         if curve:
             starts.append(curve[0][1])

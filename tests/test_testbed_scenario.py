@@ -333,3 +333,31 @@ def test_a_link_check_that_fails_is_said_and_the_run_goes_on(monkeypatch):
     checked = [item for item in links if "check_error" in item]
     assert checked and all(item["measured_mbit"] is None for item in checked)
     assert all("not measured" in line and "the run goes on" in line for line in said)
+
+
+@pytest.mark.parametrize("step_s", [0.3, 4.5, 7.0, 60.0])
+def test_a_baseline_stops_within_half_a_step_of_its_duration(monkeypatch, step_s):
+    """DDP and local SGD agreed to stop only every 10 steps: with 4.5 s steps on a slow link a
+    50 s run trained for 99 s, twice what geotrain was given. Rank 0 now brings the next check
+    closer as the limit nears."""
+    import argparse
+
+    from geotrain.testbed import _ddp
+
+    clock = [100.0]
+    monkeypatch.setattr(_ddp.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(_ddp.dist, "all_reduce", lambda flags, op: None)  # one rank: the sum
+    args = argparse.Namespace(rank=0, world=1, max_steps=0, duration=50.0, target=None)
+    rule, step = _ddp.StopRule(args, joined=clock[0]), 0
+    while step < 10_000:
+        step += 1
+        clock[0] += step_s
+        if rule.check(step, None, lambda m, t: False):
+            break
+    trained = clock[0] - 100.0
+    assert abs(trained - 50.0) <= step_s / 2 + 1e-9, trained
+    # the target still stops every rank, at the next check (at most 10 steps on)
+    rule, args.duration = _ddp.StopRule(args, joined=clock[0]), 0.0
+    args.target = 0.9
+    steps = [s for s in range(1, 40) if rule.check(s, 0.95, lambda m, t: m >= t)]
+    assert steps[0] == 1

@@ -208,3 +208,36 @@ def test_a_nan_metric_is_read_as_no_metric(tmp_path: Path):
     assert records[0]["metric"] is None and records[0]["loss"] is None
     assert records[1]["metric"] == 0.5
     json.dumps(records, allow_nan=False)  # strict JSON from here on
+
+
+def _kill_peer_1(tmp_path: Path, restart_at: float | None, old_style: bool = False) -> dict:
+    """The fake run with peer 1 killed at +2.5 s, after it had reported 0.5; peer 0 is at 0.95
+    from +2 s. Restarted at `restart_at` (None: never), from when it writes 0.95 lines."""
+    _fake_run(tmp_path)
+    run = json.loads((tmp_path / "run.json").read_text())
+    faults = [("kill", 2.5)] + ([] if restart_at is None else [("restart", restart_at)])
+    run["faults"] = [{"system": "geotrain", "at_s": at, "applied_at_s": at, "applied": True,
+                      "fault": f"t={at}s {action} peer 1", "note": None, "t": T0 + at,
+                      **({} if old_style else {"action": action, "peer": 1})}
+                     for action, at in faults]  # fmt: skip
+    (tmp_path / "run.json").write_text(json.dumps(run))
+    lines = [{"t": T0 + s, "step": 10 * s, "steps_per_s": 10.0, "metric": 0.5,
+              "bytes_out": 100 * s} for s in (1, 2)]  # fmt: skip
+    if restart_at is not None:
+        lines += [{"t": T0 + restart_at + s, "step": 20 + 10 * s, "steps_per_s": 10.0,
+                   "metric": 0.95, "bytes_out": 50 * s} for s in (1, 2)]  # fmt: skip
+    _write_lines(tmp_path / "geotrain" / "peer-01" / "metrics.jsonl", lines)
+    return build_summary(tmp_path)["systems"][0]
+
+
+def test_a_killed_peer_counts_as_the_run_counts_it(tmp_path: Path):
+    """A peer killed while a restart was due held the run back (the run waited for it), but the
+    summary counted its last metric from before the kill: time to target 15 s in a run that
+    stopped at 37 s (a stranger's run). Now the swarm is at no level until the restarted
+    process reports, and a peer killed for good leaves the swarm."""
+    # restarted at +6 s, first report at +7 s: the swarm is at the target then, not before
+    assert _kill_peer_1(tmp_path, restart_at=6.0)["time_to_target_s"] == 7.0
+    # a run written before the faults named their peer: read from the description
+    assert _kill_peer_1(tmp_path, restart_at=6.0, old_style=True)["time_to_target_s"] == 7.0
+    # never restarted: from the kill on, the swarm is peer 0, at 0.95
+    assert _kill_peer_1(tmp_path, restart_at=None)["time_to_target_s"] == 2.5
