@@ -26,6 +26,7 @@ _EXPORTS = {
     "join": "geotrain.node",
     "Swarm": "geotrain.node",
     "SwarmOptimizer": "geotrain.node",
+    "Diverged": "geotrain.node",
     "LoopClosed": "geotrain.node",
     # configuring and running a node
     "NodeConfig": "geotrain.node",

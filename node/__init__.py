@@ -47,6 +47,7 @@ _LAZY = {
     "join": "._library",
     "Swarm": "._library",
     "SwarmOptimizer": "._library",
+    "Diverged": ".training",
     "LoopClosed": ".training",
     "open_node": "._node",
     "ResumeError": "._checkpointer",

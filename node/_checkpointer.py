@@ -12,7 +12,7 @@ import structlog
 import torch
 import trio
 
-from geotrain.gossip import LinkTable
+from geotrain.gossip import LinkTable, all_finite
 
 from .algorithms import Algorithm
 from .state import Checkpoint, CheckpointStore
@@ -69,7 +69,7 @@ class Checkpointer:
         self._links = links
         self._written_step = -1
         self.written_at: float | None = None  # time.monotonic() of the last write
-        self.failures = 0  # writes that failed (OSError: a full disk, a vanished directory)
+        self.failures = 0  # writes that failed (OSError: a full disk) or were refused (NaN)
 
     def restore(self, ckpt: Checkpoint) -> None:
         """Load a checkpoint's model, optimizer, algorithm state and link estimates."""
@@ -107,7 +107,7 @@ class Checkpointer:
             return
         links = self._links.state_dict(trio.current_time())
 
-        def write() -> tuple[int, float]:
+        def write() -> tuple[int, float, list[str]]:
             # Written straight from the live tensors, under the model lock: no copy of the model
             # or its optimizer state is made (a 10^8-parameter model would need two), and the
             # file is one consistent step; training and exchanges' reads pause meanwhile. A loop
@@ -118,11 +118,14 @@ class Checkpointer:
             tensors.update({f"algo/{k}": v for k, v in algo_tensors.items()})
             meta.update(links=links, task=self._task, layout=LAYOUT)
             step = meta["step"]
-            self._store.save(Checkpoint(step, self._name, tensors, meta))
-            return step, time.perf_counter() - started
+            # a diverged model (NaN or inf anywhere) would rotate the last good files out
+            bad = [name for name, t in tensors.items() if not all_finite(t)]
+            if not bad:
+                self._store.save(Checkpoint(step, self._name, tensors, meta))
+            return step, time.perf_counter() - started, bad
 
         try:
-            step, seconds = await trio.to_thread.run_sync(
+            step, seconds, bad = await trio.to_thread.run_sync(
                 lambda: self._trainer.at_step_start(write, wait=not final))
         except OSError as exc:  # a full or failing disk: the run goes on, the older files stay
             self.failures += 1
@@ -131,6 +134,13 @@ class Checkpointer:
                       hint="training goes on and the previous checkpoint is kept; the next "
                       "one is tried at the next checkpoint_every (free space, or see the "
                       "error)")  # fmt: skip
+            return
+        if bad:
+            self.failures += 1
+            log.error("checkpoint_refused", step=step, non_finite=len(bad), first=bad[:3],
+                      reason="the model or its optimizer state holds NaN or inf (diverged)",
+                      hint="the previous checkpoints are kept: a restart resumes from the "
+                      "newest good one")  # fmt: skip
             return
         self._written_step = step
         self.written_at = time.monotonic()

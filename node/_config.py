@@ -236,6 +236,10 @@ class TrainingConfig:
         warmup and cosine, clipping at 1); a value set here always wins.
     accumulate: batches whose gradients are averaged into one optimizer step (a bigger batch than
         fits in memory at once).
+    max_nonfinite_steps: this many steps in a row with a NaN or infinite loss stop training
+        (the daemon exits with status 1; a loop of the user's own gets `geotrain.Diverged` from
+        its optimizer's step()). 0: train on. Whatever it is, a model with a non-finite value is
+        never checkpointed, so a restart resumes from the newest good checkpoint.
     """
 
     task: str = "digits-mlp"
@@ -263,6 +267,7 @@ class TrainingConfig:
     min_lr_ratio: float | None = None
     clip_grad_norm: float | None = None
     accumulate: int = 1
+    max_nonfinite_steps: int = 100
 
     def __post_init__(self) -> None:
         _check(
@@ -293,6 +298,8 @@ class TrainingConfig:
         _check(1 <= self.accumulate <= 100_000, "training.accumulate", self.accumulate,
                "1..100000 batches per step")  # fmt: skip
         _check(self.lr is None or 0 < self.lr <= 1e6, "training.lr", self.lr, "> 0 and <= 1e6")
+        _check(self.max_nonfinite_steps >= 0, "training.max_nonfinite_steps",
+               self.max_nonfinite_steps, ">= 0 steps (0: never stop)")  # fmt: skip
         _check(self.num_shards >= 1, "training.num_shards", self.num_shards, ">= 1")
         _check(
             0 <= self.shard_index < self.num_shards,

@@ -42,7 +42,15 @@ from ._status_report import Progress, StatusReporter, StatusSources
 from .algorithms import MODEL_CODECS, Algorithm, AlgorithmContext, get_algorithm
 from .identity import Admission, Identity
 from .state import Checkpoint, CheckpointStore, NodeStatus, StateDir, write_atomically
-from .training import LoopTrainer, Task, TaskContext, Trainer, resolve_device, resolve_task
+from .training import (
+    Diverged,
+    LoopTrainer,
+    Task,
+    TaskContext,
+    Trainer,
+    resolve_device,
+    resolve_task,
+)
 from .transport import (
     ErrorReply,
     Header,
@@ -398,6 +406,7 @@ class Node:
         task, trainer, ckpt, store = self._prepared
         self.trainer = trainer
         cfg = self.config
+        trainer.max_bad_losses = cfg.training.max_nonfinite_steps
         try:
             async with open_transport(
                 self._transport_config(), self.identity, self.admission, self.router.handle,
@@ -467,11 +476,17 @@ class Node:
                 device=str(trainer.task_device), step=trainer.step,
             )  # fmt: skip
             task_status.started(self.address)
-            await self._train(membership, state_sync, checkpointer, algorithm, ckpt)
+            diverged = None
+            try:
+                await self._train(membership, state_sync, checkpointer, algorithm, ckpt)
+            except Diverged as exc:  # a clean stop (status, leave), then the node fails with it
+                diverged = exc
             self._running = False  # from here on every status written says "stopped"
             await self._reporter.write()
             await membership.leave(STOP_GRACE_S)
             nursery.cancel_scope.cancel()
+        if diverged is not None:
+            raise diverged
 
     def _peer_disconnected(self, peer_id: str) -> None:
         if self.algorithm is not None:

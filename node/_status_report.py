@@ -118,6 +118,7 @@ class StatusReporter:
             step=s.trainer.step,
             steps_per_s=1.0 / interval if interval else 0.0,
             loss=s.trainer.last_loss,
+            nonfinite_losses=s.trainer.nonfinite_losses,
             metric=s.progress.metric,
             metric_step=s.progress.metric_step,
             bytes_in=stats.bytes_in,

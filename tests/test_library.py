@@ -500,12 +500,32 @@ def test_a_diverged_loss_is_said_once_and_again_every_thousand_steps():
     from geotrain.node.training import LoopTrainer
 
     loop = LoopTrainer(make_model())
+    loop.max_bad_losses = 0  # (training.max_nonfinite_steps = 0: train on)
     with capture_logs() as logs:
         for loss in [1.0, float("nan"), float("inf"), *[float("nan")] * 1000, 0.5, float("nan")]:
             loop.stepped(lambda: None, loss)
     said = [e for e in logs if e["event"] == "loss_not_finite"]
     assert [e["step"] for e in said] == [2, 1002, 1005]  # first, 1000 later, after a good one
     assert said[0]["log_level"] == "warning" and "diverged" in said[0]["detail"]
+
+
+def test_a_loop_that_stays_diverged_gets_Diverged_from_its_step():
+    """training.max_nonfinite_steps bad losses in a row: the step that makes it so raises
+    (geotrain.Diverged), and every later one until a finite loss; a finite loss resets."""
+    from geotrain.node.training import LoopTrainer
+
+    loop = LoopTrainer(make_model())
+    loop.max_bad_losses = 3
+    for loss in [float("nan"), float("nan"), 1.0, float("inf"), float("nan")]:
+        loop.stepped(lambda: None, loss)  # never three in a row
+    assert loop.nonfinite_losses == 2
+    with pytest.raises(geotrain.Diverged, match="3 steps in a row .* training.max_nonfinite"):
+        loop.stepped(lambda: None, float("nan"))
+    assert loop.step == 6  # the step itself was taken (its optimizer ran) before it raised
+    with pytest.raises(geotrain.Diverged):
+        loop.stepped(lambda: None, float("nan"))
+    loop.stepped(lambda: None, 0.5)
+    assert loop.nonfinite_losses == 0
 
 
 def _stepped_loop(make_opt, steps=3):

@@ -406,3 +406,36 @@ def test_idle_connections_to_the_metrics_port_cost_no_thread_each():
         for s in idle:
             s.close()
         server.close()
+
+
+async def test_a_diverged_node_stops_and_keeps_its_last_good_checkpoints(tmp_path):
+    """A node whose loss went NaN trained on for 1000 steps, wrote NaN checkpoints over its good
+    ones (keep = 3) and exited 0 (a stranger's task): a restart could only resume NaN. Now a
+    checkpoint of a non-finite model is refused, logged and counted, and after
+    training.max_nonfinite_steps bad steps in a row the node stops with Diverged."""
+    from structlog.testing import capture_logs
+
+    from geotrain.node.state import CheckpointStore
+    from geotrain.node.state._checkpoint import read_checkpoint
+    from geotrain.node.training import Diverged
+
+    # SGD at 10^6 on a linear regression: the weights overflow to inf, then NaN, in a few steps
+    cfg = config(tmp_path, "n", "training.lr=1e6", "training.max_steps=500",
+                 "state.checkpoint_every=1", "training.max_nonfinite_steps=20")  # fmt: skip
+    admission, key = Admission.open_swarm("geotrain"), Identity.generate()
+    with capture_logs() as logs:
+        with pytest.RaisesGroup(pytest.RaisesExc(Diverged, match="20 steps in a row"),
+                                flatten_subgroups=True, allow_unwrapped=True):  # fmt: skip
+            async with geotrain.open_node(cfg, identity=key, admission=admission) as node:
+                with trio.fail_after(60):
+                    await node.wait_stopped()
+    status = json.loads((tmp_path / "n" / "status.json").read_text())
+    assert status["nonfinite_losses"] >= 20 and status["step"] < 100  # stopped, not at 500
+    refused = [e for e in logs if e["event"] == "checkpoint_refused"]
+    assert refused and refused[0]["log_level"] == "error"
+    paths = CheckpointStore(tmp_path / "n" / "checkpoints").paths()
+    assert paths  # the good ones, from before the weights went non-finite
+    for path in paths:
+        ckpt = read_checkpoint(path)
+        assert ckpt.step < refused[0]["step"]
+        assert all(torch.isfinite(t).all() for t in ckpt.tensors.values() if t.is_floating_point())

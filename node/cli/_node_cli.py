@@ -77,6 +77,7 @@ async def _run(node: Node) -> None:
 
 def node_run(args: argparse.Namespace) -> int:
     from .._checkpointer import ResumeError
+    from ..training import Diverged
 
     try:
         config = load_config(args.config, args.set or ())
@@ -86,19 +87,25 @@ def node_run(args: argparse.Namespace) -> int:
         return 2
     refused: list[BaseException] = []
     failed: list[BaseException] = []
+    diverged: list[BaseException] = []
     try:
         trio.run(_run, node)
+    except* Diverged as group:  # the model's fault, not ours: said without a traceback
+        diverged = _leaves(group)
     except* (ResumeError, ValueError) as group:  # raised inside the nursery: grouped by trio
         refused = _leaves(group)  # (a task plugin's TaskError is one: it names task and part)
     except* Exception as group:  # a bug: one log event with the traceback, one line here
         failed = _leaves(group)
     for exc in refused:
         print(f"geotrain node run: {exc}", file=sys.stderr)
+    for exc in diverged:
+        log.error("node_diverged", error=str(exc))
+        print(f"geotrain node run: stopped: {exc}", file=sys.stderr)
     for exc in failed:
         log.error("node_failed", error=f"{type(exc).__name__}: {exc}", exc_info=exc)
         print(f"geotrain node run: failed: {type(exc).__name__}: {exc} (the log above has the "
               "traceback)", file=sys.stderr)  # fmt: skip
-    return 1 if failed else 2 if refused else 0
+    return 1 if failed or diverged else 2 if refused else 0
 
 
 def _leaves(group: BaseExceptionGroup) -> list[BaseException]:

@@ -171,7 +171,9 @@ def _numbers(d: dict[str, Any], trend: Trend, bars: str) -> Table:
     busy = d.get("utilization")
     in_steps = f", {busy:.0%} of the time in steps" if isinstance(busy, int | float) else ""
     table.add_row("step", f"{d['step']}  ({_fmt(d.get('steps_per_s'), '.2f')} steps/s{in_steps})")
-    table.add_row("loss", _with_trend(_number(d.get("loss")), trend.loss, bars))
+    bad = d.get("nonfinite_losses") or 0
+    loss = f"NaN/inf ({bad} steps in a row)" if bad else _number(d.get("loss"))
+    table.add_row("loss", _with_trend(loss, trend.loss, bars))
     metric = f"{_number(d.get('metric'))} (step {_fmt(d.get('metric_step'))})"
     table.add_row(str(d["metric_name"]), _with_trend(metric, trend.metric, bars))
     table.add_row("traffic", f"in {_bytes(d.get('bytes_in'))}  out {_bytes(d.get('bytes_out'))}")

@@ -72,6 +72,8 @@ class NodeStatus:
     # reachable): the node warned `not_dialled`
     not_dialled: bool = False
     steps_over_step_time: int = 0  # compute emulation: steps whose compute overran the pinned time
+    # steps in a row whose loss was NaN or inf (the loss field is null then: JSON has no NaN)
+    nonfinite_losses: int = 0
 
     def to_json(self) -> dict[str, Any]:
         data = asdict(self)
@@ -166,13 +168,18 @@ def _not_dialled_line(data: dict[str, Any]) -> list[str]:
             "set network.reachable = false (client mode)"]
 
 
+def _loss_cell(data: dict[str, Any]) -> str:
+    bad = data.get("nonfinite_losses") or 0
+    return f"NaN/inf ({bad} steps in a row)" if bad else _fmt(data["loss"], ".4f")
+
+
 def render_status(data: dict[str, Any]) -> str:
     """A human-readable status: the node's numbers, then one row per known peer."""
     lines = [
         f"node      {data['peer_id']}  {data['address']}  pid {data['pid']}"
         + ("" if data.get("running", True) else "  (stopped)"),
         f"training  {data['task']} / {data['algorithm']}  step {data['step']}"
-        f"  {data['steps_per_s']:.2f} steps/s  loss {_fmt(data['loss'], '.4f')}"
+        f"  {data['steps_per_s']:.2f} steps/s  loss {_loss_cell(data)}"
         f"  {data['metric_name']} {_fmt(data['metric'], '.4f')}"
         f" (step {_fmt(data['metric_step'])})",
         f"traffic   in {data['bytes_in'] / 1e6:.2f} MB  out {data['bytes_out'] / 1e6:.2f} MB"

@@ -4,6 +4,7 @@ from ._builtin import BUILTIN_TASKS as BUILTIN_TASKS
 from ._device import resolve_device as resolve_device
 from ._gpt import GPT as GPT
 from ._gpt import SIZES as GPT_SIZES  # noqa: F401 (re-exported: the gpt task's named sizes)
+from ._loop import Diverged as Diverged
 from ._loop import LoopClosed as LoopClosed
 from ._loop import LoopTrainer as LoopTrainer
 from ._privacy import PrivacyError as PrivacyError

@@ -43,6 +43,13 @@ class LoopClosed(RuntimeError):
     """The swarm was closed: its loop takes no more steps, and queued changes were dropped."""
 
 
+class Diverged(RuntimeError):
+    """The model diverged: training.max_nonfinite_steps steps in a row reported a NaN or
+    infinite loss. Raised by the step that made it so (a loop of the user's own: its
+    optimizer's `step()`); the daemon stops with it. Checkpoints of a non-finite model are
+    refused, so a restart resumes from the newest good one."""
+
+
 class _Pending:
     """A change of the model waiting for the next step, and its outcome."""
 
@@ -93,9 +100,15 @@ class LoopTrainer(OptimizerSync):
         self._scheduler_state: dict | None = None  # likewise
         self._last_end: float | None = None  # perf_counter at the end of the last step
         self._bad_losses = 0  # steps in a row whose reported loss was NaN or infinite
+        self.max_bad_losses = 100  # that many in a row: Diverged (0: never; the node sets it)
         self._evaluate_failures = 0  # evaluations that raised or gave no number
 
     # -- what the node reads ----------------------------------------------------------------
+    @property
+    def nonfinite_losses(self) -> int:
+        """Steps in a row, up to the last, whose reported loss was NaN or infinite."""
+        return self._bad_losses
+
     def params(self) -> dict[str, torch.Tensor]:
         return {name: p.data for name, p in self.model.named_parameters()}
 
@@ -404,6 +417,13 @@ class LoopTrainer(OptimizerSync):
                 self._check_loss()
             self._run(self._pending)
             step = self.step
+            if 0 < self.max_bad_losses <= self._bad_losses:
+                raise Diverged(
+                    f"{self._bad_losses} steps in a row reported a non-finite loss (the last "
+                    f"{self.last_loss} at step {step}): the model diverged. Lower the learning "
+                    "rate or clip gradients; a restart resumes from the newest checkpoint "
+                    "(non-finite models are not checkpointed). training.max_nonfinite_steps "
+                    "sets how many are allowed (0: train on)")  # fmt: skip
         self._step_ends.append(time.monotonic())
         ended = time.perf_counter()
         # a step's seconds are the user's whole iteration (data, forward, backward, step), from
@@ -414,7 +434,8 @@ class LoopTrainer(OptimizerSync):
 
     def _check_loss(self) -> None:
         """Say so when the reported loss is NaN or infinite: the model diverged, and peers will
-        refuse its exchanges as non-finite (at the first such step, then every 1000)."""
+        refuse its exchanges as non-finite (at the first such step, then every 1000); counted
+        for `Diverged`."""
         if math.isfinite(self.last_loss):
             self._bad_losses = 0
             return
