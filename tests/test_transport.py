@@ -814,3 +814,30 @@ async def test_a_connection_that_keeps_failing_handshakes_is_closed(authority):
         stats = ts.statistics()
         assert stats.handshakes_failed["noise"] == MAX_FAILED_HANDSHAKES
         assert stats.frames_rejected["handshakes"] == 1
+
+
+async def test_an_oversized_frame_is_counted_and_logged_and_the_node_serves_on(authority):
+    """nng drops a frame over recv_max_size by closing its connection, unread: a stranger's
+    8 MiB and 300 MB frames left no counter and no log line (a stranger's trial)."""
+    from structlog.testing import capture_logs
+
+    server = Node(authority)
+    async with _open(server, CONFIG) as ts:
+        raw = RawClient(ts.address, Identity.generate(), server.admission.prologue)
+        try:
+            with capture_logs() as logs:
+                big = b"\x01" + bytes(CONFIG.recv_max_size + 1024)
+                assert await raw.rpc(big, timeout=1.0) is None  # no answer: dropped unread
+                with trio.fail_after(5):
+                    while not ts.statistics().handshakes_failed.get("closed"):
+                        await trio.sleep(0.02)
+        finally:
+            raw.close()
+        said = [e for e in logs if e["event"] == "handshake_failed"]
+        assert said and said[0]["reason"].startswith("closed:") and "remote" in said[0]
+        client = Node(authority)  # and an honest peer is served as before
+        async with _open(client, CONFIG) as tc:
+            header, _, _ = await tc.request(ts.address, Ping(7), deadline_s=10)
+            assert header == Pong(7)
+        # an honest peer that hangs up after its handshake is not counted
+        assert ts.statistics().handshakes_failed == {"closed": 1}

@@ -121,7 +121,17 @@ class _Inbound:
             pass
 
     def _removed(self, pipe_id: int) -> None:
-        session = self.sessions.pop(pipe_id, None)
+        session = self.sessions.pop(pipe_id, None)  # (one we dropped ourselves is gone already)
+        if session is not None and session.channel is None and not session.failed_handshakes:
+            # nng drops a frame over recv_max_size by closing its connection, unread: this is
+            # all that shows of one (seen: 300 MB sent at a node, no counter, no log line). A
+            # connection whose handshake failed was counted as that already.
+            self.counters.handshakes_failed["closed"] += 1
+            self._warn("handshake_failed", session, direction="inbound",
+                       reason="closed: the connection closed before its handshake finished (the "
+                       f"other end hung up, or sent a frame over {self.config.recv_max_size} "
+                       "bytes, the most one frame may hold, which is dropped unread by closing "
+                       "the connection)")  # fmt: skip
         if session is None or session.peer is None or self.on_disconnect is None:
             return
         peer_id = session.peer.peer_id
