@@ -134,6 +134,7 @@ class Node:
         self._stopped = trio.Event()
         self._running = True
         self._reporter: StatusReporter | None = None
+        self._said_self_bootstrap = False
         self.metrics: MetricsServer | None = None
         self._checkpointer: Checkpointer | None = None
         self._token: trio.lowlevel.TrioToken | None = None
@@ -418,7 +419,7 @@ class Node:
                 announced = self.address if cfg.network.reachable else client_address(
                     self.identity.peer_id)  # fmt: skip
                 self.membership = membership = MembershipService(
-                    self.identity.peer_id, announced, cfg.network.bootstrap,
+                    self.identity.peer_id, announced, self._bootstrap(),
                     cfg.gossip.probe_interval_s, transport, self.links, self.selector, self.rng,
                 )  # fmt: skip
                 try:
@@ -488,6 +489,25 @@ class Node:
         if diverged is not None:
             raise diverged
 
+    def _bootstrap(self) -> list[str]:
+        """network.bootstrap without this node's own address (listen or advertise: a config
+        copied to every machine, the first one's included, names it), which is said once: a
+        node that dialled itself waited 30 s for a state sync nobody could answer."""
+        net = self.config.network
+        own = {a for a in (net.listen, net.advertise, self.address) if a}
+        port = net.listen.rpartition(":")[2]
+        host = net.listen.removeprefix("tcp://").rpartition(":")[0]
+        if host in ("0.0.0.0", "[::]", "*"):  # listening everywhere: loopback reaches it too
+            own |= {f"tcp://127.0.0.1:{port}", f"tcp://localhost:{port}", f"tcp://[::1]:{port}"}
+        mine = [a for a in net.bootstrap if a in own]
+        if mine and not self._said_self_bootstrap:
+            self._said_self_bootstrap = True
+            log.warning("bootstrap_is_self", addresses=mine,
+                        detail="network.bootstrap names this node's own address: skipped" + (
+                            "; with no other bootstrap this node starts a swarm of its own"
+                            if len(mine) == len(net.bootstrap) else ""))  # fmt: skip
+        return [a for a in net.bootstrap if a not in own]
+
     def _peer_disconnected(self, peer_id: str) -> None:
         if self.algorithm is not None:
             self.algorithm.peer_disconnected(peer_id)
@@ -519,7 +539,7 @@ class Node:
         await membership.wait_for_peers(t.wait_for_peers, t.wait_for_peers_s, self._stop)
         # a checkpoint of step 0 (a run stopped before its first step) holds nothing learned:
         # the swarm's state is still fetched, as for a node that never ran
-        if (ckpt is None or ckpt.step == 0) and cfg.gossip.state_sync and cfg.network.bootstrap:
+        if (ckpt is None or ckpt.step == 0) and cfg.gossip.state_sync and self._bootstrap():
             await state_sync.fetch(self._stop)
         cadence = {"eval_every": t.eval_every, "checkpoint_every": cfg.state.checkpoint_every,
                    "stop": self._stop}  # fmt: skip

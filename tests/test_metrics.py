@@ -439,3 +439,25 @@ async def test_a_diverged_node_stops_and_keeps_its_last_good_checkpoints(tmp_pat
         ckpt = read_checkpoint(path)
         assert ckpt.step < refused[0]["step"]
         assert all(torch.isfinite(t).all() for t in ckpt.tensors.values() if t.is_floating_point())
+
+
+async def test_a_bootstrap_naming_the_node_itself_is_said_and_skipped(tmp_path):
+    """One config copied to every machine, the first one's included: the first node dialled
+    itself and waited 30 s for a state sync nobody could answer, with no word why."""
+    from structlog.testing import capture_logs
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    me = f"tcp://127.0.0.1:{port}"
+    cfg = config(tmp_path, "s", f'network.listen="{me}"', f'network.bootstrap=["{me}"]',
+                 "training.max_steps=5")  # fmt: skip
+    with capture_logs() as logs:
+        admission, key = Admission.open_swarm("geotrain"), Identity.generate()
+        async with geotrain.open_node(cfg, identity=key, admission=admission) as node:
+            with trio.fail_after(60):
+                await node.wait_stopped()
+    said = [e for e in logs if e["event"] == "bootstrap_is_self"]
+    assert len(said) == 1 and said[0]["addresses"] == [me]
+    assert "starts a swarm of its own" in said[0]["detail"]
+    assert not [e for e in logs if e["event"].startswith(("state_sync", "bootstrap_unanswered"))]
