@@ -635,7 +635,10 @@ def _section(cls: type, table: Any, section: str, base: Path) -> Any:
     known = {f.name for f in dataclasses.fields(cls)}
     for key in table:
         if key not in known:
-            _fail(f"{section}.{key}", table[key], f"one of the keys {sorted(known)}")
+            shown = sorted(known - {"algorithm_settings"})  # (written as [gossip.<algorithm>])
+            if cls is GossipConfig:
+                shown.append("an algorithm's table ([gossip.dpsgd], ...)")
+            _fail(f"{section}.{key}", table[key], f"one of the keys {shown}")
     values = {k: _coerce(f"{section}.{k}", v, hints[k], base) for k, v in table.items()}
     return cls(**values)
 

@@ -12,6 +12,7 @@ import json
 import math
 import os
 import random
+import signal
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -589,11 +590,42 @@ async def open_node(
     """
     if identity is None or admission is None:
         identity, admission = load_identity(config)
+    if not structlog.is_configured():  # (its defaults print every debug line to stdout)
+        from .cli import configure_logging
+
+        configure_logging("info", "auto")
     node = Node(config, identity, admission)
     await node.prepare()
+    interrupted = False
     async with trio.open_nursery() as nursery:
         await nursery.start(node.run)
+        watching = trio.CancelScope()
+
+        async def on_ctrl_c() -> None:
+            """Ctrl-C asks the node to stop cleanly (trio's own KeyboardInterrupt landed in
+            whichever of the node's tasks ran, which took the node down without a checkpoint
+            or a goodbye, and reached the caller wrapped in an exception group). A second
+            Ctrl-C is trio's again: at once."""
+            nonlocal interrupted
+            with watching:
+                try:
+                    with trio.open_signal_receiver(signal.SIGINT) as signals:
+                        async for _ in signals:
+                            interrupted = True
+                            log.warning("interrupted", signal="SIGINT",
+                                        detail="the node stops cleanly (checkpoint, leave); "
+                                        "the block then raises KeyboardInterrupt; Ctrl-C again "
+                                        "stops at once")  # fmt: skip
+                            node.request_stop()
+                            return
+                except RuntimeError:  # not the main thread: trio catches no signal there
+                    return
+
+        nursery.start_soon(on_ctrl_c)
         try:
             yield node
         finally:
+            watching.cancel()
             node.request_stop()
+    if interrupted:  # (raised here, outside the nursery: a plain KeyboardInterrupt)
+        raise KeyboardInterrupt

@@ -125,3 +125,56 @@ def test_a_forked_child_that_exits_leaves_the_parents_swarm_alone(tmp_path):
     assert run.returncode == 0, run.stderr[-3000:]
     assert run.stdout == "CHILD 0\nCLOSED\n", run.stderr[-3000:]
     assert "swarm_closed_at_exit" not in run.stderr
+
+
+OPEN_NODE = """
+import sys, trio, geotrain
+from pathlib import Path
+from geotrain.node import Admission, Identity, config_from_toml
+config = config_from_toml('''
+[identity]
+open_swarm = true
+[training]
+task = "synthetic-linreg"
+threads = 1
+[state]
+status_every_s = 0.2
+checkpoint_every = 1000000
+''', base=Path('{state}'), overrides=['state.dir="{state}"'])
+
+async def main():
+    async with geotrain.open_node(config, identity=Identity.generate(),
+                                  admission=Admission.open_swarm("geotrain")) as node:
+        await node.wait_stopped()  # the README's program: until stopped
+
+try:
+    trio.run(main)
+except KeyboardInterrupt:
+    print("INTERRUPTED", flush=True)
+    sys.exit(130)
+"""
+
+
+def test_ctrl_c_stops_a_node_run_by_open_node_cleanly_and_raises_keyboardinterrupt(tmp_path):
+    """trio's KeyboardInterrupt landed in whichever of the node's tasks ran: no checkpoint, no
+    node_stopped, and the caller got an exception group it could not catch as
+    KeyboardInterrupt (a stranger's trial of the README's program)."""
+    path, log = tmp_path / "program.py", tmp_path / "stderr.txt"
+    path.write_text(OPEN_NODE.format(state=tmp_path / "state"))
+    with log.open("w") as err:
+        proc = subprocess.Popen([sys.executable, str(path)], stdout=subprocess.PIPE, stderr=err,
+                                text=True, preexec_fn=_default_sigint)  # fmt: skip
+        try:
+            deadline = time.monotonic() + 120
+            while not (tmp_path / "state" / "status.json").exists():  # it trains
+                assert time.monotonic() < deadline and proc.poll() is None, log.read_text()
+                time.sleep(0.1)
+            time.sleep(1.0)
+            proc.send_signal(signal.SIGINT)
+            out, _ = proc.communicate(timeout=90)
+        finally:
+            proc.kill()
+    text = log.read_text()
+    assert proc.returncode == 130 and out == "INTERRUPTED\n", (proc.returncode, text[-3000:])
+    assert "checkpoint_written" in text and "node_stopped" in text, text[-3000:]
+    assert list((tmp_path / "state" / "checkpoints").glob("ckpt-*"))
