@@ -128,7 +128,11 @@ def _peer_indices(text: str) -> tuple[int, ...]:
 def _scenario_from_args(args: argparse.Namespace) -> TestbedScenario:
     sc = load_scenario(args.scenario)
     if args.peers is not None:
-        sc = sc.with_peers(args.peers)
+        spread = sc.with_peers(args.peers)
+        for line in sc.peer_moves(spread):  # (it did this silently)
+            print(f"warning: --peers {args.peers} spreads the peers over the regions afresh: "
+                  f"{line}", file=sys.stderr)  # fmt: skip
+        sc = spread
     if getattr(args, "nat", None) is not None:
         sc = replace(sc, nat=args.nat)
     changes = {"task": args.task, "algorithm": args.algorithm, "duration_s": args.duration,

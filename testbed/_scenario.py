@@ -78,8 +78,17 @@ class Fault:
             raise _fail("faults.at_s", self.at_s, "a finite number of seconds >= 0")
         if self.action not in FAULT_ACTIONS:
             raise _fail("faults.action", self.action, f"one of {FAULT_ACTIONS}")
-        if self.action in ("kill", "restart") and not isinstance(self.peer, int):
+        if self.action in ("kill", "restart") and (
+            not isinstance(self.peer, int) or isinstance(self.peer, bool)
+        ):
             raise _fail("faults.peer", self.peer, f"a peer index for action {self.action!r}")
+        if self.action not in ("kill", "restart") and self.peer is not None:
+            raise _fail("faults.peer", self.peer, f"nothing: {self.action!r} acts on regions "
+                        "(regions = [a, b]), not on a peer")  # fmt: skip
+        if self.regions is not None and (
+            len(self.regions) != 2 or not all(isinstance(r, str) for r in self.regions)
+        ):
+            raise _fail("faults.regions", list(self.regions), "two region names")
         if self.action in ("partition", "degrade") and (
             self.regions is None or len(self.regions) != 2
         ):
@@ -368,6 +377,27 @@ class TestbedScenario:
             access={p: a for p, a in self.access.items() if p < n},
         )
 
+    def peer_moves(self, other: TestbedScenario) -> list[str]:
+        """What `other` (this scenario with_peers) did to the settings made per peer index:
+        the peers are spread over the regions afresh, so an index can land in another region or
+        be gone; one line for each setting that moved or was dropped (none: the same)."""
+        before, after = self.peer_regions, other.peer_regions
+        per_peer = [(f"straggler {p} (x{s:g})", p) for p, s in self.slowdowns.items()]
+        per_peer += [(f"fault '{f.describe()}'", f.peer) for f in self.faults
+                     if f.peer is not None]  # fmt: skip
+        per_peer += [(f"nat peer {p}", p) for p in self.nat]
+        per_peer += [(f"attacker {p} ({k})", p) for p, k in self.attackers.items()]
+        per_peer += [(f"availability window of peer {w.peer}", w.peer) for w in self.availability]
+        per_peer += [(f"access link of peer {p}", p) for p in self.access]
+        lines = []
+        for what, peer in per_peer:
+            if peer >= len(after):
+                lines.append(f"{what}: dropped (peer {peer} was in {before[peer]}; "
+                             f"{len(after)} peers now)")  # fmt: skip
+            elif after[peer] != before[peer]:
+                lines.append(f"{what}: now a peer in {after[peer]} (was {before[peer]})")
+        return lines
+
     @staticmethod
     def _fault_fits(fault: Fault, n: int, regions: set[str]) -> bool:
         return (fault.peer is None or fault.peer < n) and set(fault.regions or ()) <= regions
@@ -456,6 +486,10 @@ def scenario_from_dict(data: Mapping[str, Any], name: str = "custom") -> Testbed
         odd = sorted(set(links) - {"inside", "between"}) if isinstance(links, Mapping) else links
         raise _fail("links", odd, "only the tables links.inside and [[links.between]]")
     names = [r.name for r in regions]
+    if "inside" not in links and any(r.peers > 1 for r in regions):  # (it was taken as
+        # unshaped 0 ms links, silently)
+        raise _fail("links.inside", None, f"a link spec for every region (fields "
+                    f"{sorted(LINK_FIELDS)}), or one per region name ({names})")  # fmt: skip
     inside_data = links.get("inside", {})
     if isinstance(inside_data, Mapping) and set(inside_data) <= set(LINK_FIELDS):
         inside = {r.name: _link(inside_data, "links.inside") for r in regions}  # one for all
@@ -467,6 +501,9 @@ def scenario_from_dict(data: Mapping[str, Any], name: str = "custom") -> Testbed
         raise _fail("links.inside", odd, f"a link spec (fields {sorted(LINK_FIELDS)}) for every "
                     f"region, or one per region name ({names})")  # fmt: skip
     between = {}
+    if not isinstance(links.get("between", []), list):  # ([links.between] for [[links.between]])
+        raise _fail("links.between", links["between"], "a list of tables: write each link as "
+                    "[[links.between]] (two brackets) with regions = [a, b] and its spec")
     for i, item in enumerate(links.get("between", [])):
         pair = item.get("regions") if isinstance(item, Mapping) else None
         if not isinstance(pair, list) or len(pair) != 2:
@@ -487,6 +524,8 @@ def scenario_from_dict(data: Mapping[str, Any], name: str = "custom") -> Testbed
             raise _fail(f"stragglers[{i}].peer", peer, "each peer once")
         slowdowns[peer] = slowdown
     faults = tuple(_fault_from(f, i) for i, f in enumerate(data.get("faults", [])))
+    if not isinstance(data.get("params", {}), Mapping):
+        raise _fail("params", data["params"], "a table of the task's settings ([params])")
     try:
         return TestbedScenario(
             name=data.get("name", name),
@@ -596,6 +635,8 @@ def _fault_from(item: Any, i: int) -> Fault:
     if rest:
         raise _fail(f"faults[{i}]", sorted(rest), "only at_s, action, peer, regions, link fields")
     regions = item.get("regions")
+    if regions is not None and not isinstance(regions, list):
+        raise _fail(f"faults[{i}].regions", regions, "a list of two region names")
     return Fault(
         at_s=item.get("at_s", -1),
         action=item.get("action", ""),
@@ -719,6 +760,6 @@ def load_scenario(name_or_path: str) -> TestbedScenario:
         data = json.loads(text) if path.suffix == ".json" else tomllib.loads(text)
     except OSError as exc:
         raise ScenarioError(f"scenario file {str(path)!r}: {exc.strerror}") from exc
-    except (tomllib.TOMLDecodeError, json.JSONDecodeError) as exc:
+    except (tomllib.TOMLDecodeError, json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise ScenarioError(f"scenario file {str(path)!r}: {exc}") from exc
     return scenario_from_dict(data, name=path.stem)

@@ -309,6 +309,19 @@ def test_partition_flags_reach_every_system_and_the_run_files(tmp_path: Path, mo
     (lambda d: d.update(target=float("nan")), "target"),
     (lambda d: d.update(duration_s=float("inf")), "duration_s"),
     (lambda d: d.update(description=5), "description"),
+    # 2026-12-05, another stranger: params = "big" (a dict() error naming nothing), a
+    # partition fault given a peer ('<=' not supported), [links.between] written with one
+    # bracket ("regions = None"), a kill of peer = true (accepted: "kill peer True"), a
+    # scenario with no links.inside (unshaped 0 ms links, silently)
+    (lambda d: d.update(params="big"), "params"),
+    (lambda d: d.update(faults=[{"at_s": 1, "action": "partition", "peer": "1",
+                                 "regions": ["a", "b"]}]), "faults.peer"),
+    (lambda d: d["links"].update(between={"regions": ["a", "b"], "delay_ms": 5}),
+     "links.between"),
+    (lambda d: d.update(faults=[{"at_s": 1, "action": "kill", "peer": True}]), "faults.peer"),
+    (lambda d: d.update(faults=[{"at_s": 1, "action": "heal", "regions": "ab"}]),
+     "faults[0].regions"),
+    (lambda d: d["links"].pop("inside"), "links.inside"),
 ])  # fmt: skip
 def test_scenario_mistakes_a_stranger_made_are_refused_naming_the_field(change, field):
     # each of these was accepted silently (an unshaped 0 ms inside link, a link to nowhere) or
@@ -361,3 +374,25 @@ def test_a_baseline_stops_within_half_a_step_of_its_duration(monkeypatch, step_s
     args.target = 0.9
     steps = [s for s in range(1, 40) if rule.check(s, 0.95, lambda m, t: m >= t)]
     assert steps[0] == 1
+
+
+def test_a_scenario_file_that_is_not_text_is_refused_naming_it(tmp_path):
+    path = tmp_path / "mine.toml"
+    path.write_bytes(b"name = 'x'\n# \xd0\x28 not utf-8\n")
+    with pytest.raises(ScenarioError, match=re.escape(f"scenario file {str(path)!r}")):
+        load_scenario(str(path))
+
+
+def test_peers_flag_says_which_per_peer_settings_it_moved_or_dropped():
+    """--peers re-spreads the peers round robin: a stranger's straggler vanished and a kill
+    moved from a home peer to a far one, without a word."""
+    data = tomllib.loads(GOOD_TOML)  # straggler: peer 2; kill: peer 1
+    data["regions"][0]["peers"], data["regions"][1]["peers"] = 1, 2  # a: 0; b: 1, 2
+    sc = scenario_from_dict(data)
+    moved = sc.peer_moves(sc.with_peers(3))  # a: 0, 1; b: 2
+    assert moved == ["fault 't=5s kill peer 1': now a peer in a (was b)"]
+    dropped = sc.peer_moves(sc.with_peers(2))  # a: 0; b: 1
+    assert dropped == ["straggler 2 (x4): dropped (peer 2 was in b; 2 peers now)"]
+    assert sc.peer_moves(sc.with_peers(5)) == [  # a: 0, 1, 2; b: 3, 4
+        "straggler 2 (x4): now a peer in a (was b)",
+        "fault 't=5s kill peer 1': now a peer in a (was b)"]  # fmt: skip
