@@ -219,6 +219,12 @@ def cmd_run(args: argparse.Namespace, command: tuple[str, ...] = ()) -> int:
             command=command, cwd=os.getcwd(),
         )  # fmt: skip
         check_node_config(options)
+        # refused here, before the header (they came after it, with status 1)
+        if out.exists() and (not out.is_dir() or any(out.iterdir())):
+            raise TestbedError(f"--out {str(out)!r}: exists and is not an empty folder")
+        if args.emulation == "netem" and sc.matrix().access:
+            raise TestbedError("--emulation netem cannot emulate the scenario's access links (a "
+                               "peer's own uplink and downlink): use userspace or auto")
     except (ScenarioError, TestbedError, ValueError) as exc:
         print(f"geotrain testbed run: {exc}", file=sys.stderr)
         return 2

@@ -158,7 +158,8 @@ def run_testbed(options: RunOptions, echo: Echo = print) -> dict[str, Any]:
     try:
         _run_systems(options, run, choice, echo)
     except BaseException as exc:  # Ctrl-C, SIGTERM, a failed peer: keep what finished
-        run["interrupted"] = f"{type(exc).__name__}: {exc}"[:300] or type(exc).__name__
+        run["interrupted"] = (f"{type(exc).__name__}: {exc}"[:300] if str(exc)
+                              else type(exc).__name__)  # (Ctrl-C's has no message)
         (out / "run.json").write_text(json.dumps(run, indent=2) + "\n")
         done = ", ".join(run["systems"]) or "none"
         echo(f"run stopped early ({run['interrupted']}); run.json records the systems that "

@@ -79,8 +79,9 @@ def _read_run(path: Path) -> dict[str, Any]:
     file = path / "run.json"
     if not file.exists():
         raise RunDirError([
-            f"{file} not found: not a finished testbed run (a run writes it when it ends; "
-            "an interrupted or crashed run has none)"
+            f"{file} not found: not a testbed run's folder, or one whose run crashed before "
+            "writing it (a finished run writes it when it ends, an interrupted one when it "
+            "stops, marked interrupted)"
         ])  # fmt: skip
     run = _read_object(file)
     if run is None:
@@ -98,6 +99,10 @@ def _read_object(file: Path) -> dict[str, Any] | None:
 
 def _field_problems(run: dict[str, Any]) -> list[str]:
     absent = [f for f in REQUIRED_FIELDS if f not in run]
+    if absent and run.get("interrupted"):  # (a run stopped early writes what it had)
+        done = ", ".join(run.get("systems") or {}) or "none"
+        return [f"run.json: the run was interrupted ({run['interrupted']}) before it could be "
+                f"reported (systems finished: {done}); it lacks {', '.join(absent)}"]
     if absent:
         return [f"run.json lacks {', '.join(absent)} (written by an older geotrain?)"]
     peers, systems = run["peers"], run["systems"]
@@ -143,7 +148,8 @@ def _missing_parts(path: Path, run: dict[str, Any], scenario: dict | None) -> li
     if not run.get("command"):
         missing.append("the command line (run.json from before it was recorded, or a run "
                        "started from Python)")  # fmt: skip
-    if any(isinstance(f, dict) and "t" not in f for f in run["faults"]):
+    if any(isinstance(f, dict) and "t" not in f and f.get("applied_at_s") is not None
+           for f in run["faults"]):  # (a fault never reached has no time, in any run)
         missing.append("the faults' wall-clock times (older run): fault markers sit at "
                        "applied_at_s, counted from when the testbed saw a first step")  # fmt: skip
     return missing

@@ -72,5 +72,6 @@ def test_the_scenario_file_example_is_a_valid_scenario():
     text = re.search(r"```toml\n(.*?)```", section, re.S).group(1)
     scenario = scenario_from_dict(tomllib.loads(re.sub(r"(?m)^  ", "", text)))
     assert scenario.peer_regions == ("us", "us", "us", "eu", "eu")
-    assert scenario.slowdown(4) == 3.0 and [f.action for f in scenario.faults] == ["kill",
-                                                                                   "restart"]
+    assert scenario.slowdown(4) == 3.0 and [f.action for f in scenario.faults] == [
+        "kill", "restart", "degrade", "partition", "heal"]  # fmt: skip
+    assert scenario.faults[2].link.rate_mbit == 5 and scenario.faults[2].regions == ("us", "eu")

@@ -55,6 +55,16 @@ def test_bad_input_exits_2_naming_it_before_anything_starts(argv, needle, capsys
     assert not out.exists()
 
 
+def test_an_out_folder_in_use_is_refused_before_the_header(tmp_path, capsys):
+    """It came after the scenario's header and fault lines, with exit status 1."""
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "summary.json").write_text("{}")
+    assert main(["testbed", "run", "--out", str(out)]) == 2
+    said = capsys.readouterr()
+    assert "exists and is not an empty folder" in said.err and said.out == ""
+
+
 def test_report_of_a_directory_without_a_run_exits_2(tmp_path, capsys):
     assert main(["testbed", "report", str(tmp_path)]) == 2
     assert "run.json" in capsys.readouterr().err

@@ -285,8 +285,21 @@ def test_a_directory_without_run_json_is_refused(tmp_path: Path, capsys):
     (tmp_path / "geotrain").mkdir()  # a run that crashed before its end
     code, _, err = _report(capsys, str(tmp_path), "--html")
     assert code == 2
-    assert "run.json not found: not a finished testbed run" in err
+    assert "run.json not found: not a testbed run's folder, or one whose run crashed" in err
     assert not (tmp_path / "report.html").exists()
+
+
+def test_an_interrupted_run_is_refused_as_interrupted_not_as_older(tmp_path: Path, capsys):
+    """A run stopped before any system finished writes what it had, marked interrupted: the
+    report blamed "an older geotrain"."""
+    (tmp_path / "run.json").write_text(json.dumps({
+        "scenario": "x", "emulation": "userspace", "emulation_reason": "-", "peers": 4,
+        "task": "digits-mlp", "algorithm": "adpsgd", "target_value": 0.9, "metric": "accuracy",
+        "rate_scale": 1.0, "systems": {}, "faults": [], "links": [],
+        "interrupted": "KeyboardInterrupt"}))  # fmt: skip
+    code, _, err = _report(capsys, str(tmp_path))
+    assert code == 2 and "the run was interrupted (KeyboardInterrupt)" in err, err
+    assert "systems finished: none" in err and "older" not in err
 
 
 def test_a_torn_run_json_is_refused(tmp_path: Path, capsys):
