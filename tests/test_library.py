@@ -607,3 +607,26 @@ def test_wrap_refuses_a_scheduler_that_is_not_one_or_not_its_optimizers_and_a_se
     with pytest.raises(ValueError, match="an optimizer is wrapped already"):
         loop.attach(other)
     assert loop.optimizer is opt and loop.scheduler is schedule
+
+
+def test_status_of_a_loop_with_no_evaluate_shows_its_loss_once(tmp_path):
+    """With no evaluate the metric is the loss: `geotrain status` printed "loss x  loss x"."""
+    import json
+
+    from geotrain.node.state import render_status
+
+    model = make_model()
+    with geotrain.join(config(tmp_path, "a", "training.eval_every=2",
+                              "training.wait_for_peers=0"), model,
+                       identity=Identity.generate(),
+                       admission=Admission.open_swarm("geotrain")) as swarm:  # fmt: skip
+        opt = swarm.wrap(torch.optim.SGD(model.parameters(), lr=0.01))
+        for _ in range(4):
+            loss = model(torch.randn(4, 8)).pow(2).mean()
+            loss.backward()
+            opt.step(loss=loss)
+            opt.zero_grad()
+    line = next(x for x in render_status(json.loads((tmp_path / "a" / "status.json")
+                                                    .read_text())).splitlines()
+                if x.startswith("training"))  # fmt: skip
+    assert line.count("loss") == 1 and "own loop" in line, line

@@ -173,15 +173,20 @@ def _loss_cell(data: dict[str, Any]) -> str:
     return f"NaN/inf ({bad} steps in a row)" if bad else _fmt(data["loss"], ".4f")
 
 
+def _metric_cell(data: dict[str, Any]) -> str:
+    if data["metric_name"] == "loss" and data["task"] == "own loop":
+        return ""  # a loop joined with no evaluate: its metric is the loss, shown once
+    at = _fmt(data["metric_step"])
+    return f"  {data['metric_name']} {_fmt(data['metric'], '.4f')} (step {at})"
+
+
 def render_status(data: dict[str, Any]) -> str:
     """A human-readable status: the node's numbers, then one row per known peer."""
     lines = [
         f"node      {data['peer_id']}  {data['address']}  pid {data['pid']}"
         + ("" if data.get("running", True) else "  (stopped)"),
         f"training  {data['task']} / {data['algorithm']}  step {data['step']}"
-        f"  {data['steps_per_s']:.2f} steps/s  loss {_loss_cell(data)}"
-        f"  {data['metric_name']} {_fmt(data['metric'], '.4f')}"
-        f" (step {_fmt(data['metric_step'])})",
+        f"  {data['steps_per_s']:.2f} steps/s  loss {_loss_cell(data)}" + _metric_cell(data),
         f"traffic   in {data['bytes_in'] / 1e6:.2f} MB  out {data['bytes_out'] / 1e6:.2f} MB"
         f"  exchanges ok {data['exchanges_ok']} failed {data['exchanges_failed']}"
         f"  rejected updates {data['rejected_updates']}  up {data['elapsed_s']:.0f}s",
