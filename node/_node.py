@@ -590,10 +590,6 @@ async def open_node(
     """
     if identity is None or admission is None:
         identity, admission = load_identity(config)
-    if not structlog.is_configured():  # (its defaults print every debug line to stdout)
-        from .cli import configure_logging
-
-        configure_logging("info", "auto")
     node = Node(config, identity, admission)
     await node.prepare()
     interrupted = False

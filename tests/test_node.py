@@ -151,8 +151,10 @@ def test_late_joiner_syncs_state_and_catches_up(swarm):
 
 def test_poisoned_peer_does_not_change_the_others_accuracy(swarm):
     # n3 trains a task whose loss is NaN: its parameters turn NaN after one step, and it keeps
-    # offering them to everyone.
-    broken = {"training": {"task": "tests_tasks:nan_digits"}, "gossip": {"codec": "none"}}
+    # offering them to everyone (it does not stop itself: max_nonfinite_steps = 0, as a
+    # malicious peer would not).
+    broken = {"training": {"task": "tests_tasks:nan_digits", "max_nonfinite_steps": 0},
+              "gossip": {"codec": "none"}}  # fmt: skip
     nodes = start_swarm(swarm, 4, max_steps=0, special={3: broken})
     good, bad = nodes[:3], nodes[3]
     swarm.wait_until(lambda: reached(good, 0.90), 240, "the three good peers at 90%")
