@@ -118,8 +118,13 @@ class Checkpointer:
             tensors.update({f"algo/{k}": v for k, v in algo_tensors.items()})
             meta.update(links=links, task=self._task, layout=LAYOUT)
             step = meta["step"]
-            # a diverged model (NaN or inf anywhere) would rotate the last good files out
-            bad = [name for name, t in tensors.items() if not all_finite(t)]
+            # a diverged model (NaN or inf in its parameters or any optimizer or algorithm
+            # state) would rotate the last good files out. Buffers are not checked: an
+            # attention mask holds -inf by design (charlm's `causal`), and a healthy model
+            # with one was refused every checkpoint
+            params = {f"model/{name}" for name, _ in self._trainer.model.named_parameters()}
+            bad = [name for name, t in tensors.items()
+                   if (name in params or not name.startswith("model/")) and not all_finite(t)]
             if not bad:
                 self._store.save(Checkpoint(step, self._name, tensors, meta))
             return step, time.perf_counter() - started, bad

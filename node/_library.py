@@ -29,7 +29,7 @@ from ._node import Node
 from .cli import configure_logging
 from .identity import Admission, Identity
 from .state import NodeStatus
-from .training import LoopClosed, LoopTrainer, StepResult
+from .training import Diverged, LoopClosed, LoopTrainer, StepResult
 
 
 class Swarm:
@@ -183,7 +183,13 @@ class SwarmOptimizer(torch.optim.Optimizer):
         """
         self._swarm.check_alive()
         value = None if loss is None else _loss_value(loss)
-        result, stepped = self._swarm._loop.stepped(lambda: self.optimizer.step(closure), value)
+        try:
+            result, stepped = self._swarm._loop.stepped(lambda: self.optimizer.step(closure),
+                                                        value)  # fmt: skip
+        except Diverged as exc:  # the step was taken: the node hears of it, then the user
+            if exc.result is not None:
+                self._swarm._notify(exc.result)
+            raise
         self._swarm._notify(stepped)
         return result
 

@@ -592,17 +592,30 @@ async def open_node(
         identity, admission = load_identity(config)
     node = Node(config, identity, admission)
     await node.prepare()
-    interrupted = False
+    interrupted, diverged = False, []
     async with trio.open_nursery() as nursery:
-        await nursery.start(node.run)
+
+        async def run(task_status=trio.TASK_STATUS_IGNORED) -> None:
+            try:
+                await node.run(task_status=task_status)
+            except* Diverged as group:  # raised after the block, not in an exception group
+                diverged.extend(_leaf_errors(group))
+                nursery.cancel_scope.cancel()  # the block ends with the node
+
+        await nursery.start(run)
         watching = trio.CancelScope()
 
         async def on_ctrl_c() -> None:
             """Ctrl-C asks the node to stop cleanly (trio's own KeyboardInterrupt landed in
             whichever of the node's tasks ran, which took the node down without a checkpoint
-            or a goodbye, and reached the caller wrapped in an exception group). A second
-            Ctrl-C is trio's again: at once."""
+            or a goodbye, and reached the caller wrapped in an exception group); once it has,
+            the block is cancelled and KeyboardInterrupt raised. A second Ctrl-C is trio's
+            again: at once. Left alone where SIGINT is not trio's (a program's own handler or
+            signal receiver) or off the main thread."""
             nonlocal interrupted
+            handler = signal.getsignal(signal.SIGINT)
+            if not getattr(handler, "__qualname__", "").startswith("KIManager."):
+                return
             with watching:
                 try:
                     with trio.open_signal_receiver(signal.SIGINT) as signals:
@@ -613,9 +626,12 @@ async def open_node(
                                         "the block then raises KeyboardInterrupt; Ctrl-C again "
                                         "stops at once")  # fmt: skip
                             node.request_stop()
-                            return
+                            break
                 except RuntimeError:  # not the main thread: trio catches no signal there
                     return
+            if interrupted:
+                await node.wait_stopped()
+                nursery.cancel_scope.cancel()  # the block too: a loop of its own ends
 
         nursery.start_soon(on_ctrl_c)
         try:
@@ -623,5 +639,14 @@ async def open_node(
         finally:
             watching.cancel()
             node.request_stop()
+    if diverged:
+        raise diverged[0]
     if interrupted:  # (raised here, outside the nursery: a plain KeyboardInterrupt)
         raise KeyboardInterrupt
+
+
+def _leaf_errors(group: BaseExceptionGroup) -> list[BaseException]:
+    out: list[BaseException] = []
+    for exc in group.exceptions:
+        out += _leaf_errors(exc) if isinstance(exc, BaseExceptionGroup) else [exc]
+    return out

@@ -127,6 +127,7 @@ def swarm_quality(peers, higher_is_better: bool,
             latest.pop(i, None)
             if value is None:
                 gone.add(i)
+                back_at.pop(i, None)  # (an earlier restart it never reported from)
             else:
                 back_at[i] = value
         elif i in gone or (i in back_at and t <= back_at[i]):
@@ -146,14 +147,19 @@ def peer_outages(run: dict[str, Any], system: str) -> list[list[tuple[float, flo
     read from the fault's description ("t=15s kill peer 2")."""
     done: list[tuple[float, str, int]] = []
     for f in run.get("faults") or []:
-        if f.get("system") != system or not f.get("applied") or "t" not in f:
+        if f.get("system") != system:
             continue
         action, peer = f.get("action"), f.get("peer")
         if action is None:
             m = re.search(r"\b(kill|restart) peer (\d+)\b", f.get("fault", ""))
             action, peer = (m.group(1), int(m.group(2))) if m else (None, None)
-        if action in ("kill", "restart") and isinstance(peer, int):
+        if action not in ("kill", "restart") or not isinstance(peer, int):
+            continue
+        if f.get("applied") and "t" in f:
             done.append((f["t"], action, peer))
+        elif action == "restart" and f.get("applied_at_s") is None:
+            # due after the run ended: the run waited for it, so the swarm was at no level
+            done.append((math.inf, action, peer))
     downs: list[list[tuple[float, float | None]]] = [[] for _ in range(run["peers"])]
     for t, action, peer in sorted(done):
         if action == "kill" and 0 <= peer < len(downs):

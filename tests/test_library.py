@@ -519,9 +519,11 @@ def test_a_loop_that_stays_diverged_gets_Diverged_from_its_step():
     for loss in [float("nan"), float("nan"), 1.0, float("inf"), float("nan")]:
         loop.stepped(lambda: None, loss)  # never three in a row
     assert loop.nonfinite_losses == 2
-    with pytest.raises(geotrain.Diverged, match="3 steps in a row .* training.max_nonfinite"):
+    with pytest.raises(geotrain.Diverged, match="3 steps in a row .* training.max_nonfinite"
+                       ) as raised:  # fmt: skip
         loop.stepped(lambda: None, float("nan"))
     assert loop.step == 6  # the step itself was taken (its optimizer ran) before it raised
+    assert raised.value.result.step == 6  # and counted: the node is told of it
     with pytest.raises(geotrain.Diverged):
         loop.stepped(lambda: None, float("nan"))
     loop.stepped(lambda: None, 0.5)
@@ -630,3 +632,20 @@ def test_status_of_a_loop_with_no_evaluate_shows_its_loss_once(tmp_path):
                                                     .read_text())).splitlines()
                 if x.startswith("training"))  # fmt: skip
     assert line.count("loss") == 1 and "own loop" in line, line
+
+
+def test_a_model_with_an_infinite_buffer_is_checkpointed(tmp_path):
+    """An attention mask holds -inf by design (the charlm task's `causal` buffer): the check
+    that keeps a diverged model out of checkpoints refused every checkpoint of such a model."""
+    model = make_model()
+    model.register_buffer("mask", torch.full((4, 4), float("-inf")).triu(1))
+    with geotrain.join(config(tmp_path, "a", "training.wait_for_peers=0"), model,
+                       identity=Identity.generate(),
+                       admission=Admission.open_swarm("geotrain")) as swarm:  # fmt: skip
+        opt = swarm.wrap(torch.optim.SGD(model.parameters(), lr=0.01))
+        for _ in range(3):
+            loss = model(torch.randn(4, 8)).pow(2).mean()
+            loss.backward()
+            opt.step(loss=loss)
+            opt.zero_grad()
+    assert list((tmp_path / "a" / "checkpoints").glob("ckpt-*"))  # the final one, at close

@@ -145,7 +145,7 @@ checkpoint_every = 1000000
 async def main():
     async with geotrain.open_node(config, identity=Identity.generate(),
                                   admission=Admission.open_swarm("geotrain")) as node:
-        await node.wait_stopped()  # the README's program: until stopped
+        {wait}
 
 try:
     trio.run(main)
@@ -155,12 +155,18 @@ except KeyboardInterrupt:
 """
 
 
-def test_ctrl_c_stops_a_node_run_by_open_node_cleanly_and_raises_keyboardinterrupt(tmp_path):
+@pytest.mark.parametrize("wait", [
+    "await node.wait_stopped()",  # the README's program: until stopped
+    "await trio.sleep_forever()",  # a block of its own that does not wait on the node
+])  # fmt: skip
+def test_ctrl_c_stops_a_node_run_by_open_node_cleanly_and_raises_keyboardinterrupt(
+    tmp_path, wait
+):
     """trio's KeyboardInterrupt landed in whichever of the node's tasks ran: no checkpoint, no
     node_stopped, and the caller got an exception group it could not catch as
     KeyboardInterrupt (a stranger's trial of the README's program)."""
     path, log = tmp_path / "program.py", tmp_path / "stderr.txt"
-    path.write_text(OPEN_NODE.format(state=tmp_path / "state"))
+    path.write_text(OPEN_NODE.format(state=tmp_path / "state", wait=wait))
     with log.open("w") as err:
         proc = subprocess.Popen([sys.executable, str(path)], stdout=subprocess.PIPE, stderr=err,
                                 text=True, preexec_fn=_default_sigint)  # fmt: skip

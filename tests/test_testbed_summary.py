@@ -241,3 +241,28 @@ def test_a_killed_peer_counts_as_the_run_counts_it(tmp_path: Path):
     assert _kill_peer_1(tmp_path, restart_at=6.0, old_style=True)["time_to_target_s"] == 7.0
     # never restarted: from the kill on, the swarm is peer 0, at 0.95
     assert _kill_peer_1(tmp_path, restart_at=None)["time_to_target_s"] == 2.5
+
+
+def test_a_restart_due_after_the_run_and_a_second_kill_hold_the_level_as_the_run_did(
+    tmp_path: Path,
+):
+    """A reviewer's cases: a restart scheduled past the run's end (the run waited for it, so the
+    swarm never was at the target), and a peer killed, restarted and killed for good before
+    it reported (the level froze for ever)."""
+    _kill_peer_1(tmp_path, restart_at=None)
+    run = json.loads((tmp_path / "run.json").read_text())
+    run["faults"].append({"system": "geotrain", "at_s": 99, "applied_at_s": None,
+                          "applied": False, "fault": "t=99s restart peer 1",
+                          "note": "not reached: the run ended (duration) at 5.0 s",
+                          "action": "restart", "peer": 1})  # fmt: skip
+    (tmp_path / "run.json").write_text(json.dumps(run))
+    assert build_summary(tmp_path)["systems"][0]["time_to_target_s"] is None
+    run["faults"][-1] = {"system": "geotrain", "at_s": 3, "applied_at_s": 3, "applied": True,
+                         "fault": "t=3s restart peer 1", "note": None, "t": T0 + 3,
+                         "action": "restart", "peer": 1}  # fmt: skip
+    run["faults"].append({"system": "geotrain", "at_s": 3.5, "applied_at_s": 3.5,
+                          "applied": True, "fault": "t=3.5s kill peer 1", "note": None,
+                          "t": T0 + 3.5, "action": "kill", "peer": 1})  # fmt: skip
+    (tmp_path / "run.json").write_text(json.dumps(run))
+    # gone for good at +3.5 s: peer 0 alone is the swarm from then (its next line, +4 s)
+    assert build_summary(tmp_path)["systems"][0]["time_to_target_s"] == 3.5

@@ -45,9 +45,13 @@ class LoopClosed(RuntimeError):
 
 class Diverged(RuntimeError):
     """The model diverged: training.max_nonfinite_steps steps in a row reported a NaN or
-    infinite loss. Raised by the step that made it so (a loop of the user's own: its
-    optimizer's `step()`); the daemon stops with it. Checkpoints of a non-finite model are
-    refused, so a restart resumes from the newest good one."""
+    infinite loss. Raised by the step that made it so, once the step is taken and counted (a
+    loop of the user's own: its optimizer's `step()`); the daemon stops with it. Checkpoints of
+    a non-finite model are refused, so a restart resumes from the newest good one."""
+
+    def __init__(self, message: str, result: StepResult | None = None) -> None:
+        super().__init__(message)
+        self.result = result  # the step that raised it, as `stepped` returns it
 
 
 class _Pending:
@@ -417,20 +421,22 @@ class LoopTrainer(OptimizerSync):
                 self._check_loss()
             self._run(self._pending)
             step = self.step
-            if 0 < self.max_bad_losses <= self._bad_losses:
-                raise Diverged(
-                    f"{self._bad_losses} steps in a row reported a non-finite loss (the last "
-                    f"{self.last_loss} at step {step}): the model diverged. Lower the learning "
-                    "rate or clip gradients; a restart resumes from the newest checkpoint "
-                    "(non-finite models are not checkpointed). training.max_nonfinite_steps "
-                    "sets how many are allowed (0: train on)")  # fmt: skip
+            diverged = 0 < self.max_bad_losses <= self._bad_losses
         self._step_ends.append(time.monotonic())
         ended = time.perf_counter()
         # a step's seconds are the user's whole iteration (data, forward, backward, step), from
         # the end of their previous step: what the algorithms pace rounds and deadlines by
         since = started if self._last_end is None else self._last_end
         self._last_end = ended
-        return result, StepResult(step, self.last_loss, ended - since)
+        stepped = StepResult(step, self.last_loss, ended - since)
+        if diverged:  # (after the step's bookkeeping: a loop that catches it goes on counted)
+            raise Diverged(
+                f"{self._bad_losses} steps in a row reported a non-finite loss (the last "
+                f"{self.last_loss} at step {step}): the model diverged. Lower the learning "
+                "rate or clip gradients; a restart resumes from the newest checkpoint "
+                "(non-finite models are not checkpointed). training.max_nonfinite_steps "
+                "sets how many are allowed (0: train on)", stepped)  # fmt: skip
+        return result, stepped
 
     def _check_loss(self) -> None:
         """Say so when the reported loss is NaN or infinite: the model diverged, and peers will

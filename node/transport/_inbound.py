@@ -88,6 +88,7 @@ class _Inbound:
         self.handler, self.counters, self.token = handler, counters, token
         self.on_disconnect = on_disconnect  # an authenticated peer's connection to us closed
         self.sessions: dict[int, _InboundSession] = {}
+        self.closing = False  # the transport is shutting down: closed pipes are ours
         self._quotas = {"frame_rejected": _Quota(), "handshake_failed": _Quota()}
 
     def _warn(self, event: str, session: _InboundSession, **fields: object) -> None:
@@ -122,7 +123,8 @@ class _Inbound:
 
     def _removed(self, pipe_id: int) -> None:
         session = self.sessions.pop(pipe_id, None)  # (one we dropped ourselves is gone already)
-        if session is not None and session.channel is None and not session.failed_handshakes:
+        if (session is not None and session.channel is None and not session.failed_handshakes
+                and not self.closing):  # fmt: skip
             # nng drops a frame over recv_max_size by closing its connection, unread: this is
             # all that shows of one (seen: 300 MB sent at a node, no counter, no log line). A
             # connection whose handshake failed was counted as that already.

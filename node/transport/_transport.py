@@ -379,6 +379,7 @@ async def open_transport(
                 try:
                     yield transport
                 finally:
+                    inbound.closing = True  # our own close drops the pending handshakes
                     nursery.cancel_scope.cancel()
         finally:
             if transport is not None:
