@@ -611,23 +611,26 @@ def test_wrap_refuses_a_scheduler_that_is_not_one_or_not_its_optimizers_and_a_se
     assert loop.optimizer is opt and loop.scheduler is schedule
 
 
+def _train_alone(tmp_path, model, steps: int, *overrides: str) -> None:
+    """`steps` steps of a loop joined alone (no peers), with the loss reported, then close."""
+    with geotrain.join(config(tmp_path, "a", "training.wait_for_peers=0", *overrides), model,
+                       identity=Identity.generate(),
+                       admission=Admission.open_swarm("geotrain")) as swarm:  # fmt: skip
+        opt = swarm.wrap(torch.optim.SGD(model.parameters(), lr=0.01))
+        for _ in range(steps):
+            loss = model(torch.randn(4, 8)).pow(2).mean()
+            loss.backward()
+            opt.step(loss=loss)
+            opt.zero_grad()
+
+
 def test_status_of_a_loop_with_no_evaluate_shows_its_loss_once(tmp_path):
     """With no evaluate the metric is the loss: `geotrain status` printed "loss x  loss x"."""
     import json
 
     from geotrain.node.state import render_status
 
-    model = make_model()
-    with geotrain.join(config(tmp_path, "a", "training.eval_every=2",
-                              "training.wait_for_peers=0"), model,
-                       identity=Identity.generate(),
-                       admission=Admission.open_swarm("geotrain")) as swarm:  # fmt: skip
-        opt = swarm.wrap(torch.optim.SGD(model.parameters(), lr=0.01))
-        for _ in range(4):
-            loss = model(torch.randn(4, 8)).pow(2).mean()
-            loss.backward()
-            opt.step(loss=loss)
-            opt.zero_grad()
+    _train_alone(tmp_path, make_model(), 4, "training.eval_every=2")
     line = next(x for x in render_status(json.loads((tmp_path / "a" / "status.json")
                                                     .read_text())).splitlines()
                 if x.startswith("training"))  # fmt: skip
@@ -639,13 +642,5 @@ def test_a_model_with_an_infinite_buffer_is_checkpointed(tmp_path):
     that keeps a diverged model out of checkpoints refused every checkpoint of such a model."""
     model = make_model()
     model.register_buffer("mask", torch.full((4, 4), float("-inf")).triu(1))
-    with geotrain.join(config(tmp_path, "a", "training.wait_for_peers=0"), model,
-                       identity=Identity.generate(),
-                       admission=Admission.open_swarm("geotrain")) as swarm:  # fmt: skip
-        opt = swarm.wrap(torch.optim.SGD(model.parameters(), lr=0.01))
-        for _ in range(3):
-            loss = model(torch.randn(4, 8)).pow(2).mean()
-            loss.backward()
-            opt.step(loss=loss)
-            opt.zero_grad()
+    _train_alone(tmp_path, model, 3)
     assert list((tmp_path / "a" / "checkpoints").glob("ckpt-*"))  # the final one, at close
