@@ -611,7 +611,7 @@ def test_wrap_refuses_a_scheduler_that_is_not_one_or_not_its_optimizers_and_a_se
     assert loop.optimizer is opt and loop.scheduler is schedule
 
 
-def _train_alone(tmp_path, model, steps: int, *overrides: str) -> None:
+def _join_alone_and_train(tmp_path, model, steps: int, *overrides: str) -> None:
     """`steps` steps of a loop joined alone (no peers), with the loss reported, then close."""
     with geotrain.join(config(tmp_path, "a", "training.wait_for_peers=0", *overrides), model,
                        identity=Identity.generate(),
@@ -630,7 +630,7 @@ def test_status_of_a_loop_with_no_evaluate_shows_its_loss_once(tmp_path):
 
     from geotrain.node.state import render_status
 
-    _train_alone(tmp_path, make_model(), 4, "training.eval_every=2")
+    _join_alone_and_train(tmp_path, make_model(), 4, "training.eval_every=2")
     line = next(x for x in render_status(json.loads((tmp_path / "a" / "status.json")
                                                     .read_text())).splitlines()
                 if x.startswith("training"))  # fmt: skip
@@ -642,5 +642,5 @@ def test_a_model_with_an_infinite_buffer_is_checkpointed(tmp_path):
     that keeps a diverged model out of checkpoints refused every checkpoint of such a model."""
     model = make_model()
     model.register_buffer("mask", torch.full((4, 4), float("-inf")).triu(1))
-    _train_alone(tmp_path, model, 3)
+    _join_alone_and_train(tmp_path, model, 3)
     assert list((tmp_path / "a" / "checkpoints").glob("ckpt-*"))  # the final one, at close
