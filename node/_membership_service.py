@@ -107,6 +107,11 @@ class MembershipService:
         self._not_dialled_warned = False
 
     # -- the view the rest of the node reads ----------------------------------------------------
+    @property
+    def bootstrap(self) -> tuple[str, ...]:
+        """The addresses this node joins through."""
+        return self._bootstrap
+
     def live_peers(self) -> tuple[str, ...]:
         return self.membership.live_peers()
 

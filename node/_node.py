@@ -135,7 +135,6 @@ class Node:
         self._stopped = trio.Event()
         self._running = True
         self._reporter: StatusReporter | None = None
-        self._said_self_bootstrap = False
         self.metrics: MetricsServer | None = None
         self._checkpointer: Checkpointer | None = None
         self._token: trio.lowlevel.TrioToken | None = None
@@ -492,8 +491,9 @@ class Node:
 
     def _bootstrap(self) -> list[str]:
         """network.bootstrap without this node's own address (listen or advertise: a config
-        copied to every machine, the first one's included, names it), which is said once: a
-        node that dialled itself waited 30 s for a state sync nobody could answer."""
+        copied to every machine, the first one's included, names it), which is said: a node
+        that dialled itself waited 30 s for a state sync nobody could answer. Called once, at
+        start (the membership service keeps the result)."""
         net = self.config.network
         own = {a for a in (net.listen, net.advertise, self.address) if a}
         port = net.listen.rpartition(":")[2]
@@ -501,8 +501,7 @@ class Node:
         if host in ("0.0.0.0", "[::]", "*"):  # listening everywhere: loopback reaches it too
             own |= {f"tcp://127.0.0.1:{port}", f"tcp://localhost:{port}", f"tcp://[::1]:{port}"}
         mine = [a for a in net.bootstrap if a in own]
-        if mine and not self._said_self_bootstrap:
-            self._said_self_bootstrap = True
+        if mine:
             log.warning("bootstrap_is_self", addresses=mine,
                         detail="network.bootstrap names this node's own address: skipped" + (
                             "; with no other bootstrap this node starts a swarm of its own"
@@ -540,7 +539,7 @@ class Node:
         await membership.wait_for_peers(t.wait_for_peers, t.wait_for_peers_s, self._stop)
         # a checkpoint of step 0 (a run stopped before its first step) holds nothing learned:
         # the swarm's state is still fetched, as for a node that never ran
-        if (ckpt is None or ckpt.step == 0) and cfg.gossip.state_sync and self._bootstrap():
+        if (ckpt is None or ckpt.step == 0) and cfg.gossip.state_sync and membership.bootstrap:
             await state_sync.fetch(self._stop)
         cadence = {"eval_every": t.eval_every, "checkpoint_every": cfg.state.checkpoint_every,
                    "stop": self._stop}  # fmt: skip
@@ -599,7 +598,7 @@ async def open_node(
             try:
                 await node.run(task_status=task_status)
             except* Diverged as group:  # raised after the block, not in an exception group
-                diverged.extend(_leaf_errors(group))
+                diverged.extend(leaf_errors(group))
                 nursery.cancel_scope.cancel()  # the block ends with the node
 
         await nursery.start(run)
@@ -645,8 +644,9 @@ async def open_node(
         raise KeyboardInterrupt
 
 
-def _leaf_errors(group: BaseExceptionGroup) -> list[BaseException]:
+def leaf_errors(group: BaseExceptionGroup) -> list[BaseException]:
+    """The errors inside trio's (nested) exception groups, in order."""
     out: list[BaseException] = []
     for exc in group.exceptions:
-        out += _leaf_errors(exc) if isinstance(exc, BaseExceptionGroup) else [exc]
+        out += leaf_errors(exc) if isinstance(exc, BaseExceptionGroup) else [exc]
     return out

@@ -160,11 +160,11 @@ def peer_outages(run: dict[str, Any], system: str) -> list[list[tuple[float, flo
         elif action == "restart" and f.get("applied_at_s") is None:
             # due after the run ended: the run waited for it, so the swarm was at no level
             done.append((math.inf, action, peer))
+    done.sort()
     downs: list[list[tuple[float, float | None]]] = [[] for _ in range(run["peers"])]
-    for t, action, peer in sorted(done):
+    for t, action, peer in done:
         if action == "kill" and 0 <= peer < len(downs):
-            back = next((u for u, a, q in sorted(done) if a == "restart" and q == peer and u > t),
-                        None)  # fmt: skip
+            back = next((u for u, a, q in done if a == "restart" and q == peer and u > t), None)
             downs[peer].append((t, back))
     return downs
 

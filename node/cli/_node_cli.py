@@ -77,6 +77,7 @@ async def _run(node: Node) -> None:
 
 def node_run(args: argparse.Namespace) -> int:
     from .._checkpointer import ResumeError
+    from .._node import leaf_errors
     from ..training import Diverged
 
     try:
@@ -91,11 +92,11 @@ def node_run(args: argparse.Namespace) -> int:
     try:
         trio.run(_run, node)
     except* Diverged as group:  # the model's fault, not ours: said without a traceback
-        diverged = _leaves(group)
+        diverged = leaf_errors(group)
     except* (ResumeError, ValueError) as group:  # raised inside the nursery: grouped by trio
-        refused = _leaves(group)  # (a task plugin's TaskError is one: it names task and part)
+        refused = leaf_errors(group)  # (a task plugin's TaskError is one: it names task and part)
     except* Exception as group:  # a bug: one log event with the traceback, one line here
-        failed = _leaves(group)
+        failed = leaf_errors(group)
     for exc in refused:
         print(f"geotrain node run: {exc}", file=sys.stderr)
     for exc in diverged:
@@ -106,13 +107,6 @@ def node_run(args: argparse.Namespace) -> int:
         print(f"geotrain node run: failed: {type(exc).__name__}: {exc} (the log above has the "
               "traceback)", file=sys.stderr)  # fmt: skip
     return 1 if failed or diverged else 2 if refused else 0
-
-
-def _leaves(group: BaseExceptionGroup) -> list[BaseException]:
-    out: list[BaseException] = []
-    for exc in group.exceptions:
-        out += _leaves(exc) if isinstance(exc, BaseExceptionGroup) else [exc]
-    return out
 
 
 def status(args: argparse.Namespace) -> int:
