@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import signal
 import time
 from collections.abc import Callable, Set
@@ -623,8 +624,7 @@ def _progress_line(system: str, elapsed: float, states, total, base) -> str:
 
 def _final_consensus(root: Path, n: int, attackers: set[int]) -> float | None:
     """Mean relative squared distance of the honest peers' final checkpoints to their mean."""
-    from geotrain.gossip import consensus_distance  # torch: only now, never at import time
-    from geotrain.node.state import CheckpointStore
+    from geotrain.node.state import CheckpointStore  # torch: only now, never at import time
 
     models: list[dict] = []
     for i in range(n):
@@ -637,7 +637,33 @@ def _final_consensus(root: Path, n: int, attackers: set[int]) -> float | None:
     shapes = {tuple((k, tuple(v.shape)) for k, v in sorted(m.items())) for m in models}
     if len(models) < 2 or len(shapes) > 1:  # (peers of other models have no consensus)
         return None
-    return consensus_distance(models, relative=True)
+    return consensus_of_finite(models)
+
+
+def consensus_of_finite(models: list[dict]) -> float | None:
+    """`consensus_distance` (relative) without the tensors that are the same constant in every
+    model and hold values that are not finite (a causal mask of -inf, as the charlm task keeps
+    among its buffers), which would make every figure NaN. None when a peer's tensor is not
+    finite otherwise (its weights diverged) or nothing is left, so run.json never holds a NaN."""
+    from geotrain.gossip import consensus_distance
+
+    kept = []
+    for name, first in models[0].items():
+        if all(bool(m[name].float().isfinite().all()) for m in models):
+            kept.append(name)
+        elif not all(_same_values(first, m[name]) for m in models[1:]):
+            return None
+    if not kept:
+        return None
+    distance = consensus_distance([{n: m[n] for n in kept} for m in models], relative=True)
+    return distance if math.isfinite(distance) else None
+
+
+def _same_values(a, b) -> bool:
+    """Whether two tensors are equal element by element, NaN equal to NaN."""
+    import torch
+
+    return a.shape == b.shape and bool(torch.isclose(a, b, rtol=0, atol=0, equal_nan=True).all())
 
 
 def _plot(out: Path, echo: Echo) -> None:
