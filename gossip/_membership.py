@@ -118,9 +118,14 @@ class Membership:
         self._dialable: tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]] = ((), (), ())
         # A client hears the swarm's news only in answers to what it sends (piggybacked updates
         # run out on the members that are pinged): it swaps member lists every two periods.
-        self._exchange_interval_s = config.peer_exchange_interval_s
+        # Servers back off while their table holds still (MembershipConfig's
+        # peer_exchange_max_interval_s); a client does not: swaps are how it hears the news.
+        self._exchange_interval_s = self._exchange_base_s = config.peer_exchange_interval_s
+        self._exchange_max_s = config.peer_exchange_max_interval_s
         if is_client_address(self_address):
-            self._exchange_interval_s = min(self._exchange_interval_s, 2 * config.probe_interval_s)
+            self._exchange_base_s = min(self._exchange_base_s, 2 * config.probe_interval_s)
+            self._exchange_interval_s = self._exchange_max_s = self._exchange_base_s
+        self._changes_at_exchange = -1
 
     # -- public queries ------------------------------------------------------------------------
     @property
@@ -238,8 +243,13 @@ class Membership:
         self._verify_step(now, out)
         if not self._joined and now >= self._join_retry_at:
             self._send_joins(now, out)
+        if self._exchange_interval_s > self._exchange_base_s and (
+            self._table.changes != self._changes_at_exchange
+        ):  # news after a quiet spell: the next swap comes at the base interval (Trickle)
+            self._exchange_interval_s = self._exchange_base_s
+            self._next_exchange_at = min(self._next_exchange_at, now + self._exchange_base_s)
         if now >= self._next_exchange_at:
-            self._next_exchange_at = now + self._exchange_interval_s
+            self._next_exchange_at = now + self._next_exchange_interval()
             live = self.dialable_peers()
             if live:
                 self._send_peer_list(self._rng.choice(live), out)
@@ -421,6 +431,16 @@ class Membership:
             self._send_peer_list(self._rng.choice(dead), out)
         elif not self._table.verified_live_ids() and self._bootstrap:
             self._send_joins(now, out)
+
+    def _next_exchange_interval(self) -> float:
+        """The time to the swap after this one: the interval so far after a change of the member
+        table since the last swap (tick has set it back to the base), else twice the last
+        interval, at most the maximum."""
+        if self._table.changes != self._changes_at_exchange:
+            self._changes_at_exchange = self._table.changes
+        else:
+            self._exchange_interval_s = min(2 * self._exchange_interval_s, self._exchange_max_s)
+        return self._exchange_interval_s
 
     def _send_joins(self, now: float, out: list[Send]) -> None:
         self._join_retry_at = now + self._config.join_retry_s

@@ -31,6 +31,13 @@ class MembershipConfig:
         max_piggyback: most updates on one message (bounded by the wire limit).
         peer_exchange_interval_s: how often a node swaps member samples with a random member, so
             it learns the swarm beyond its bootstrap list.
+        peer_exchange_max_interval_s: while its member table does not change, a node doubles
+            the time to its next swap, up to this (Trickle's back-off, RFC 6206); any change
+            (a member joins, leaves, dies, is suspected, refutes, moves) brings it back to
+            peer_exchange_interval_s. A settled swarm then spends next to nothing on swaps (in
+            an 8-node swarm they were half the steady control-plane bytes). A client keeps the
+            short interval: swaps are how it hears the news. Set it to peer_exchange_interval_s
+            for a fixed interval.
         peer_exchange_size: members per peer-exchange message (bounded by the wire limit).
         join_retry_s: resend Join to the bootstrap addresses this often until someone answers.
         reconnect_interval_s: how often a node contacts a dead member (or a bootstrap address when
@@ -55,6 +62,7 @@ class MembershipConfig:
     retransmit_mult: float = 4.0
     max_piggyback: int = 16
     peer_exchange_interval_s: float = 10.0
+    peer_exchange_max_interval_s: float = 160.0
     peer_exchange_size: int = 64
     join_retry_s: float = 5.0
     reconnect_interval_s: float = 15.0
@@ -96,6 +104,12 @@ class MembershipConfig:
             "dead_retention_s",
         ):
             _require(getattr(self, name) > 0, name, getattr(self, name), "> 0")
+        _require(
+            self.peer_exchange_max_interval_s >= self.peer_exchange_interval_s,
+            "peer_exchange_max_interval_s",
+            self.peer_exchange_max_interval_s,
+            f">= peer_exchange_interval_s ({self.peer_exchange_interval_s})",
+        )
         _require(self.leave_fanout >= 1, "leave_fanout", self.leave_fanout, ">= 1")
         _require(self.verify_batch >= 0, "verify_batch", self.verify_batch, ">= 0")
         _require(self.max_members >= 1, "max_members", self.max_members, ">= 1")

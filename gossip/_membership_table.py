@@ -92,6 +92,7 @@ class MembershipTable:
         self._live_cache: tuple[str, ...] | None = None
         self._verified_cache: tuple[str, ...] | None = None
         self._clients_cache: tuple[str, ...] | None = None  # live client ids, verified or not
+        self.changes = 0  # counts changes of members, their states and addresses (not timers)
 
     # -- queries -------------------------------------------------------------------------------
     def get(self, peer_id: str) -> _Record | None:
@@ -197,6 +198,7 @@ class MembershipTable:
     ) -> None:
         if (r.state in _LIVE) != (state in _LIVE):
             self._live_cache = self._verified_cache = self._clients_cache = None
+        self.changes += 1
         r.state, r.incarnation, r.changed_at = state, inc, now
         suspect = state is MemberState.SUSPECT
         r.suspecters = [origin or self.self_id] if suspect else []
@@ -211,6 +213,7 @@ class MembershipTable:
         """A new alive member; only a verified one is announced (hearsay is not amplified)."""
         self._records[peer_id] = _Record(peer_id, address, MemberState.ALIVE, inc, now, verified)
         self._live_cache = self._verified_cache = self._clients_cache = None
+        self.changes += 1
         if verified:
             self._queue(self.update_of(peer_id))
             self._events.append(MembershipEvent("joined", peer_id, inc, now))
@@ -218,10 +221,12 @@ class MembershipTable:
     def _set_address(self, r: _Record, address: str) -> None:
         if is_client_address(address) != is_client_address(r.address):
             self._clients_cache = None
+        self.changes += int(address != r.address)
         r.address = address
 
     def _forget(self, peer_id: str) -> None:
         r = self._records.pop(peer_id)
+        self.changes += 1
         if r.state in _LIVE:
             self._live_cache = self._verified_cache = self._clients_cache = None
         self._broadcasts.pop(peer_id, None)
@@ -277,6 +282,7 @@ class MembershipTable:
         elif not r.verified:
             r.verified, r.address = True, address  # its own address beats hearsay
             self._verified_cache = self._clients_cache = None
+            self.changes += 1
             self._queue(self.update_of(peer_id))
             self._events.append(MembershipEvent("joined", peer_id, r.incarnation, now))
         r.heard_at = now

@@ -445,3 +445,49 @@ def test_a_message_from_our_own_identity_says_what_that_means():
     node = Membership("p0", "addr0", CONFIG, random.Random(0))
     with pytest.raises(RemoteProtocolError, match="another node runs with this identity"):
         node.receive(Ping(1, "addr9"), "p0", 0.0)
+
+
+def _timer_swaps(net: MemoryNetwork) -> list[tuple[float, str]]:
+    """Record (time, sender) of every member swap a node starts on its timer."""
+    swaps: list[tuple[float, str]] = []
+    send = net.send
+
+    def recording(sender_id, sends):
+        sends = list(sends)
+        swaps.extend((net.now, sender_id) for s in sends
+                     if isinstance(s.message, PeerList) and s.message.want_reply)  # fmt: skip
+        send(sender_id, sends)
+
+    net.send = recording
+    return swaps
+
+
+def test_a_settled_swarm_backs_off_its_member_swaps_and_speeds_up_on_news():
+    net = _swarm(8, seed=3)
+    swaps = _timer_swaps(net)
+    net.run_until(1000.0)
+    late = [p for t, p in swaps if t >= 400.0]
+    # every 10 s this would be 60 a node; backed off to one in 160 s, at most 4 or 5 a node
+    assert 0 < max(late.count(p) for p in net.nodes) <= 5, late
+    assert _all_see_alive(net, list(net.nodes))
+    # a new member: the nodes that hear of it swap again at the base interval
+    newcomer = Membership("p8", "addr8", CONFIG, random.Random(99))
+    net.add(newcomer, "addr8")
+    net.send("p8", newcomer.join(["addr0"], net.now))
+    start = len(swaps)
+    net.run_until(1040.0)
+    assert len({p for _, p in swaps[start:]} - {"p8"}) >= 6, swaps[start:]
+    assert _all_see_alive(net, list(net.nodes))
+
+
+def test_a_client_keeps_its_short_member_swaps():
+    net = MemoryNetwork(random.Random(4), delay_s=0.05)
+    for i, address in enumerate(["addr0", "addr1", "client://c2"]):
+        node = Membership(f"p{i}", address, CONFIG, random.Random(i))
+        net.add(node, address)
+        net.send(node.self_id, node.join([] if i == 0 else ["addr0"], net.now))
+    swaps = _timer_swaps(net)
+    net.run_until(600.0)
+    late = [p for t, p in swaps if t >= 300.0]
+    assert late.count("p2") >= 60, late  # every 2 probe periods (4 s)
+    assert late.count("p0") <= 3
