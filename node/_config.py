@@ -21,8 +21,15 @@ PARTITIONS = ("iid", "dirichlet")
 # wins, key by key, [gossip.<algorithm>] tables included)
 GOSSIP_PRESETS: dict[str, dict[str, Any]] = {
     # the fewest bytes measured to a given quality on WAN links (BENCHMARKS.md, "Presets"):
-    # local SGD with long rounds, int8 updates to one partner per round
-    "frugal": {"algorithm": "diloco", "codec": "int8", "diloco": {"inner_steps": 50, "fanout": 1}},
+    # local SGD with long rounds; each round's update sparsified to its largest 1% (int8 values,
+    # error feedback keeps the rest for later rounds) and sent to one partner; failure detection
+    # every 5 s instead of 2 (its pings were a visible share of the bytes at these volumes)
+    "frugal": {
+        "algorithm": "diloco",
+        "codec": "topk:0.01+int8",
+        "probe_interval_s": 5.0,
+        "diloco": {"inner_steps": 50, "fanout": 1},
+    },
 }
 
 

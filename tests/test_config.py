@@ -275,7 +275,8 @@ def test_a_gossip_preset_fills_what_the_table_leaves_unset():
                         "[gossip.diloco]\ninner_steps = 30")
     cfg = config_from_toml(text, base=Path("/x"))
     gossip = cfg.gossip
-    assert (gossip.algorithm, gossip.codec, gossip.preset) == ("diloco", "int8", "frugal")
+    assert (gossip.algorithm, gossip.codec, gossip.preset) == ("diloco", "topk:0.01+int8", "frugal")
+    assert gossip.probe_interval_s == 5.0
     assert (cfg.gossip.settings.inner_steps, cfg.gossip.settings.fanout) == (30, 1)  # ours wins
     assert cfg.gossip.policy == "uniform"
     # --set overrides are the table's own too; without a preset nothing changes
