@@ -23,6 +23,7 @@ VALUE_CODECS = ("none", "fp16", "bf16", "int8")
 _SIGMAS = 2.5  # confidence of the sampled threshold, in standard deviations of the count
 _MIN_HITS = 500  # expected sample elements above the threshold, at least
 _CHUNK = 1 << 18
+_SHORT_GAPS = 255  # escaped gaps (index mode 2): a gap of at least this is a long one
 
 
 def _check_fraction(cls, fraction) -> None:
@@ -63,8 +64,9 @@ class TopK(Codec):
     trick; for tensors where the sample would be half of it or more, from all of |x|, exactly).
     If it selects more than k * (1 + tol), an exact top-k over those candidates fixes it; if
     fewer than k * (1 - tol), a lower threshold gives a superset first (and torch.topk over the
-    whole tensor is the last resort). Indices travel as gaps of the smallest fitting width or as
-    a bitmap, whichever is smaller; values through `inner`. Tensors too small to gain from
+    whole tensor is the last resort). Indices travel as gaps of the smallest fitting width, as
+    escaped gaps (a byte each, the long ones listed apart) or as a bitmap, whichever is
+    smallest; values through `inner`. Tensors too small to gain from
     sparsity are sent dense with `inner`. NaN values are not refused here (the value codec may).
     """
 
@@ -126,20 +128,16 @@ class TopK(Codec):
         n = x.numel()
         idx = self.select(x, seed)
         gaps = (torch.diff(idx, prepend=idx.new_full((1,), -1)) - 1).cpu().numpy()
-        width = _width(int(gaps.max()))
-        if idx.numel() * width <= (n + 7) // 8:
-            index = [bytes([0, width]), memoryview(gaps.astype(f"<u{width}")).cast("B")]
-        else:
-            mask = torch.zeros(n, dtype=torch.bool, device=x.device)
-            mask[idx] = True
-            index = [bytes([1, 0]), as_buffer(pack_bits(mask))]
         k_bytes = idx.numel().to_bytes(8, "little")
         values = x.index_select(0, idx)
-        return [k_bytes, *index, *_values_part(values, self.inner, seed)]
+        return [k_bytes, *_index_part(gaps, n, idx, x.device),
+                *_values_part(values, self.inner, seed)]  # fmt: skip
 
     def _body_nbytes(self, numel: int, shape) -> int:
         k = self.k_for(numel)
-        index = min(k * _width(8 * numel // k), (numel + 7) // 8)
+        # escaped gaps: the long ones of k positions spread evenly at random, in 4 bytes each
+        escaped = 8 + k + math.ceil(k * (1 - k / numel) ** _SHORT_GAPS) * 4
+        index = min(k * _width(8 * numel // k), (numel + 7) // 8, escaped)
         return 10 + index + 8 + self.inner.expected_nbytes(k)
 
     @classmethod
@@ -150,6 +148,8 @@ class TopK(Codec):
             raise decode_error("topk k", k, f"<= numel {n}")
         if mode == 0:
             idx = _read_gaps(reader, k, width, n)
+        elif mode == 2:
+            idx = _positions(_read_escaped_gaps(reader, k, width, n), n)
         elif mode == 1 and width == 0:
             packed = reader.tensor((n + 7) // 8, torch.uint8, "topk bitmap", "cpu")
             if n % 8 and int(packed[-1]) >> (n % 8):
@@ -158,11 +158,53 @@ class TopK(Codec):
             if idx.numel() != k:
                 raise DecodeError(f"topk bitmap has {idx.numel()} bits set, expected k={k}")
         else:
-            raise DecodeError(f"topk index mode {mode} with width {width}: expected 0 or 1/0")
+            raise DecodeError(f"topk index mode {mode} with width {width}: expected 0, 1/0 or 2")
         values = _read_values(reader, k, device, "topk")
         out = torch.zeros(n, dtype=torch.float32, device=device)
         out.index_copy_(0, idx.to(device), values)
         return out
+
+
+def _index_part(gaps: np.ndarray, n: int, idx: torch.Tensor, device) -> list:
+    """The smallest of three index layouts for sorted positions (`gaps`: the zeros between
+    them): gaps of one fixed width (mode 0); a bitmap (mode 1); escaped gaps (mode 2): a byte
+    per gap, 255 marking a long one whose value follows in a list of one fixed width. At 1%
+    density a long gap (>= 255) is about 8% of them: mode 2 takes ~1.3 bytes an index where
+    mode 0 takes 2."""
+    k = gaps.size
+    width = _width(int(gaps.max()))
+    long = gaps >= _SHORT_GAPS
+    m = int(long.sum())
+    long_width = _width(int(gaps[long].max())) if m else 1
+    sizes = {0: k * width, 1: (n + 7) // 8, 2: 8 + k + m * long_width}
+    mode = min(sizes, key=lambda mode: (sizes[mode], mode))
+    if mode == 0:
+        return [bytes([0, width]), memoryview(gaps.astype(f"<u{width}")).cast("B")]
+    if mode == 1:
+        mask = torch.zeros(n, dtype=torch.bool, device=device)
+        mask[idx] = True
+        return [bytes([1, 0]), as_buffer(pack_bits(mask))]
+    short = np.minimum(gaps, _SHORT_GAPS).astype(np.uint8)
+    return [bytes([2, long_width]), m.to_bytes(8, "little"), memoryview(short).cast("B"),
+            memoryview(gaps[long].astype(f"<u{long_width}")).cast("B")]  # fmt: skip
+
+
+def _read_escaped_gaps(reader: Reader, k: int, long_width: int, n: int) -> np.ndarray:
+    if long_width not in (1, 2, 4, 8):
+        raise decode_error("topk long gap width", long_width, "1, 2, 4 or 8")
+    (m,) = reader.unpack("Q", "topk long gap count")
+    if m > k:
+        raise decode_error("topk long gap count", m, f"<= k {k}")
+    short = reader.numpy(k, "<u1", "topk short gaps")
+    long = reader.numpy(m, f"<u{long_width}", "topk long gaps")
+    marked = short == _SHORT_GAPS
+    if int(marked.sum()) != m:
+        raise DecodeError(f"topk escaped gaps: {int(marked.sum())} marked long, {m} given")
+    if m and (int(long.min()) < _SHORT_GAPS or int(long.max()) >= n):
+        raise DecodeError(f"topk long gaps must lie in [{_SHORT_GAPS}, numel {n})")
+    gaps = short.astype(np.int64)
+    gaps[marked] = long.astype(np.int64)
+    return gaps
 
 
 def _exact_topk(x: torch.Tensor, k: int) -> torch.Tensor:
@@ -212,8 +254,13 @@ def _read_gaps(reader: Reader, k: int, width: int, n: int) -> torch.Tensor:
     gaps = reader.numpy(k, f"<u{width}", "topk index gaps")
     if k and int(gaps.max()) >= n:
         raise DecodeError(f"topk index gap {int(gaps.max())} is out of range for numel {n}")
-    idx = np.cumsum(gaps.astype(np.int64) + 1) - 1
-    if k and idx[-1] >= n:
+    return _positions(gaps.astype(np.int64), n)
+
+
+def _positions(gaps: np.ndarray, n: int) -> torch.Tensor:
+    """Sorted positions from the gaps between them (each < n, checked), checked against n."""
+    idx = np.cumsum(gaps + 1) - 1
+    if idx.size and idx[-1] >= n:
         raise DecodeError(f"topk index {int(idx[-1])} is out of range for numel {n}")
     return torch.from_numpy(idx)
 

@@ -22,6 +22,7 @@ SPECS = [
     "topk:0.05",
     "topk:0.3+int8",
     "topk:0.05+fp16",
+    "topk:0.01+int8",  # index mode 2 (escaped gaps) on the 3000-element tensor
     "randk:0.2+bf16",
     "powersgd:rank=2",
     "powersgd:rank=2+int8",

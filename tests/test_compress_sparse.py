@@ -113,3 +113,49 @@ def test_unscaled_randk_sends_the_values_as_they_are():
 def test_the_cpu_and_device_agnostic_selections_agree(dtype):
     x = _x(700_000).to(dtype)  # several chunks, a partial last one
     assert torch.equal(_at_least(x, 2.0), at_least_torch(x, 2.0))
+
+
+def _index_mode(payload: bytes) -> int:
+    return payload[14 + 8 * 1 + 8]  # header with ndim 1, then k:u64, then the mode byte
+
+
+@pytest.mark.parametrize("n", [3000, 100_000, 1_000_000])
+def test_sparse_indices_travel_as_escaped_gaps_in_about_one_byte_each(n):
+    x = _x(n, seed=3)
+    codec = TopK(fraction=0.01)
+    payload = codec.encode(x, seed=1)
+    assert _index_mode(payload) == 2
+    y = decode(payload, max_numel=n)
+    kept = y != 0
+    assert torch.equal(y[kept], x[kept]) and x[kept].abs().min() >= x[~kept].abs().max()
+    k = int(kept.sum())
+    # 2 bytes a gap in fixed-width gaps; escaped: 1 byte each plus the long ones (~8%)
+    assert len(payload) - 4 * k < 14 + 8 + 10 + 8 + 1.25 * k + 8 + 22 + 16
+    assert len(payload) <= codec.expected_nbytes(n) * 1.05  # the estimate knows the layout
+
+
+def _escaped(k: int, long_width: int, m: int, short: list[int], long: list[int]) -> bytes:
+    from geotrain.compress._wire import MAGIC, VERSION
+
+    header = MAGIC + bytes([VERSION, TopK.codec_id, 0, 1]) + (0).to_bytes(8, "little")
+    body = k.to_bytes(8, "little") + bytes([2, long_width]) + m.to_bytes(8, "little")
+    body += bytes(short) + b"".join(v.to_bytes(long_width, "little") for v in long)
+    values = NoneCodec().encode(torch.ones(k))
+    return header + (1000).to_bytes(8, "little") + body + len(values).to_bytes(8, "little") + values
+
+
+def test_escaped_gaps_that_do_not_add_up_are_refused_with_a_reason():
+    from geotrain.compress import DecodeError
+
+    good = _escaped(3, 2, 1, [0, 255, 4], [300])
+    assert torch.nonzero(decode(good, max_numel=1000)).flatten().tolist() == [0, 301, 306]
+    for bad, says in [
+        (_escaped(3, 2, 2, [0, 255, 4], [300, 300]), "2 given"),  # one marked, two given
+        (_escaped(3, 2, 1, [0, 255, 4], [254]), "long gaps must lie"),  # not canonical
+        (_escaped(3, 2, 1, [0, 255, 4], [1000]), "long gaps must lie"),  # past the end
+        (_escaped(3, 2, 4, [0, 255, 4], [300]), "long gap count"),  # more long than k
+        (_escaped(3, 3, 1, [0, 255, 4], [300]), "long gap width"),
+        (_escaped(3, 2, 1, [254, 255, 254], [600]), "out of range"),  # sums past numel
+    ]:
+        with pytest.raises(DecodeError, match=says):
+            decode(bad, max_numel=1000)
