@@ -121,7 +121,7 @@ class Membership:
         # Servers back off while their table holds still (MembershipConfig's
         # peer_exchange_max_interval_s); a client does not: swaps are how it hears the news.
         self._exchange_interval_s = self._exchange_base_s = config.peer_exchange_interval_s
-        self._exchange_max_s = config.peer_exchange_max_interval_s
+        self._exchange_max_s = config.exchange_max_interval_s
         if is_client_address(self_address):
             self._exchange_base_s = min(self._exchange_base_s, 2 * config.probe_interval_s)
             self._exchange_interval_s = self._exchange_max_s = self._exchange_base_s
@@ -249,7 +249,10 @@ class Membership:
             self._exchange_interval_s = self._exchange_base_s
             self._next_exchange_at = min(self._next_exchange_at, now + self._exchange_base_s)
         if now >= self._next_exchange_at:
-            self._next_exchange_at = now + self._next_exchange_interval()
+            interval = self._next_exchange_interval()
+            if interval > self._exchange_base_s:  # backed off: a random point of its second half
+                interval *= 0.5 + 0.5 * self._rng.random()
+            self._next_exchange_at = now + interval
             live = self.dialable_peers()
             if live:
                 self._send_peer_list(self._rng.choice(live), out)

@@ -32,7 +32,9 @@ class MembershipConfig:
         peer_exchange_interval_s: how often a node swaps member samples with a random member, so
             it learns the swarm beyond its bootstrap list.
         peer_exchange_max_interval_s: while its member table does not change, a node doubles
-            the time to its next swap, up to this (Trickle's back-off, RFC 6206); any change
+            the time to its next swap, up to this (None: 16 x peer_exchange_interval_s), each
+            swap at a random point of the second half of its interval so that nodes that heard
+            the same news do not swap in step (Trickle's back-off, RFC 6206); any change
             (a member joins, leaves, dies, is suspected, refutes, moves) brings it back to
             peer_exchange_interval_s. A settled swarm then spends next to nothing on swaps (in
             an 8-node swarm they were half the steady control-plane bytes). A client keeps the
@@ -62,7 +64,7 @@ class MembershipConfig:
     retransmit_mult: float = 4.0
     max_piggyback: int = 16
     peer_exchange_interval_s: float = 10.0
-    peer_exchange_max_interval_s: float = 160.0
+    peer_exchange_max_interval_s: float | None = None
     peer_exchange_size: int = 64
     join_retry_s: float = 5.0
     reconnect_interval_s: float = 15.0
@@ -70,6 +72,13 @@ class MembershipConfig:
     leave_fanout: int = 8
     verify_batch: int = 8
     max_members: int = 4096
+
+    @property
+    def exchange_max_interval_s(self) -> float:
+        """peer_exchange_max_interval_s, None resolved."""
+        if self.peer_exchange_max_interval_s is None:
+            return 16 * self.peer_exchange_interval_s
+        return self.peer_exchange_max_interval_s
 
     def __post_init__(self) -> None:
         _require(self.probe_interval_s > 0, "probe_interval_s", self.probe_interval_s, "> 0")
@@ -105,10 +114,11 @@ class MembershipConfig:
         ):
             _require(getattr(self, name) > 0, name, getattr(self, name), "> 0")
         _require(
-            self.peer_exchange_max_interval_s >= self.peer_exchange_interval_s,
+            self.peer_exchange_max_interval_s is None
+            or self.peer_exchange_max_interval_s >= self.peer_exchange_interval_s,
             "peer_exchange_max_interval_s",
             self.peer_exchange_max_interval_s,
-            f">= peer_exchange_interval_s ({self.peer_exchange_interval_s})",
+            f"None or >= peer_exchange_interval_s ({self.peer_exchange_interval_s})",
         )
         _require(self.leave_fanout >= 1, "leave_fanout", self.leave_fanout, ">= 1")
         _require(self.verify_batch >= 0, "verify_batch", self.verify_batch, ">= 0")

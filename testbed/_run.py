@@ -663,7 +663,10 @@ def _same_values(a, b) -> bool:
     """Whether two tensors are equal element by element, NaN equal to NaN."""
     import torch
 
-    return a.shape == b.shape and bool(torch.isclose(a, b, rtol=0, atol=0, equal_nan=True).all())
+    if a.shape != b.shape:
+        return False
+    a, b = a.float(), b.float()  # (peers may hold a constant in different precisions)
+    return bool(torch.isclose(a, b, rtol=0, atol=0, equal_nan=True).all())
 
 
 def _plot(out: Path, echo: Echo) -> None:
