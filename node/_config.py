@@ -734,6 +734,22 @@ def _rebased(section: Any, field: str, base: Path) -> Any:
     return dataclasses.replace(section, **{field: base / path})
 
 
+def preset_overrides(gossip: GossipConfig) -> dict[str, tuple[Any, Any]]:
+    """The preset's settings that the [gossip] table (or --set) set otherwise, which win:
+    {"algorithm": (the value in force, the preset's), "diloco.inner_steps": (...), ...}."""
+    out: dict[str, tuple[Any, Any]] = {}
+    for key, wanted in GOSSIP_PRESETS.get(gossip.preset, {}).items():
+        if isinstance(wanted, dict):
+            table = gossip.algorithm_settings.get(key)
+            for name, value in wanted.items():
+                mine = getattr(table, name, value) if table is not None else value
+                if mine != value:
+                    out[f"{key}.{name}"] = (mine, value)
+        elif getattr(gossip, key) != wanted:
+            out[key] = (getattr(gossip, key), wanted)
+    return out
+
+
 def _apply_preset(doc: dict) -> None:
     """Fill [gossip] from its preset's settings, where the table leaves them unset."""
     gossip = doc.get("gossip")

@@ -30,7 +30,7 @@ from geotrain.gossip import LinkTable, PartnerSelector, client_address
 from ._allocator import tune_allocator
 from ._certificate_watch import CertificateWatch, renew_hint, utc
 from ._checkpointer import Checkpointer, load_checkpoint
-from ._config import ConfigError, NodeConfig
+from ._config import ConfigError, NodeConfig, preset_overrides
 from ._credentials import load_identity
 from ._driver import LoopDriver, TrainingDriver
 from ._membership_service import MembershipService
@@ -282,6 +282,7 @@ class Node:
         if self._prepared is None:
             self._check_certificate()
             self._warn_unused_settings()
+            self._warn_preset_overridden()
             self._warn_codec_for_models()
             tune_allocator()
             self._start_metrics()  # first: a port in use stops the node before it writes a file
@@ -305,6 +306,19 @@ class Node:
                         algorithm=gossip.algorithm,
                         hint=f"gossip.algorithm is {gossip.algorithm!r}: these tables do "
                         "nothing")  # fmt: skip
+
+    def _warn_preset_overridden(self) -> None:
+        """A gossip preset whose settings the [gossip] table sets otherwise is said: `geotrain
+        node init` writes `algorithm = "adpsgd"`, so adding `preset = "frugal"` to that file ran
+        adpsgd with the preset's codec, and nothing said so."""
+        overridden = preset_overrides(self.config.gossip)
+        if overridden:  # another algorithm is hardly the preset at all; a setting, a choice
+            say = log.warning if "algorithm" in overridden else log.info
+            say("gossip_preset_overridden", preset=self.config.gossip.preset,
+                        overridden={k: f"{mine!r} (preset: {theirs!r})"
+                                    for k, (mine, theirs) in overridden.items()},
+                        hint="the [gossip] table or --set gives these, and those win; remove "
+                        "them to take the preset's")  # fmt: skip
 
     def _warn_codec_for_models(self) -> None:
         """A fixed codec that does not carry every value (top-k, random-k, sign, PowerSGD), for

@@ -873,3 +873,21 @@ async def test_stochastic_rounding_differs_between_nodes_and_rounds(autojump_clo
             for name, values in sent.items():
                 target = delta[name].reshape(-1)
                 assert torch.allclose(values, target, rtol=0, atol=float(target.abs().max()) / 100)
+
+
+async def test_a_partner_that_failed_is_not_drawn_again_while_its_pause_runs(autojump_clock):
+    # fanout 1 among two peers, one of them gone: a crashed peer drew two of three rounds
+    settings = DilocoSettings(inner_steps=2, fanout=1, consensus_every=0)
+    gossip = {**DILOCO, "algorithm_settings": {"diloco": settings}, "max_norm_ratio": 1e9}
+    async with runtimes(3, **gossip) as (net, algos):
+        a = algos[0]
+        net.cut("p0", "p2")
+        for r in range(1, 13):
+            for _ in range(2):
+                a.ctx.trainer.train_step()
+            await a.after_step(step(a, 2 * r))
+        stats = a.statistics()
+        assert stats.outer_steps == 12
+        # each failure pauses p2 (5 s, then 10 s, 20 s): the rounds meanwhile go to p1
+        assert stats.partners_missing <= 3, stats
+        assert a.counters.statistics().ok >= 9

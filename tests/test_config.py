@@ -288,6 +288,20 @@ def test_a_gossip_preset_fills_what_the_table_leaves_unset():
         config_from_toml(GOOD, base=Path("/x"), overrides=["gossip.preset=thrifty"])
 
 
+def test_what_a_config_sets_over_its_preset_is_named():
+    from geotrain.node._config import preset_overrides
+
+    # `geotrain node init` writes algorithm = "adpsgd": with the preset added, that still wins
+    text = GOOD.replace('policy = "uniform"', 'policy = "uniform"\npreset = "frugal"\n'
+                        'algorithm = "adpsgd"\n[gossip.diloco]\ninner_steps = 10')
+    cfg = config_from_toml(text, base=Path("/x"))
+    assert preset_overrides(cfg.gossip) == {"algorithm": ("adpsgd", "diloco"),
+                                            "diloco.inner_steps": (10, 50)}
+    alone = config_from_toml(GOOD, base=Path("/x"), overrides=["gossip.preset=frugal"])
+    assert preset_overrides(alone.gossip) == {}
+    assert preset_overrides(config_from_toml(GOOD, base=Path("/x")).gossip) == {}
+
+
 def test_an_allow_list_takes_peer_ids_only():
     """A typo'd peer ID was accepted, and that peer was then refused without a word."""
     from geotrain.node import Identity
