@@ -460,3 +460,20 @@ async def test_a_bootstrap_naming_the_node_itself_is_said_and_skipped(tmp_path):
     assert len(said) == 1 and said[0]["addresses"] == [me]
     assert "starts a swarm of its own" in said[0]["detail"]
     assert not [e for e in logs if e["event"].startswith(("state_sync", "bootstrap_unanswered"))]
+
+
+def test_the_plain_status_shows_small_traffic_and_the_algorithm_s_own_counters():
+    # a frugal node moves tens of kB: "0.03 MB / 0.00 MB" told nothing, and diloco's rounds
+    # were shown only by --json and --watch
+    from geotrain.node.state import render_status
+    from geotrain.node.state._status import NodeStatus
+
+    status = NodeStatus(
+        peer_id="me", address="tcp://10.0.0.99:7000", algorithm="diloco", task="t",
+        metric_name="accuracy", elapsed_s=1.0, step=40, steps_per_s=1.0, loss=None, metric=None,
+        metric_step=None, bytes_in=31_500, bytes_out=2_900, exchanges_ok=3, exchanges_failed=0,
+        rejected_updates=0, pid=1, algorithm_stats={"outer_steps": 2, "partners_missing": 1},
+    )  # fmt: skip
+    shown = render_status(status.to_json())
+    assert "traffic   in 31.5 kB  out 2.9 kB" in shown
+    assert "diloco    outer_steps 2  partners_missing 1" in shown

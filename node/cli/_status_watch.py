@@ -29,6 +29,7 @@ from rich.table import Table
 from rich.text import Text
 
 from .._config import NodeConfig
+from ..state import format_bytes
 from ._status_client import StatusFile, open_status_client
 
 TREND_SAMPLES = 40  # about a screen line's worth of history per series
@@ -176,7 +177,8 @@ def _numbers(d: dict[str, Any], trend: Trend, bars: str) -> Table:
     table.add_row("loss", _with_trend(loss, trend.loss, bars))
     metric = f"{_number(d.get('metric'))} (step {_fmt(d.get('metric_step'))})"
     table.add_row(str(d["metric_name"]), _with_trend(metric, trend.metric, bars))
-    table.add_row("traffic", f"in {_bytes(d.get('bytes_in'))}  out {_bytes(d.get('bytes_out'))}")
+    traffic = f"in {format_bytes(d.get('bytes_in'))}  out {format_bytes(d.get('bytes_out'))}"
+    table.add_row("traffic", traffic)
     table.add_row(
         "exchanges",
         f"ok {d.get('exchanges_ok', 0)}  failed {d.get('exchanges_failed', 0)}"
@@ -233,15 +235,6 @@ def _number(value: float | None) -> str:
     if value is None:
         return "-"
     return f"{value:.4f}" if value == 0 or 1e-3 <= abs(value) < 1e5 else f"{value:.4e}"
-
-
-def _bytes(n: int | None) -> str:
-    if n is None:
-        return "-"
-    for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if n >= size:
-            return f"{n / size:.1f} {unit}"
-    return f"{n} B"
 
 
 def _duration(seconds: float | None) -> str:

@@ -11,6 +11,7 @@ from ._statedir import StateDirInUse as StateDirInUse
 from ._status import NodeStatus as NodeStatus
 from ._status import PeerStatus as PeerStatus
 from ._status import append_metrics as append_metrics
+from ._status import format_bytes as format_bytes
 from ._status import parse_status as parse_status
 from ._status import read_status as read_status
 from ._status import render_status as render_status

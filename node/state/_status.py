@@ -180,6 +180,23 @@ def _metric_cell(data: dict[str, Any]) -> str:
     return f"  {data['metric_name']} {_fmt(data['metric'], '.4f')} (step {at})"
 
 
+def format_bytes(n: int | None) -> str:
+    """A byte count in the unit that shows it: "734.3 kB", "1.2 GB", "512 B"; "-" for None."""
+    if n is None:
+        return "-"
+    for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{n} B"
+
+
+def _algorithm_line(data: dict[str, Any]) -> list[str]:
+    stats = data.get("algorithm_stats") or {}
+    if not stats:
+        return []
+    return [f"{data['algorithm']:<10}" + "  ".join(f"{k} {v:g}" for k, v in stats.items())]
+
+
 def render_status(data: dict[str, Any]) -> str:
     """A human-readable status: the node's numbers, then one row per known peer."""
     lines = [
@@ -187,9 +204,10 @@ def render_status(data: dict[str, Any]) -> str:
         + ("" if data.get("running", True) else "  (stopped)"),
         f"training  {data['task']} / {data['algorithm']}  step {data['step']}"
         f"  {data['steps_per_s']:.2f} steps/s  loss {_loss_cell(data)}" + _metric_cell(data),
-        f"traffic   in {data['bytes_in'] / 1e6:.2f} MB  out {data['bytes_out'] / 1e6:.2f} MB"
+        f"traffic   in {format_bytes(data['bytes_in'])}  out {format_bytes(data['bytes_out'])}"
         f"  exchanges ok {data['exchanges_ok']} failed {data['exchanges_failed']}"
         f"  rejected updates {data['rejected_updates']}  up {data['elapsed_s']:.0f}s",
+        *_algorithm_line(data),
         *_certificate_line(data.get("certificate_expires_at")),
         *_privacy_line(data),
         *_not_dialled_line(data),
