@@ -891,3 +891,27 @@ async def test_a_partner_that_failed_is_not_drawn_again_while_its_pause_runs(aut
         # each failure pauses p2 (5 s, then 10 s, 20 s): the rounds meanwhile go to p1
         assert stats.partners_missing <= 3, stats
         assert a.counters.statistics().ok >= 9
+
+
+async def test_an_offer_declined_as_busy_is_no_failure_of_the_link(autojump_clock):
+    # a healthy 3-node swarm at fanout 1 counted 2-5 such declines a node as failed exchanges,
+    # each stretching the link's deadlines and pausing the partner as a failed one
+    settings = {"diloco": DilocoSettings(inner_steps=2, fanout=1, consensus_every=0)}
+    async with runtimes(2, **{**DILOCO, "chunk_numel": 8, "algorithm_settings": settings}) as (
+        net, (a, b)
+    ):
+        plan = b.plan(8)
+        delta = {k: torch.zeros_like(v) for k, v in b.ctx.trainer.params().items()}
+        half = DeltaOffer(codec="none", round=1, xid=7, plan=plan.digest, chunk_numel=8,
+                          chunks=len(plan), index=0)  # fmt: skip
+        chunk = encode_chunk(model_chunk(delta, plan, 0), "none")
+        p2 = PeerInfo("p2", b"", "mem://p2", "inbound")
+        reply, _ = await b.handle(p2, half, memoryview(chunk))  # b's one slot: p2's offer
+        assert isinstance(reply, DeltaReply)
+        for _ in range(2):
+            a.ctx.trainer.train_step()
+        await a.after_step(step(a, 2))
+        assert a.counters.statistics().failed == 0
+        assert a.ctx.peers.links.estimate("p1", trio.current_time()).failures == 0
+        assert a.ctx.peers.selector.cooling("p1", trio.current_time())  # skipped a while
+        assert a.statistics().partners_missing == 1  # its update did not come this round

@@ -64,6 +64,11 @@ class _Refused(Exception):
     """A partner answered an offer's chunk with something else than a chunk."""
 
 
+class _Declined(_Refused):
+    """A partner declined an offer as busy (it holds as many updates as it may): it is skipped
+    a while, its link not counted as failed."""
+
+
 class _Stale(_Refused):
     """Our update was asked for as the outer step wrote the next round start over it."""
 
@@ -310,6 +315,7 @@ class Diloco(Algorithm):
         twin.setstate(ctx.rng.getstate())
         self._seed_base = twin.getrandbits(31)
         self._rejected_now: set[str] = set()  # partners whose update this round was refused
+        self._declined_now: set[str] = set()  # partners that declined this round's offer (busy)
         self._replied: dict[str, int] = {}  # partner -> the round of its update this round end
         # offers crossing at a round end (both partners offer at once): each update travels in
         # its own offer only, and the replies carry none (else each went twice: bytes, memory)
@@ -607,10 +613,11 @@ class Diloco(Algorithm):
         self._crossed.clear()
         now = ctx.now()
         for peer in partners:  # an offer cut off by the deadline raised nothing: count it here
-            if peer not in replies and peer not in self._rejected_now:
+            if peer not in replies and peer not in self._rejected_now | self._declined_now:
                 ctx.peers.failed(peer, now)
                 self.counters.record_failed(peer, spec)
         self._rejected_now.clear()
+        self._declined_now.clear()
         every = ctx.settings.consensus_every
         answered = [p for p in partners if p in replies]
         if every and round_ % every == 0 and answered:
@@ -690,7 +697,8 @@ class Diloco(Algorithm):
         self.round = round_
         self.outer_steps += 1
         self.peer_deltas_used += len(use)
-        missing = [p for p in partners if p not in replies]
+        missing = [p for p in partners if p not in replies and p not in use]  # (its own
+        # offer may have brought its update while ours was declined)
         self.missing += len(missing)
         log.info(
             "outer_step",
@@ -836,6 +844,8 @@ class Diloco(Algorithm):
             reply, data, _ = await ctx.network.request(
                 address, header, ours, deadline_s=deadline, expect_peer=peer
             )  # fmt: skip
+            if isinstance(reply, ErrorReply) and reply.code == "busy":
+                raise _Declined(reply.reason)
             if not isinstance(reply, DeltaReply):
                 raise _Refused(getattr(reply, "reason", "") or type(reply).__name__)
             moved[0] += len(ours) + len(data)
@@ -863,6 +873,11 @@ class Diloco(Algorithm):
             elif their_round and their_round[0] > 0:
                 delta = theirs
                 await ctx.to_thread(self._check_norm, theirs)
+        except _Declined as exc:  # neither ok nor failed: the partner is full this round
+            self._declined_now.add(peer)
+            ctx.peers.busy(peer, ctx.now())
+            log.info("exchange_declined", partner=peer[:12], reason=str(exc))
+            return
         except (TransportError, _Refused) as exc:  # counted as failed when the round ends
             log.info("exchange_failed", partner=peer[:12], reason=str(exc))
             return
