@@ -152,32 +152,42 @@ class StopRule:
     is nearer than that, from the step time it measured since the last check, and stops at the
     check once less than half a step is left: a run ends within half a step of its duration,
     as the geotrain nodes do, instead of up to STOP_CHECK_EVERY steps past it (seen: 99 s of
-    a 50 s run with 4.5 s steps on a slow link)."""
+    a 50 s run with 4.5 s steps on a slow link).
+
+    Local SGD checks right after its averaging steps only, and its unit is a whole period: a
+    check is a barrier, and one between two averaging steps made the fast ranks wait for the
+    slowest each time (20 s at 1 s steps beside a 4x straggler) while the mean step time it
+    measured hid those waits: local SGD trained 143-145 s of a 120 s run. Right after an
+    averaging step every rank has just waited anyway, so the check costs a round trip, and a
+    run ends within half a period of its duration, the ranks holding one model."""
 
     def __init__(self, args: argparse.Namespace, joined: float) -> None:
         self.args, self.joined = args, joined
-        self.next_check = 1  # the first step measures the step time
+        self.unit = max(1, getattr(args, "local_sgd_period", 0))
+        # the first check measures the step (period) time; torch's PeriodicModelAverager
+        # averages at its 1st, (1 + period)-th, ... call
+        self.next_check = 1 if self.unit == 1 else 1 + self.unit
         self.last_step, self.last_t = 0, joined
 
     def check(self, step: int, metric: float | None, reached) -> bool:
         if step < self.next_check:
             return False
-        args, now = self.args, time.monotonic()
+        args, now, unit = self.args, time.monotonic(), self.unit
         step_s = (now - self.last_t) / max(1, step - self.last_step)
         self.last_step, self.last_t = step, now
         limit, interval = 0.0, 0.0
         if args.max_steps and step >= args.max_steps:
             limit = 1.0
         if args.rank == 0:  # its clock and its interval count; the others add zeros
-            interval = float(STOP_CHECK_EVERY)
+            interval = float(max(STOP_CHECK_EVERY // unit, 1) * unit)
             if args.max_steps:
                 interval = min(interval, max(1, args.max_steps - step))
             if args.duration:
                 left = args.duration - (now - self.joined)
-                if left < step_s / 2:
+                if left < step_s * unit / 2:
                     limit = 1.0
                 elif step_s > 0:
-                    interval = min(interval, max(1, int(left / step_s)))
+                    interval = min(interval, max(unit, int(left / step_s) // unit * unit))
         target = float(args.target is not None and metric is not None
                        and reached(metric, args.target))  # fmt: skip
         flags = torch.tensor([limit, target, interval])

@@ -376,6 +376,33 @@ def test_a_baseline_stops_within_half_a_step_of_its_duration(monkeypatch, step_s
     assert steps[0] == 1
 
 
+@pytest.mark.parametrize("duration", [90.0, 120.0, 200.0])
+@pytest.mark.parametrize("wait_s", [0.0, 48.0])
+def test_local_sgd_stops_right_after_averaging_within_half_a_period(monkeypatch, duration,
+                                                                   wait_s):  # fmt: skip
+    """Local SGD's checks between its averaging steps were barriers that the fast ranks waited
+    at for a 4x straggler, 20 s each, hidden in a mean step time: it trained 143-145 s of a
+    120 s run. It checks right after an averaging step now (all ranks just waited there)."""
+    import argparse
+
+    from geotrain.testbed import _ddp
+
+    clock = [0.0]
+    monkeypatch.setattr(_ddp.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(_ddp.dist, "all_reduce", lambda flags, op: None)
+    args = argparse.Namespace(rank=0, world=1, max_steps=0, duration=duration, target=None,
+                              local_sgd_period=16)  # fmt: skip
+    rule, step, last = _ddp.StopRule(args, joined=0.0), 0, 0.0
+    while step < 10_000:
+        step += 1
+        last = 1.0 + (wait_s if step % 16 == 1 and step > 1 else 0.0)  # averaging: 17, 33, ...
+        clock[0] += last
+        if rule.check(step, None, lambda m, t: False):
+            break
+    assert step % 16 == 1  # right after an averaging step: the ranks end with one model
+    assert abs(clock[0] - duration) <= (16 + wait_s) / 2 + 1e-9, (step, clock[0])
+
+
 def test_a_scenario_file_that_is_not_text_is_refused_naming_it(tmp_path):
     path = tmp_path / "mine.toml"
     path.write_bytes(b"name = 'x'\n# \xd0\x28 not utf-8\n")
