@@ -162,12 +162,6 @@ class PeerChoice:
         if nbytes > 0 and seconds > 0:
             self.links.record_transfer(peer, nbytes, seconds, now)
 
-    def ready(self, peers: Sequence[str], now: float) -> list[str]:
-        """`peers` less those that failed or declined lately and are being skipped (their
-        pause doubles per failure, up to 16 x 5 s); all of them when every one is."""
-        ready = [p for p in peers if not self.selector.cooling(p, now)]
-        return ready or list(peers)
-
     def failed(self, peer: str, now: float) -> None:
         """`peer` did not answer in time or answered with an error: back off from it."""
         self.links.record_failure(peer, now)

@@ -167,6 +167,8 @@ class StopRule:
         # the first check measures the step (period) time; torch's PeriodicModelAverager
         # averages at its 1st, (1 + period)-th, ... call
         self.next_check = 1 if self.unit == 1 else 1 + self.unit
+        if args.max_steps:  # (a step limit is kept to the step, averaged or not)
+            self.next_check = min(self.next_check, args.max_steps)
         self.last_step, self.last_t = 0, joined
 
     def check(self, step: int, metric: float | None, reached) -> bool:

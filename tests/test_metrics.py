@@ -472,8 +472,9 @@ def test_the_plain_status_shows_small_traffic_and_the_algorithm_s_own_counters()
         peer_id="me", address="tcp://10.0.0.99:7000", algorithm="diloco", task="t",
         metric_name="accuracy", elapsed_s=1.0, step=40, steps_per_s=1.0, loss=None, metric=None,
         metric_step=None, bytes_in=31_500, bytes_out=2_900, exchanges_ok=3, exchanges_failed=0,
-        rejected_updates=0, pid=1, algorithm_stats={"outer_steps": 2, "partners_missing": 1},
+        rejected_updates=0, pid=1, algorithm_stats={"outer_steps": 2, "partners_missing": 1,
+                                                    "last_partner": None, "mode": "fast"},
     )  # fmt: skip
     shown = render_status(status.to_json())
     assert "traffic   in 31.5 kB  out 2.9 kB" in shown
-    assert "diloco    outer_steps 2  partners_missing 1" in shown
+    assert "diloco    outer_steps 2  partners_missing 1  last_partner None  mode fast" in shown

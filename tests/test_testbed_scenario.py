@@ -401,6 +401,10 @@ def test_local_sgd_stops_right_after_averaging_within_half_a_period(monkeypatch,
             break
     assert step % 16 == 1  # right after an averaging step: the ranks end with one model
     assert abs(clock[0] - duration) <= (16 + wait_s) / 2 + 1e-9, (step, clock[0])
+    # a step limit is kept to the step
+    args.duration, args.max_steps = 0.0, 10
+    rule = _ddp.StopRule(args, joined=clock[0])
+    assert [s for s in range(1, 40) if rule.check(s, None, lambda m, t: False)][0] == 10
 
 
 def test_a_scenario_file_that_is_not_text_is_refused_naming_it(tmp_path):

@@ -316,6 +316,9 @@ class Diloco(Algorithm):
         self._seed_base = twin.getrandbits(31)
         self._rejected_now: set[str] = set()  # partners whose update this round was refused
         self._declined_now: set[str] = set()  # partners that declined this round's offer (busy)
+        # partners that failed or declined: peer -> (the last round it sits out, failures in a
+        # row); rounds, not seconds, since a round may last a minute
+        self._skip: dict[str, tuple[int, int]] = {}
         self._replied: dict[str, int] = {}  # partner -> the round of its update this round end
         # offers crossing at a round end (both partners offer at once): each update travels in
         # its own offer only, and the replies carry none (else each went twice: bytes, memory)
@@ -572,15 +575,18 @@ class Diloco(Algorithm):
             return
         started = ctx.now()
         round_ = self.round + 1
-        # a client-mode peer offers, is not offered to; one that failed lately is left out
-        # while its pause runs (a crashed peer drew a fanout-1 round in two of three, seen)
-        live = ctx.peers.ready(sorted(ctx.peers.dialable_peers()), started)
+        # a client-mode peer offers, is not offered to; one that failed lately sits out some
+        # rounds (a crashed peer drew a fanout-1 round in two of three, seen)
+        dialable = sorted(ctx.peers.dialable_peers())
+        live = [p for p in dialable if self._skip.get(p, (0, 0))[0] < round_] or dialable
         partners = sorted(ctx.rng.sample(live, min(len(live), ctx.settings.fanout)))
         spec = self._spec(partners)
         # the last round's update goes before this one is made (one update held, not two); an
         # offer meanwhile is answered with none
         self.latest, self.latest_delta = (0, [], ""), None
         self._crossed.clear()
+        self._rejected_now.clear()
+        self._declined_now.clear()
         self._drop_stalled(started)
         try:
             await self._end_round(round_, partners, spec)
@@ -613,9 +619,17 @@ class Diloco(Algorithm):
         self._crossed.clear()
         now = ctx.now()
         for peer in partners:  # an offer cut off by the deadline raised nothing: count it here
-            if peer not in replies and peer not in self._rejected_now | self._declined_now:
-                ctx.peers.failed(peer, now)
-                self.counters.record_failed(peer, spec)
+            if peer in replies:
+                self._skip.pop(peer, None)
+                ctx.peers.answered(peer, True, now)
+            elif peer in self._declined_now:  # busy: it sits out the next round, no failure
+                self._skip[peer] = (round_ + 1, self._skip.get(peer, (0, 0))[1])
+            else:  # failed or rejected: it sits out 1, 2, 4, 8, then 16 rounds
+                failures = self._skip.get(peer, (0, 0))[1] + 1
+                self._skip[peer] = (round_ + 2 ** min(failures - 1, 4), failures)
+                if peer not in self._rejected_now:
+                    ctx.peers.failed(peer, now)
+                    self.counters.record_failed(peer, spec)
         self._rejected_now.clear()
         self._declined_now.clear()
         every = ctx.settings.consensus_every
@@ -693,6 +707,7 @@ class Diloco(Algorithm):
                 del self.inbox[peer]
         live = set(self.ctx.peers.live_peers())
         self.used = {p: r for p, r in self.used.items() if p in live}
+        self._skip = {p: s for p, s in self._skip.items() if p in live}
         self._answering = {p: a for p, a in self._answering.items() if p in live}
         self.round = round_
         self.outer_steps += 1
@@ -875,7 +890,6 @@ class Diloco(Algorithm):
                 await ctx.to_thread(self._check_norm, theirs)
         except _Declined as exc:  # neither ok nor failed: the partner is full this round
             self._declined_now.add(peer)
-            ctx.peers.busy(peer, ctx.now())
             log.info("exchange_declined", partner=peer[:12], reason=str(exc))
             return
         except (TransportError, _Refused) as exc:  # counted as failed when the round ends

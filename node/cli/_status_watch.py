@@ -29,7 +29,7 @@ from rich.table import Table
 from rich.text import Text
 
 from .._config import NodeConfig
-from ..state import format_bytes
+from ..state import format_bytes, format_number
 from ._status_client import StatusFile, open_status_client
 
 TREND_SAMPLES = 40  # about a screen line's worth of history per series
@@ -191,7 +191,8 @@ def _numbers(d: dict[str, Any], trend: Trend, bars: str) -> Table:
     )
     table.add_row("uptime", _duration(d.get("elapsed_s")))
     if d.get("algorithm_stats"):
-        table.add_row("algorithm", "  ".join(f"{k} {v:g}" for k, v in d["algorithm_stats"].items()))
+        table.add_row("algorithm", "  ".join(f"{k} {format_number(v)}"
+                                             for k, v in d["algorithm_stats"].items()))  # fmt: skip
     return table
 
 

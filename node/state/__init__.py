@@ -12,6 +12,7 @@ from ._status import NodeStatus as NodeStatus
 from ._status import PeerStatus as PeerStatus
 from ._status import append_metrics as append_metrics
 from ._status import format_bytes as format_bytes
+from ._status import format_number as format_number
 from ._status import parse_status as parse_status
 from ._status import read_status as read_status
 from ._status import render_status as render_status

@@ -194,7 +194,13 @@ def _algorithm_line(data: dict[str, Any]) -> list[str]:
     stats = data.get("algorithm_stats") or {}
     if not stats:
         return []
-    return [f"{data['algorithm']:<10}" + "  ".join(f"{k} {v:g}" for k, v in stats.items())]
+    return [f"{data['algorithm'] + ' ':<10}" + "  ".join(f"{k} {format_number(v)}"
+                                                         for k, v in stats.items())]  # fmt: skip
+
+
+def format_number(v: Any) -> str:
+    """A counter or gauge as `g` formats a number; anything else (None, a name) as it is."""
+    return f"{v:g}" if isinstance(v, int | float) and not isinstance(v, bool) else str(v)
 
 
 def render_status(data: dict[str, Any]) -> str:
