@@ -16,7 +16,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from geotrain.node.state import StateDir
+from geotrain.node.state import StateDir, format_bytes
 
 
 def load_jsonl(path: Path) -> list[dict[str, Any]]:
@@ -366,12 +366,7 @@ def equal_quality(run: dict[str, Any], systems: list[dict[str, Any]],
 
 
 def _fmt_bytes(n: int | None) -> str:
-    if n is None:
-        return "-"
-    for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if n >= size:
-            return f"{n / size:.2f} {unit}"
-    return f"{n} B"
+    return format_bytes(n, digits=2)
 
 
 def comparison_title(summary: dict[str, Any]) -> str:

@@ -180,13 +180,14 @@ def _metric_cell(data: dict[str, Any]) -> str:
     return f"  {data['metric_name']} {_fmt(data['metric'], '.4f')} (step {at})"
 
 
-def format_bytes(n: int | None) -> str:
-    """A byte count in the unit that shows it: "734.3 kB", "1.2 GB", "512 B"; "-" for None."""
+def format_bytes(n: int | None, digits: int = 1) -> str:
+    """A byte count in the unit that shows it: "734.3 kB", "1.2 GB", "512 B" (`digits` after
+    the point); "-" for None."""
     if n is None:
         return "-"
     for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
         if n >= size:
-            return f"{n / size:.1f} {unit}"
+            return f"{n / size:.{digits}f} {unit}"
     return f"{n} B"
 
 
