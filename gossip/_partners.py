@@ -152,11 +152,6 @@ class PartnerSelector:
         failures = self._cool.get(peer, (0.0, 0))[1]
         self._cool[peer] = (now + self.config.busy_cooldown_s, failures)
 
-    def cooling(self, peer: str, now: float) -> bool:
-        """Whether `peer` failed or declined lately and is being skipped (its pause runs)."""
-        cool = self._cool.get(peer)
-        return cool is not None and now < cool[0]
-
     def probe_targets(self, links: LinkTable, now: float, limit: int = 2) -> list[str]:
         """Up to `limit` peers the last choice looked at whose links need an active probe.
 
@@ -224,7 +219,8 @@ class PartnerSelector:
         return self._rng.random() < cfg.exploration
 
     def _available(self, peer: str, now: float) -> bool:
-        if self.cooling(peer, now):
+        cool = self._cool.get(peer)
+        if cool is not None and now < cool[0]:
             return False
         limit = self.config.max_share * self.config.share_window
         return self._recent_count.get(peer, 0) < limit

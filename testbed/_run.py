@@ -645,11 +645,11 @@ def consensus_of_finite(models: list[dict]) -> float | None:
     model and hold values that are not finite (a causal mask of -inf, as the charlm task keeps
     among its buffers), which would make every figure NaN. None when a peer's tensor is not
     finite otherwise (its weights diverged) or nothing is left, so run.json never holds a NaN."""
-    from geotrain.gossip import consensus_distance
+    from geotrain.gossip import all_finite, consensus_distance
 
     kept = []
     for name, first in models[0].items():
-        if all(bool(m[name].float().isfinite().all()) for m in models):
+        if all(all_finite(m[name]) for m in models):
             kept.append(name)
         elif not all(_same_values(first, m[name]) for m in models[1:]):
             return None

@@ -365,10 +365,6 @@ def equal_quality(run: dict[str, Any], systems: list[dict[str, Any]],
             "meaning": "every peer at or past the best level all systems reached"}  # fmt: skip
 
 
-def _fmt_bytes(n: int | None) -> str:
-    return format_bytes(n, digits=2)
-
-
 def comparison_title(summary: dict[str, Any]) -> str:
     """The comparison table's one-line heading: scenario, peers, task, emulation, target."""
     target = summary["target"]
@@ -391,7 +387,7 @@ def comparison_rows(summary: dict[str, Any]) -> list[tuple[str, ...]]:
             s["system"], s["algorithm"],
             f"{ttt:.1f} s" if ttt is not None else f"not reached ({s['trained_s']} s)",
             _final_cell(s),
-            _fmt_bytes(s["bytes_sent_total"]),
+            format_bytes(s["bytes_sent_total"], digits=2),
             "-" if s["steps_per_s_median"] is None else f"{s['steps_per_s_median']:.2f}",
         ))  # fmt: skip
     return rows
@@ -487,7 +483,7 @@ def _equal_lines(summary: dict[str, Any]) -> list[str]:
             if hit["time_s"] is None:
                 parts.append(f"{name} -")
             else:
-                parts.append(f"{name} {hit['time_s']:.1f} s, {_fmt_bytes(hit['bytes'])}")
+                parts.append(f"{name} {hit['time_s']:.1f} s, {format_bytes(hit['bytes'], 2)}")
         return "; ".join(parts)
 
     lines = [f"  {eq['metric']} {rung['level']:.4g}: " + cells(rung["systems"])

@@ -65,8 +65,8 @@ class _Refused(Exception):
 
 
 class _Declined(_Refused):
-    """A partner declined an offer as busy (it holds as many updates as it may): it is skipped
-    a while, its link not counted as failed."""
+    """A partner declined an offer as busy (it holds as many updates as it may): it sits out
+    the next round, its link not counted as failed."""
 
 
 class _Stale(_Refused):
