@@ -225,6 +225,9 @@ class TrainingConfig:
     wait_for_peers / wait_for_peers_s: before the first step, wait until this many other peers
         are known alive (at most wait_for_peers_s seconds), so a swarm starts training together.
     eval_every: evaluate the held-out metric every this many steps.
+    eval_every_s: also evaluate once this many seconds have passed since the last evaluation
+        (or the first step), whichever comes first; for slow steps, where a step count is
+        minutes. 0: by steps only.
     slowdown: emulate a slower machine (the testbed's stragglers); 1.0 is full speed.
     step_time_ms: compute emulation: every step is padded to this many milliseconds (times
         slowdown), so a run measures the network and the algorithm, not how shared cores were
@@ -263,6 +266,7 @@ class TrainingConfig:
     wait_for_peers: int = 0
     wait_for_peers_s: float = 300.0
     eval_every: int = 50
+    eval_every_s: float = 0.0
     slowdown: float = 1.0
     step_time_ms: float = 0.0
     threads: int = 0
@@ -326,6 +330,8 @@ class TrainingConfig:
         _check(self.wait_for_peers_s > 0, "training.wait_for_peers_s", self.wait_for_peers_s,
                "> 0 seconds")
         _check(self.eval_every >= 1, "training.eval_every", self.eval_every, ">= 1")
+        _check(0 <= self.eval_every_s <= 86_400, "training.eval_every_s", self.eval_every_s,
+               "seconds, 0..86400 (0: by steps only)")  # fmt: skip
         _check(1.0 <= self.slowdown <= 10_000, "training.slowdown", self.slowdown, "1.0..10000")
         _check(0 <= self.step_time_ms <= 3_600_000, "training.step_time_ms", self.step_time_ms,
                "milliseconds, 0..3600000 (an hour)")  # fmt: skip

@@ -25,7 +25,8 @@ class TrainingDriver:
         trainer: the local model; algorithm: told after each step; checkpointer: writes.
         progress: where evaluations are recorded (the status reads it).
         max_steps: stop after this many local steps (0: until stopped); eval_every,
-            checkpoint_every: cadences in steps.
+            checkpoint_every: cadences in steps; eval_every_s: also evaluate once this many
+            seconds have passed since the last evaluation (0: by steps only).
         stop: set to end the loop after the current step.
     """
 
@@ -40,6 +41,7 @@ class TrainingDriver:
         eval_every: int,
         checkpoint_every: int,
         stop: trio.Event,
+        eval_every_s: float = 0.0,
     ) -> None:
         self._trainer = trainer
         self._algorithm = algorithm
@@ -47,6 +49,8 @@ class TrainingDriver:
         self._progress = progress
         self._max_steps = max_steps
         self._eval_every = eval_every
+        self._eval_every_s = eval_every_s
+        self._evaluated_at: float | None = None  # (trio time; the first step's end before any)
         self._checkpoint_every = checkpoint_every
         self._stop = stop
 
@@ -76,13 +80,24 @@ class TrainingDriver:
                 await self._algorithm.after_step(result)
             except LoopClosed:  # a change for the loop's next step, and none came: it closed
                 return
-            if self._eval_every and result.step % self._eval_every == 0:
+            if self._evaluation_due(result.step):
                 await self.evaluate()
             if result.step % self._checkpoint_every == 0:
                 await self._checkpointer.write()
 
+    def _evaluation_due(self, step: int) -> bool:
+        if self._eval_every and step % self._eval_every == 0:
+            return True
+        if not self._eval_every_s:
+            return False
+        now = trio.current_time()
+        if self._evaluated_at is None:  # the clock starts at the first step
+            self._evaluated_at = now
+        return now - self._evaluated_at >= self._eval_every_s
+
     async def evaluate(self) -> None:
         """Evaluate the held-out metric now (a worker thread)."""
+        self._evaluated_at = trio.current_time()
         metric = await trio.to_thread.run_sync(self._trainer.evaluate)
         if metric is not None:  # (None: it failed, logged; the last metric stays)
             self._progress.metric = metric

@@ -555,7 +555,8 @@ class Node:
         # the swarm's state is still fetched, as for a node that never ran
         if (ckpt is None or ckpt.step == 0) and cfg.gossip.state_sync and membership.bootstrap:
             await state_sync.fetch(self._stop)
-        cadence = {"eval_every": t.eval_every, "checkpoint_every": cfg.state.checkpoint_every,
+        cadence = {"eval_every": t.eval_every, "eval_every_s": t.eval_every_s,
+                   "checkpoint_every": cfg.state.checkpoint_every,
                    "stop": self._stop}  # fmt: skip
         if self.loop is not None:
             self.steps, receive = trio.open_memory_channel(math.inf)

@@ -42,6 +42,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--duration", type=float, default=0.0, help="stop after this many seconds")
     p.add_argument("--target", type=float, default=None, help="stop once the metric reaches it")
     p.add_argument("--eval-every", type=int, default=20)
+    p.add_argument("--eval-every-s", type=float, default=0.0,
+                   help="also evaluate once this many seconds passed since the last (0: off)")
     p.add_argument("--metrics", type=Path, required=True)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--system", default="ddp", help="the name in the metrics lines")
@@ -84,6 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     optimizer, scheduler = task_optimizer(task, model.parameters(), args.lr)
     joined = time.monotonic()
     stop = StopRule(args, joined)
+    cadence = EvalCadence(args.eval_every, args.eval_every_s)
     step, metric, metric_step = 0, None, None
     with open(args.metrics, "a") as out:
         while True:
@@ -100,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
             # padded from the step's start: the all-reduce overlaps the pinned compute time, as
             # DDP overlaps it with the backward pass on GPUs
             pad_step(t0, args.step_ms, args.slowdown)
-            if step % args.eval_every == 0:
+            if cadence.due(step):
                 model.eval()
                 metric, metric_step = float(task.evaluate(task.model)), step
                 model.train()
@@ -132,6 +135,28 @@ def task_optimizer(
     same way. The schedule is stepped once per local step, and `task.recipe.clip` clips."""
     optimizer = task.recipe.build_optimizer(params, lr or task.lr)
     return optimizer, task.recipe.build_scheduler(optimizer)
+
+
+class EvalCadence:
+    """When a baseline's worker evaluates, as a geotrain node does (`training.eval_every`,
+    `eval_every_s`): every `every` steps, and also once `every_s` seconds (monotonic) have
+    passed since the last evaluation or the first step (0: by steps only). With slow steps a
+    step count alone puts minutes between evaluations, and a time to a quality level is then
+    only known to within those minutes."""
+
+    def __init__(self, every: int, every_s: float = 0.0) -> None:
+        self.every, self.every_s = every, every_s
+        self._last: float | None = None
+
+    def due(self, step: int) -> bool:
+        """Whether to evaluate after `step`; a True starts the clock again."""
+        now = time.monotonic()
+        if self._last is None:
+            self._last = now
+        if step % self.every == 0 or (self.every_s and now - self._last >= self.every_s):
+            self._last = now
+            return True
+        return False
 
 
 def pad_step(started: float, step_ms: float, slowdown: float) -> None:

@@ -31,7 +31,7 @@ import torch
 
 from geotrain.node import TaskContext, resolve_task
 
-from ._ddp import pad_step
+from ._ddp import EvalCadence, pad_step
 
 BOOTSTRAP_WAIT_S = 180.0  # peer 0's torch + hivemind import on 2 busy cores
 OVERRUN_S = 120.0  # the worker stops itself this long after --duration if nobody stopped it
@@ -53,6 +53,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--slowdown", type=float, default=1.0)
     p.add_argument("--duration", type=float, default=0.0)
     p.add_argument("--eval-every", type=int, default=20)
+    p.add_argument("--eval-every-s", type=float, default=0.0)
     p.add_argument("--metrics", type=Path, required=True)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--partition", default="iid", help="iid, or dirichlet label skew")
@@ -213,6 +214,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         _barrier(args.maddrs_dir, args.world, lambda: stopping)
     joined = time.monotonic()
+    cadence = EvalCadence(args.eval_every, args.eval_every_s)
     step, metric, metric_step = _last_step(args.metrics) if rejoining and args.metrics.exists() \
         else 0, None, None  # fmt: skip
     step0 = step
@@ -231,7 +233,7 @@ def main(argv: list[str] | None = None) -> int:
                 if not assembled:
                     _wait_for_swarm(opt, args.world, lambda: stopping)
                     assembled, joined, step0 = True, time.monotonic(), step
-                if step % args.eval_every == 0:
+                if cadence.due(step):
                     task.model.eval()
                     with torch.no_grad():
                         metric, metric_step = float(task.evaluate(task.model)), step

@@ -131,12 +131,14 @@ def ddp_argv(
     *, rank: int, world: int, master: str, task: str, params: dict, seed: int, slowdown: float,
     duration: float, target: float, eval_every: int, metrics: Path, system: str = "ddp",
     local_sgd_period: int = 0, step_ms: float = 0.0, partition: str = "iid", alpha: float = 0.5,
+    eval_every_s: float = 0.0,
 ) -> list[str]:  # fmt: skip
     return [
         sys.executable, "-m", "geotrain.testbed._ddp", "--rank", str(rank), "--world", str(world),
         "--master", master, "--task", task, "--params", json.dumps(params), "--seed", str(seed),
         "--slowdown", str(slowdown), "--duration", str(duration), "--target", str(target),
-        "--eval-every", str(eval_every), "--metrics", str(metrics), "--system", system,
+        "--eval-every", str(eval_every), "--eval-every-s", str(eval_every_s),
+        "--metrics", str(metrics), "--system", system,
         "--local-sgd-period", str(local_sgd_period), "--step-ms", str(step_ms),
         "--partition", partition, "--alpha", str(alpha),
     ]  # fmt: skip
@@ -146,7 +148,7 @@ def hivemind_argv(
     *, rank: int, world: int, host: str, port: int, maddrs_dir: Path, run_id: str,
     settings: dict, system: str, task: str, params: dict, seed: int, slowdown: float,
     duration: float, eval_every: int, metrics: Path, step_ms: float = 0.0, partition: str = "iid",
-    alpha: float = 0.5,
+    alpha: float = 0.5, eval_every_s: float = 0.0,
 ) -> list[str]:  # fmt: skip
     return [
         sys.executable, "-m", "geotrain.testbed._hivemind", "--rank", str(rank),
@@ -154,7 +156,8 @@ def hivemind_argv(
         "--maddrs-dir", str(maddrs_dir), "--run-id", run_id, "--settings", json.dumps(settings),
         "--system", system, "--task", task, "--params", json.dumps(params), "--seed", str(seed),
         "--slowdown", str(slowdown), "--duration", str(duration),
-        "--eval-every", str(eval_every), "--metrics", str(metrics), "--step-ms", str(step_ms),
+        "--eval-every", str(eval_every), "--eval-every-s", str(eval_every_s),
+        "--metrics", str(metrics), "--step-ms", str(step_ms),
         "--partition", partition, "--alpha", str(alpha),
     ]  # fmt: skip
 

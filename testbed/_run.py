@@ -76,6 +76,10 @@ class RunOptions:
             a second on small tasks: every 20 steps is a few times a second).
         ddp_eval_every: the same for DDP ranks. Every step by default: a DDP step over WAN links
             takes seconds, and evaluating every 20 would blur its time to target by minutes.
+        eval_every_s: every system (geotrain's nodes and every baseline's workers) also
+            evaluates once this many seconds have passed since its last evaluation. With
+            compute emulation a step is a second or more, and 20 of a 4x straggler's steps are
+            80 s: a time to a quality level would be known only to within that (0: off).
         progress_every_s: seconds between progress lines.
         node_overrides: `--set section.key=value` items for every node (e.g. gossip.policy).
         command: the command line that asked for this run, as the CLI rebuilt it from its
@@ -96,6 +100,7 @@ class RunOptions:
     link_check: bool = True
     eval_every: int = 20
     ddp_eval_every: int = 1
+    eval_every_s: float = 10.0
     progress_every_s: float = 5.0
     node_overrides: tuple[str, ...] = ()
     command: tuple[str, ...] = ()
@@ -116,6 +121,9 @@ class RunOptions:
         for name in ("eval_every", "ddp_eval_every"):
             if getattr(self, name) < 1:
                 raise ValueError(f"RunOptions.{name}={getattr(self, name)!r}: expected >= 1")
+        if not 0 <= self.eval_every_s <= 86_400:
+            raise ValueError(f"RunOptions.eval_every_s={self.eval_every_s!r}: expected seconds, "
+                             "0..86400")  # fmt: skip
 
 
 def run_testbed(options: RunOptions, echo: Echo = print) -> dict[str, Any]:
@@ -335,7 +343,8 @@ def _node_config(options: RunOptions, host, files, state: Path, bootstrap: list[
         "training": {
             "task": sc.task, "params": dict(sc.params), "seed": 0, "shard_index": host.index,
             "num_shards": sc.n_peers, "wait_for_peers": sc.n_peers - 1,
-            "eval_every": options.eval_every, "slowdown": sc.slowdown(host.index), "threads": 1,
+            "eval_every": options.eval_every, "eval_every_s": options.eval_every_s,
+            "slowdown": sc.slowdown(host.index), "threads": 1,
             "step_time_ms": sc.step_ms, "partition": sc.partition, "alpha": sc.alpha,
         },
         # state_sync off: every peer starts from the same seeded model, as the DDP ranks do (a
@@ -422,6 +431,7 @@ def _run_ddp(options, hosts, meter: BytesMeter, faults: FaultRunner, echo: Echo,
                 step_ms=sc.step_ms,
                 # local steps are as fast as a node's: evaluated as often as a node evaluates
                 eval_every=options.eval_every if period else options.ddp_eval_every,
+                eval_every_s=options.eval_every_s,
                 local_sgd_period=period, partition=sc.partition, alpha=sc.alpha,
             )  # fmt: skip
             env = child_env({"GLOO_SOCKET_IFNAME": host.ifname})
@@ -468,7 +478,8 @@ def _run_hivemind(name: str, options, hosts, meter: BytesMeter, faults: FaultRun
                 port=HIVEMIND_PORT if host.fixed_port else 0, maddrs_dir=root / "dht",
                 run_id=f"{name}-{int(launch)}", settings=settings, system=name, task=sc.task,
                 params=dict(sc.params), seed=0, slowdown=sc.slowdown(host.index),
-                duration=sc.duration_s, eval_every=options.eval_every, metrics=metrics,
+                duration=sc.duration_s, eval_every=options.eval_every,
+                eval_every_s=options.eval_every_s, metrics=metrics,
                 step_ms=sc.step_ms, partition=sc.partition, alpha=sc.alpha,
             )  # fmt: skip
             proc = ManagedProcess(argv, metrics.with_suffix(".log"), child_env(), host.prefix)

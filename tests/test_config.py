@@ -58,6 +58,7 @@ def test_overrides_take_toml_values_and_bare_strings():
         ("training.lr=-1", "training.lr = -1.0: expected > 0"),
         ("training.lr=fast", "training.lr = 'fast': expected a number"),
         ("training.step_time_ms=-5", "training.step_time_ms = -5.0: expected milliseconds, 0.."),
+        ("training.eval_every_s=-1", "training.eval_every_s = -1.0: expected seconds, 0..86400"),
         # absurd sizes: a float32 overflow at the first step, a time_t overflow, a step no
         # signal could end, a handshake deadline that bounded nothing
         ("training.lr=1e39", "training.lr = 1e+39: expected > 0 and <= 1e6"),

@@ -360,6 +360,36 @@ def test_evaluations_run_between_the_users_steps_never_during_a_forward_pass(tmp
     assert model.changed == 0  # no forward pass, the user's or the evaluation's, saw a switch
 
 
+@pytest.mark.parametrize("every_s, at_least, at_most", [(0.25, 3, 20), (0.0, 0, 0)])
+def test_evaluations_come_by_time_when_steps_are_slow(tmp_path, every_s, at_least, at_most):
+    """training.eval_every_s: with slow steps a step count puts minutes between evaluations;
+    the time rule evaluates anyway, and is off at 0 (the step rule alone, here never due)."""
+    import time
+
+    model, calls = make_model(), []
+
+    def evaluate(m: nn.Module) -> float:
+        calls.append(time.monotonic())
+        return 0.5
+
+    swarm = geotrain.join(config(tmp_path, "a", "training.eval_every=100000",
+                                 f"training.eval_every_s={every_s}", "training.wait_for_peers=0"),
+                          model, evaluate=evaluate, identity=Identity.generate(),
+                          admission=Admission.open_swarm("geotrain"))  # fmt: skip
+    with swarm:
+        opt = swarm.wrap(torch.optim.SGD(model.parameters(), lr=0.01))
+        started = time.monotonic()
+        while time.monotonic() - started < 2.0:  # slow steps: 50 ms each
+            model(torch.randn(4, 8)).pow(2).mean().backward()
+            time.sleep(0.05)
+            opt.step()
+            opt.zero_grad()
+        during = len(calls)  # (close evaluates once more)
+    assert at_least <= during <= at_most
+    gaps = [b - a for a, b in zip(calls[: during - 1], calls[1:during], strict=True)]
+    assert all(g >= every_s * 0.9 for g in gaps)  # not at every step once due
+
+
 def test_a_join_that_times_out_stops_its_node(tmp_path):
     before = {t for t in threading.enumerate() if t.name == "geotrain-node"}
     with pytest.raises(TimeoutError, match="not ready within 1.5 s"):

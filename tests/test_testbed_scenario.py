@@ -226,6 +226,25 @@ def test_compute_emulation_reaches_every_system(tmp_path: Path, monkeypatch):
     assert not scenario_from_dict(_base()).step_ms  # off unless asked for
 
 
+def test_a_baseline_evaluates_by_time_between_its_step_counts(monkeypatch):
+    """With 4 s steps a baseline evaluating every 20 steps said its time to a level only to
+    within 80 s; now every system also evaluates every eval_every_s."""
+    from geotrain.testbed import _ddp
+
+    clock = [100.0]
+    monkeypatch.setattr(_ddp.time, "monotonic", lambda: clock[0])
+    cadence = _ddp.EvalCadence(20, 10.0)
+    due = []
+    for step in range(1, 41):  # 4 s steps
+        clock[0] += 4.0
+        due.append(cadence.due(step))
+    # the clock starts at the first step: then every third 4 s step, and step 20 and 40 anyway
+    assert [s for s, d in zip(range(1, 41), due, strict=True) if d] == [
+        4, 7, 10, 13, 16, 19, 20, 23, 26, 29, 32, 35, 38, 40]
+    steps_only = _ddp.EvalCadence(20)
+    assert [s for s in range(1, 41) if steps_only.due(s)] == [20, 40]
+
+
 def test_partition_flags_reach_every_system_and_the_run_files(tmp_path: Path, monkeypatch):
     import argparse
 
@@ -271,6 +290,8 @@ def test_partition_flags_reach_every_system_and_the_run_files(tmp_path: Path, mo
         worker = _hivemind if argv[2].endswith("_hivemind") else _ddp
         parsed = worker._parse(argv[3:])  # the worker's own parser reads what the testbed wrote
         assert (parsed.partition, parsed.alpha) == ("dirichlet", 0.1), argv
+        assert parsed.eval_every_s == options.eval_every_s == 10.0  # by time too, as a node
+    assert doc["training"]["eval_every_s"] == 10.0
 
     # --node-set would split geotrain's data alone: refused, naming the flag to use
     with pytest.raises(ScenarioError, match="--alpha"):
