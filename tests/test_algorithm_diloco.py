@@ -917,3 +917,67 @@ async def test_an_offer_declined_as_busy_is_no_failure_of_the_link(autojump_cloc
         assert a.ctx.peers.links.estimate("p1", trio.current_time()).failures == 0
         assert a._skip["p1"] == (2, 0)  # it sits out the next round, no failure counted
         assert a.statistics().partners_missing == 1  # its update did not come this round
+
+
+@pytest.mark.parametrize("catch_up", [True, False])
+async def test_a_slow_peer_catches_up_and_each_update_weighs_its_inner_steps(autojump_clock,
+                                                                             catch_up):  # fmt: skip
+    """A 4x straggler took the swarm's progress only at its own round end, H of its slow steps
+    later. Now a partner's update of a whole round that comes while it is at most halfway
+    through its own ends its round at its next step, and each update weighs the inner steps it
+    took: the straggler's short round counts for what it did, and a short update does not make
+    the fast peer end its round."""
+    torch.manual_seed(0)
+    settings = {**DILOCO, "algorithm_settings": {
+        "diloco": DilocoSettings(inner_steps=10, catch_up=catch_up)}}
+    async with runtimes(2, **settings) as (net, (fast, slow)):
+        for _ in range(3):
+            slow.ctx.trainer.train_step()
+        for _ in range(10):
+            fast.ctx.trainer.train_step()
+        await fast.after_step(step(fast, 10))  # a whole round: offered to the slow peer
+        assert slow.inbox["p0"][0] == 1
+        slow.ctx.trainer.train_step()
+        for _ in range(3):  # the fast peer is 3 steps into its next round when the slow one's
+            fast.ctx.trainer.train_step()  # update comes
+        delta_slow = pseudo_gradient(slow.start, slow.ctx.trainer.params())
+        start = {k: v.clone() for k, v in slow.start.items()}
+        await slow.after_step(step(slow, 4))
+        if not catch_up:  # rounds of inner_steps only: its round goes on
+            assert slow.statistics().outer_steps == 0 and slow.inbox["p0"][0] == 1
+            return
+        stats = slow.statistics()
+        assert (stats.outer_steps, stats.catch_ups, stats.peer_deltas_used) == (1, 1, 1)
+        # the mean weighs each update by its inner steps: 4 of ours, 10 of the fast peer's
+        mean = {k: (4 * delta_slow[k] + 10 * fast.latest_delta[k]) / 14 for k in delta_slow}
+        NesterovOuter(0.7, 0.9).step(start, mean)
+        assert all(torch.allclose(slow.start[k], start[k], atol=1e-6) for k in start)
+        assert "p1" in fast.inbox  # its short update went to the fast peer
+        await fast.after_step(step(fast, 13))  # a short update: no reason to end its round
+        assert fast.statistics().outer_steps == 1 and fast.statistics().catch_ups == 0
+        # rounds of inner_steps from the caught-up step on: the slow peer's next ends at 14
+        for number in range(5, 14):
+            slow.ctx.trainer.train_step()
+            await slow.after_step(step(slow, number))
+        assert slow.statistics().outer_steps == 1
+        slow.ctx.trainer.train_step()
+        await slow.after_step(step(slow, 14))
+        assert slow.statistics().outer_steps == 2
+
+
+async def test_a_partners_claimed_steps_never_outweigh_a_whole_round_of_ours(autojump_clock):
+    """`steps` comes from the network: a peer saying a million weighs as one whole round."""
+    torch.manual_seed(0)
+    settings = {**DILOCO, "algorithm_settings": {"diloco": DilocoSettings(inner_steps=4)}}
+    async with runtimes(2, **settings) as (net, (a, b)):
+        for _ in range(4):
+            a.ctx.trainer.train_step()
+            b.ctx.trainer.train_step()
+        await b.after_step(step(b, 4))
+        assert a._steps_of[("p1", 1)] == 4
+        a._steps_of[("p1", 1)] = 10**6  # as a lying DeltaOffer would have it
+        delta_a = pseudo_gradient(a.start, a.ctx.trainer.params())
+        start = {k: v.clone() for k, v in a.start.items()}
+        await a.after_step(step(a, 4))
+        NesterovOuter(0.7, 0.9).step(start, average([delta_a, b.latest_delta]))
+        assert all(torch.allclose(a.start[k], start[k], atol=1e-6) for k in start)

@@ -99,15 +99,19 @@ class DeltaOffer(_ChunkOffer, frozen=True, tag="delta_offer"):
     """The payload is chunk `index` of the sender's pseudo-gradient of outer round `round`;
     answered with the same chunk of the responder's latest pseudo-gradient, or with nothing
     (round 0) when that is not newer than round `have`, the sender's newest of the responder's
-    updates (held or used): nobody sends an update twice."""
+    updates (held or used): nobody sends an update twice. `steps`: the inner steps the update
+    took (0: not said, as from an older node; taken as a whole round), its weight in the mean."""
 
     have: U63 = 0
+    steps: U63 = 0
 
 
 class DeltaReply(Header, frozen=True, tag="delta_reply"):
-    """A chunk of the responder's latest pseudo-gradient (round 0, empty: it has none yet)."""
+    """A chunk of the responder's latest pseudo-gradient (round 0, empty: it has none yet);
+    `steps` as in DeltaOffer."""
 
     round: U63
+    steps: U63 = 0
 
 
 class OuterOffer(_ChunkOffer, frozen=True, tag="outer_offer"):
@@ -175,6 +179,12 @@ class DilocoSettings:
         seconds / (comm_fraction x seconds per step), at least inner_steps, at most
         max_inner_steps. A slower link or a faster step gives longer rounds, and back.
     max_inner_steps: the most inner steps adaptive rounds may take.
+    catch_up: a peer ends its round early when a partner's update of a whole round comes while
+        it is at most halfway through its own (between a tenth and half of its inner steps):
+        it is the slow one, and it takes the swarm's progress now instead of at its own round
+        end, H of its slow steps later (a 4x straggler waited 4 rounds of the others). Every
+        update is weighted by the inner steps it took (capped at a whole round of ours), so
+        such a short round counts for what it did. False: rounds of inner_steps only.
     """
 
     inner_steps: int = 20
@@ -186,6 +196,7 @@ class DilocoSettings:
     consensus_codec: str = "int8"
     comm_fraction: float = 0.0
     max_inner_steps: int = 1000
+    catch_up: bool = True
 
     def __post_init__(self) -> None:
         check_field(self.inner_steps >= 1, "gossip.diloco.inner_steps", self.inner_steps, ">= 1")
@@ -205,6 +216,8 @@ class DilocoSettings:
                     "0 (fixed rounds) or a fraction in (0, 1)")  # fmt: skip
         check_field(self.max_inner_steps >= self.inner_steps, "gossip.diloco.max_inner_steps",
                     self.max_inner_steps, f">= inner_steps ({self.inner_steps})")  # fmt: skip
+        check_field(isinstance(self.catch_up, bool), "gossip.diloco.catch_up", self.catch_up,
+                    "true or false")  # fmt: skip
 
 
 def wire_share(codec: str) -> float:
@@ -258,6 +271,7 @@ class DilocoStatistics:
     consensus_mixes: int = 0  # partners' outer parameters averaged in
     # this round's inner steps (comm_fraction adapts them)
     inner_steps: int = field(default=0, metadata={"gauge": True})
+    catch_ups: int = 0  # rounds ended early to take a faster partner's update (catch_up)
 
 
 class Diloco(Algorithm):
@@ -335,6 +349,13 @@ class Diloco(Algorithm):
         self._outer_in: tuple[str, int, int, EncodedAssembly] | None = None  # peer, xid, round
         self._stepping = False  # the outer step is changing self.start: answer no consensus
         self._round_end_step = 0  # the trainer's step when the last round ended
+        self._latest_steps = 0  # the inner steps our latest update took
+        # the inner steps peers' updates took: (peer, its round) -> steps (0: not said)
+        self._steps_of: dict[tuple[str, int], int] = {}
+        # catch_up: peer -> (our step when its update came to the inbox, the steps it took)
+        self._arrivals: dict[str, tuple[int, int]] = {}
+        self._phase = 0  # fixed rounds end at steps = this modulo inner_steps (catch_up moves it)
+        self.catch_ups = 0
         rule = ctx.gossip.robust
         self._consensus_radius = ClipRadius("none" if rule == "none" else "clip",
                                             cap=ctx.gossip.clip)  # fmt: skip
@@ -344,7 +365,8 @@ class Diloco(Algorithm):
 
     def statistics(self) -> DilocoStatistics:
         return DilocoStatistics(self.outer_steps, self.peer_deltas_used, self.missing,
-                                self.consensus_mixes, self.inner_steps)  # fmt: skip
+                                self.consensus_mixes, self.inner_steps,
+                                self.catch_ups)  # fmt: skip
 
     def state(self) -> tuple[Tensors, dict]:
         # (no copies: a checkpoint is written under the trainer's lock, and the round start and
@@ -458,7 +480,10 @@ class Diloco(Algorithm):
     def _round_end(self, spec: str) -> tuple[Tensors, list[bytes]]:
         """Our update of this round, and its chunks encoded once (error feedback applies once;
         codec none: no chunks kept, see `_chunk`)."""
-        self._round_end_step = self.ctx.trainer.step
+        step = self.ctx.trainer.step
+        # (clamped: the first round after a restart counts from step 0)
+        self._latest_steps = max(1, min(step - self._round_end_step, self.inner_steps))
+        self._round_end_step = step
 
         def over_start(live: Tensors) -> Tensors:  # in place: start - live, where start was
             with self._start_lock:
@@ -550,15 +575,34 @@ class Diloco(Algorithm):
                    self._replied.get(peer, 0))  # fmt: skip
 
     def _round_ends(self, result: StepResult) -> bool:
-        """Whether `result`'s step ends an outer round (every inner_steps steps, or adaptive)."""
+        """Whether `result`'s step ends an outer round (every inner_steps steps, or adaptive, or
+        early to catch up)."""
         cfg = self.ctx.settings
         if not cfg.comm_fraction:
-            return result.step % cfg.inner_steps == 0
-        seconds = result.seconds
-        self._step_s = seconds if self._step_s is None else 0.8 * self._step_s + 0.2 * seconds
-        if self._next_round_at is None:  # (also after a restart: the next multiple)
-            self._next_round_at = result.step + (-result.step) % cfg.inner_steps
-        return result.step >= self._next_round_at
+            ends = result.step % cfg.inner_steps == self._phase
+        else:
+            seconds = result.seconds
+            self._step_s = seconds if self._step_s is None else 0.8 * self._step_s + 0.2 * seconds
+            if self._next_round_at is None:  # (also after a restart: the next multiple)
+                self._next_round_at = result.step + (-result.step) % cfg.inner_steps
+            ends = result.step >= self._next_round_at
+        if ends or not self._catching_up(result.step):
+            return ends
+        self._phase = result.step % cfg.inner_steps  # (fixed rounds: H steps from here on)
+        self.catch_ups += 1
+        log.info("round_caught_up", step=result.step,
+                 inner_steps=result.step - self._round_end_step)  # fmt: skip
+        return True
+
+    def _catching_up(self, step: int) -> bool:
+        """catch_up: whether a partner's update of a whole round came while we were between a
+        tenth and half of our round's inner steps (we are the slow one)."""
+        if not self.ctx.settings.catch_up or not self._arrivals:
+            return False
+        h, begun = self.inner_steps, self._round_end_step
+        low, high = max(1, h // 10), h // 2
+        return any(low <= at - begun <= high and (steps or h) >= h
+                   for at, steps in self._arrivals.values())  # fmt: skip
 
     def _adapt(self, step: int, waited_s: float) -> None:
         """Set the next round's inner steps from this round end's wait and the step time."""
@@ -650,6 +694,12 @@ class Diloco(Algorithm):
             max_staleness=self.ctx.settings.max_staleness,
         )
         others = [offered[p][1] for p in use]
+        # each update weighted by the inner steps it took, a peer's at most a whole round of
+        # ours (nobody outweighs us by saying so); 0, not said: a whole round
+        whole = max(self._latest_steps, self.inner_steps)
+        weights = [float(min(self._steps_of.get((p, offered[p][0]), 0) or whole, whole))
+                   for p in use]  # fmt: skip
+        own = float(self._latest_steps)
         self._replied.clear()
         rule, radius = self.ctx.gossip.robust, self.ctx.robust
         assert radius is not None
@@ -668,7 +718,7 @@ class Diloco(Algorithm):
             # gossip.robust: peers' pseudo-gradients clipped around ours, or trimmed
             # the outer step moves every start alike: average first, then step
             self._mix(self.start, mixes, self._consensus_shares(mixes, self._start_distance))
-            self._outer_update(delta, others, rule, radius)
+            self._outer_update(delta, others, rule, radius, weights=(own, weights))
             for name, tensor in live.items():
                 if drift:
                     tensor.add_(self.start[name])
@@ -683,7 +733,7 @@ class Diloco(Algorithm):
             for name, tensor in live.items():  # the round start, made where the model is
                 tensor.add_(self.start[name])
             self._mix(live, mixes, shares)
-            self._outer_update(self.start, others, rule, radius, live)
+            self._outer_update(self.start, others, rule, radius, live, weights=(own, weights))
             for name, tensor in self.start.items():  # the next round's start
                 tensor.copy_(live[name])
             self._start_holds_delta = False
@@ -705,6 +755,9 @@ class Diloco(Algorithm):
         for peer, (r, _) in list(self.inbox.items()):  # (a newer one that came during the
             if peer in offered and r <= offered[peer][0]:  # step stays, for the next)
                 del self.inbox[peer]
+        self._steps_of = {k: v for k, v in self._steps_of.items()
+                          if self.inbox.get(k[0], (None,))[0] == k[1]}  # fmt: skip
+        self._arrivals = {p: a for p, a in self._arrivals.items() if p in self.inbox}
         live = set(self.ctx.peers.live_peers())
         self.used = {p: r for p, r in self.used.items() if p in live}
         self._skip = {p: s for p, s in self._skip.items() if p in live}
@@ -750,11 +803,14 @@ class Diloco(Algorithm):
                     target[name].view(-1)[offset : offset + t.numel()].add_(t, alpha=share)
 
     def _outer_update(self, delta: Tensors, others: list[Update], rule: str,
-                      radius: ClipRadius, target: Tensors | None = None) -> None:  # fmt: skip
+                      radius: ClipRadius, target: Tensors | None = None,
+                      weights: tuple[float, list[float]] | None = None) -> None:  # fmt: skip
         """The outer step of `target` (the round start when None) on the robust mean of our
         update and the peers' (gossip.robust: clipped around ours, or trimmed), a slice of one
         update at a time: the mean is never held whole, nor a peer's update decoded whole (but
-        for a trimmed mean, which needs every update's value of a coordinate at once)."""
+        for a trimmed mean, which needs every update's value of a coordinate at once).
+        `weights`: (ours, the peers') in the mean, the inner steps each update took (None:
+        equal; a trimmed mean is unweighted)."""
         target = self.start if target is None else target
         if rule == "trim" and trim_count(len(others) + 1):
             whole = [o.decoded() if isinstance(o, EncodedAssembly) else o for o in others]
@@ -763,13 +819,16 @@ class Diloco(Algorithm):
 
         scales = robust_scales([functools.partial(update_distance, o, delta) for o in others],
                                rule, radius)  # fmt: skip
-        share = 1.0 / (len(others) + 1)
-        # mean = own + sum_j share s_j (x_j - own) = (1 - share sum_j s_j) own + sum_j share s_j x_j
-        own = 1.0 - share * sum(scales)
+        mine, theirs = weights if weights is not None else (1.0, [1.0] * len(others))
+        total = mine + sum(theirs)
+        shares = [w / total for w in theirs]
+        # mean = own + sum_j c_j s_j (x_j - own) = (1 - sum_j c_j s_j) own + sum_j c_j s_j x_j,
+        # c_j = w_j / (w_own + sum_k w_k)
+        own = 1.0 - sum(c * scale for c, scale in zip(shares, scales, strict=True))
         self.outer.begin(target)
         for name, t in delta.items():
             self.outer.add(target, name, t, own)
-        for other, scale in zip(others, scales, strict=True):
+        for other, scale, share in zip(others, scales, shares, strict=True):
             for name, offset, t in update_slices(other):
                 self.outer.add(target, name, t, share * scale, offset)
 
@@ -849,12 +908,12 @@ class Diloco(Algorithm):
         theirs: EncodedAssembly | None = EncodedAssembly(plan, spec, ctx.trainer.task_device,
                                                          self._hold)  # fmt: skip
         their_round: list[int] = []
-        started, moved, changed = ctx.now(), [0], [False]
+        started, moved, changed, their_steps = ctx.now(), [0], [False], [0]
 
         async def one(index: int) -> None:
             header = DeltaOffer(codec=spec, round=round_, xid=xid, plan=plan.digest,
                                 chunk_numel=plan.chunk_numel, chunks=len(plan), index=index,
-                                have=have)  # fmt: skip
+                                have=have, steps=self._latest_steps)  # fmt: skip
             ours = await self._chunk(plan, index, spec)
             reply, data, _ = await ctx.network.request(
                 address, header, ours, deadline_s=deadline, expect_peer=peer
@@ -869,6 +928,7 @@ class Diloco(Algorithm):
                 # whole; of its answer nothing is kept (chunks of two updates make none)
                 changed[0] = True
             their_round.append(reply.round)
+            their_steps[0] = reply.steps
             if reply.round > 0 and not changed[0]:
                 assert theirs is not None
                 await ctx.to_thread(theirs.add, index, data)
@@ -904,6 +964,7 @@ class Diloco(Algorithm):
         replies[peer] = (their_round[0] if their_round else 0, delta)
         if delta is not None:
             self._replied[peer] = their_round[0]
+            self._steps_of[(peer, their_round[0])] = their_steps[0]
         self.counters.record_ok(peer, spec)
 
     async def handle(self, peer: PeerInfo, header: Header, payload: memoryview) -> Reply:
@@ -942,7 +1003,8 @@ class Diloco(Algorithm):
         if answering[1] == 0 or not available:  # none, or none it lacks
             return DeltaReply(round=0), b""
         try:
-            return DeltaReply(round=round_), await self._chunk(plan, header.index, header.codec)
+            return (DeltaReply(round=round_, steps=self._latest_steps),
+                    await self._chunk(plan, header.index, header.codec))
         except _Stale:  # our outer step took it meanwhile: as if our round had ended (none)
             return DeltaReply(round=0), b""
 
@@ -1008,6 +1070,8 @@ class Diloco(Algorithm):
             await ctx.to_thread(self._check_norm, assembly)
             if header.round > self.inbox.get(peer, (-1, None))[0]:
                 self.inbox[peer] = (header.round, assembly)
+                self._steps_of[(peer, header.round)] = header.steps
+                self._arrivals[peer] = (ctx.trainer.step, header.steps)
         finally:  # (checked before it stops counting as arriving: a round end waits for it)
             if self._incoming.get(peer, (None,))[0] == header.xid:  # (a newer offer may
                 del self._incoming[peer]  # have replaced it)
