@@ -16,7 +16,7 @@ from geotrain.gossip import LinkTable, all_finite
 
 from .algorithms import Algorithm
 from .state import Checkpoint, CheckpointStore
-from .training import Trainer
+from .training import LoopClosed, Trainer
 
 LAYOUT = 2  # 1: adpsgd's error feedback as "ef/..." beside the model; 2: all of it under "algo/"
 log = structlog.get_logger()
@@ -132,6 +132,10 @@ class Checkpointer:
         try:
             step, seconds, bad = await trio.to_thread.run_sync(
                 lambda: self._trainer.at_step_start(write, wait=not final))
+        except LoopClosed:  # the user's loop was interrupted (Ctrl-C) while it wrote: its
+            # close writes the final one
+            log.info("checkpoint_skipped", step=self._trainer.step, reason="loop interrupted")
+            return
         except OSError as exc:  # a full or failing disk: the run goes on, the older files stay
             self.failures += 1
             log.error("checkpoint_failed", step=self._trainer.step, error=str(exc),

@@ -353,7 +353,8 @@ class Node:
         config file's folder's now. A node that would start afresh there while ./state holds
         checkpoints says so (it was likely started from that folder before)."""
         old = Path.cwd() / "state"
-        if self.state.root.resolve() == old.resolve() or any(
+        # (a state.dir of another name was chosen: nothing moved it)
+        if self.state.root.name != "state" or self.state.root.resolve() == old.resolve() or any(
                 self.state.checkpoints.glob("ckpt-*")):  # fmt: skip
             return
         if (old / "checkpoints").is_dir() and any((old / "checkpoints").glob("ckpt-*")):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import sys
 import threading
 from pathlib import Path
@@ -674,3 +675,33 @@ def test_a_model_with_an_infinite_buffer_is_checkpointed(tmp_path):
     model.register_buffer("mask", torch.full((4, 4), float("-inf")).triu(1))
     _join_alone_and_train(tmp_path, model, 3)
     assert list((tmp_path / "a" / "checkpoints").glob("ckpt-*"))  # the final one, at close
+
+
+def test_ctrl_c_during_an_evaluation_reaches_the_loop_and_the_swarm_closes_cleanly(tmp_path):
+    """Ctrl-C while the node's evaluation ran in the user's thread was handed to the node's
+    thread: the node failed (no final checkpoint, no leave) and the loop got LoopClosed instead
+    of KeyboardInterrupt."""
+    model, calls = make_model(), []
+
+    def evaluate(m: nn.Module) -> float:
+        calls.append(len(calls))
+        if len(calls) == 1:
+            raise KeyboardInterrupt  # as a SIGINT arriving during the user's evaluate
+        return 0.5
+
+    swarm = geotrain.join(config(tmp_path, "a", "training.eval_every=5",
+                                 "training.wait_for_peers=0"), model, evaluate=evaluate,
+                          identity=Identity.generate(), admission=Admission.open_swarm("geotrain"))
+    steps = 0
+    with pytest.raises(KeyboardInterrupt), swarm:
+        opt = swarm.wrap(torch.optim.SGD(model.parameters(), lr=0.01))
+        while steps < 5000:
+            model(torch.randn(4, 8)).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+            steps += 1
+    assert steps < 5000 and len(calls) >= 2  # interrupted; the evaluation ran again at close
+    final = list((tmp_path / "a" / "checkpoints").glob("ckpt-*"))
+    assert final, "no final checkpoint: the node failed instead of closing"
+    status = json.loads((tmp_path / "a" / "status.json").read_text())
+    assert status["metric"] == 0.5

@@ -458,6 +458,14 @@ class LoopTrainer(OptimizerSync):
             try:
                 with torch.no_grad():
                     pending.result = pending.fn(self.params())
+            except (KeyboardInterrupt, SystemExit):  # Ctrl-C (or a signal handler's exit) in
+                # the user's thread while it ran the node's change: the user's to handle, not
+                # the node's (handed over, it failed the node: no final checkpoint, no leave).
+                # The node hears that the loop closed; the changes behind stay queued (close
+                # runs them)
+                pending.error = LoopClosed("the loop was interrupted during this change")
+                pending.done.set()
+                raise
             except BaseException as exc:  # handed to the node's thread that asked for it
                 pending.error = exc
             pending.done.set()
