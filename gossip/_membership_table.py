@@ -328,7 +328,11 @@ class MembershipTable:
         elif state is MemberState.SUSPECT:
             self._apply_suspect(r, u, now, sender)
         elif u.incarnation >= r.incarnation and r.state not in (state, MemberState.LEFT):
-            self._set(r, state, u.incarnation, now, str(state))
+            # dead or left: hearsay never raises a member's incarnation (a made-up 2^53 - 1 put
+            # it where its own word could never beat it: a live member cut off for good, even
+            # after a restart); the member itself may
+            inc = u.incarnation if sender == u.peer_id else r.incarnation
+            self._set(r, state, inc, now, str(state))
         return False
 
     def _apply_alive(self, r: _Record, u: MemberUpdate, now: float) -> None:

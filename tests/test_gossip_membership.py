@@ -299,6 +299,25 @@ def test_a_made_up_incarnation_of_a_third_party_cuts_nobody_off():
     assert all(victim in net.nodes[p].live_peers() for p in peers if p != victim)
 
 
+def test_a_made_up_death_or_leave_of_a_live_member_does_not_cut_it_off():
+    """An admitted member told p0 that a live peer was dead, then had left, at incarnation
+    2^53 - 1: p0 stopped exchanging with it for good, even after the victim restarted (its own
+    word could never beat that incarnation)."""
+    net = _swarm(6, seed=13)
+    peers = list(net.nodes)
+    net.run_until(40.0, stop=lambda: _all_see_alive(net, peers))
+    liar, victim, told = "p1", "p3", "p0"
+    for state in ("dead", "left"):
+        lie = MemberUpdate(victim, "addr3", state, MAX_INCARNATION - 1)
+        net.send(liar, [Send("addr0", told, Ping(10**6, "addr1", (lie,)))])
+        net.run_until(net.now + 1.0)
+    net.run_until(net.now + 120.0, stop=lambda: _all_see_alive(net, peers))
+    assert _view(net, told)[victim] is MemberState.ALIVE
+    assert all(victim in net.nodes[p].live_peers() for p in peers if p != victim)
+    assert net.nodes[told].members() and all(
+        m.incarnation < 2**52 for m in net.nodes[told].members())
+
+
 def test_made_up_suspicion_origins_do_not_shorten_a_suspicion():
     peers = ["p1", "p2", "p3", "p4", "p5"]
     n = len(peers) + 1
