@@ -456,7 +456,9 @@ def test_a_restarted_peer_rejoins_even_below_its_old_incarnation():
     net.send("p4", fresh.join(["addr0"], net.now))
     net.run_until(net.now + 120.0, stop=lambda: _all_see_alive(net, peers))
     assert _all_see_alive(net, peers)
-    assert fresh.incarnation == 0
+    # (at most one refutation: a stale death claim, of incarnation 3, now marks its new record
+    # dead at the recorded incarnation, which it refutes; 3 is never adopted)
+    assert fresh.incarnation <= 1
 
 
 def test_a_message_from_our_own_identity_says_what_that_means():
