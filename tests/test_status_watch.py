@@ -417,3 +417,22 @@ def test_a_status_left_running_by_a_node_that_died_says_stopped(real_node, tmp_p
         assert "(stopped)" not in capsys.readouterr().out
     finally:
         held.close()
+
+
+@pytest.mark.parametrize("change", [
+    {"steps_per_s": None, "elapsed_s": None, "pid": None},
+    {"loss": "low", "bytes_in": "many", "metric": "good", "algorithm_stats": ["x"]},
+    {"peers": [{"peer": "gtabc", "rtt_ms": "near", "exchanges_ok": None}, "not a peer"]},
+])
+def test_a_status_with_numbers_that_are_not_numbers_is_shown_not_a_traceback(
+        real_node, tmp_path, capsys, change):  # fmt: skip
+    """A status document from another version (or an admitted node's made-up one, read over
+    the network) with a null or a text where a number goes ended `geotrain status` in a
+    traceback."""
+    copy = tmp_path / "odd"
+    shutil.copytree(real_node.state_dir, copy)
+    doc = json.loads((copy / "status.json").read_text())
+    (copy / "status.json").write_text(json.dumps({**doc, **change}))
+    assert main(["status", "--node", str(copy)]) == 0
+    out = capsys.readouterr().out
+    assert doc["peer_id"] in out and "steps/s" in out

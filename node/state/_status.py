@@ -135,9 +135,14 @@ def parse_status(raw: bytes, where: str) -> dict[str, Any]:
 
 
 def _fmt(value: Any, spec: str = "") -> str:
+    """`value` formatted by `spec`; "-" for None, and as it is (cut to 24 characters) where
+    `spec` does not fit it: a status from another version, or a node's made-up one, renders."""
     if value is None:
         return "-"
-    return format(value, spec)
+    try:
+        return format(value, spec)
+    except (TypeError, ValueError):
+        return str(value)[:24]
 
 
 def _certificate_line(expires_at: Any) -> list[str]:
@@ -170,21 +175,21 @@ def _not_dialled_line(data: dict[str, Any]) -> list[str]:
 
 def _loss_cell(data: dict[str, Any]) -> str:
     bad = data.get("nonfinite_losses") or 0
-    return f"NaN/inf ({bad} steps in a row)" if bad else _fmt(data["loss"], ".4f")
+    return f"NaN/inf ({_fmt(bad)} steps in a row)" if bad else _fmt(data.get("loss"), ".4f")
 
 
 def _metric_cell(data: dict[str, Any]) -> str:
     if data["metric_name"] == "loss" and data["task"] == "own loop":
         return ""  # a loop joined with no evaluate: its metric is the loss, shown once
-    at = _fmt(data["metric_step"])
-    return f"  {data['metric_name']} {_fmt(data['metric'], '.4f')} (step {at})"
+    at = _fmt(data.get("metric_step"))
+    return f"  {data['metric_name']} {_fmt(data.get('metric'), '.4f')} (step {at})"
 
 
 def format_bytes(n: int | None, digits: int = 1) -> str:
     """A byte count in the unit that shows it: "734.3 kB", "1.2 GB", "512 B" (`digits` after
     the point); "-" for None."""
-    if n is None:
-        return "-"
+    if not isinstance(n, int | float) or isinstance(n, bool):
+        return _fmt(n)
     for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
         if n >= size:
             return f"{n / size:.{digits}f} {unit}"
@@ -193,7 +198,7 @@ def format_bytes(n: int | None, digits: int = 1) -> str:
 
 def _algorithm_line(data: dict[str, Any]) -> list[str]:
     stats = data.get("algorithm_stats") or {}
-    if not stats:
+    if not stats or not isinstance(stats, dict):
         return []
     return [f"{data['algorithm'] + ' ':<10}" + "  ".join(f"{k} {format_number(v)}"
                                                          for k, v in stats.items())]  # fmt: skip
@@ -206,14 +211,16 @@ def format_number(v: Any) -> str:
 
 def render_status(data: dict[str, Any]) -> str:
     """A human-readable status: the node's numbers, then one row per known peer."""
+    get = data.get
     lines = [
-        f"node      {data['peer_id']}  {data['address']}  pid {data['pid']}"
-        + ("" if data.get("running", True) else "  (stopped)"),
-        f"training  {data['task']} / {data['algorithm']}  step {data['step']}"
-        f"  {data['steps_per_s']:.2f} steps/s  loss {_loss_cell(data)}" + _metric_cell(data),
-        f"traffic   in {format_bytes(data['bytes_in'])}  out {format_bytes(data['bytes_out'])}"
-        f"  exchanges ok {data['exchanges_ok']} failed {data['exchanges_failed']}"
-        f"  rejected updates {data['rejected_updates']}  up {data['elapsed_s']:.0f}s",
+        f"node      {data['peer_id']}  {data['address']}  pid {_fmt(get('pid'))}"
+        + ("" if get("running", True) else "  (stopped)"),
+        f"training  {data['task']} / {data['algorithm']}  step {_fmt(data['step'])}"
+        f"  {_fmt(get('steps_per_s'), '.2f')} steps/s  loss {_loss_cell(data)}"
+        + _metric_cell(data),
+        f"traffic   in {format_bytes(get('bytes_in'))}  out {format_bytes(get('bytes_out'))}"
+        f"  exchanges ok {_fmt(get('exchanges_ok'))} failed {_fmt(get('exchanges_failed'))}"
+        f"  rejected updates {_fmt(get('rejected_updates'))}  up {_fmt(get('elapsed_s'), '.0f')}s",
         *_algorithm_line(data),
         *_certificate_line(data.get("certificate_expires_at")),
         *_privacy_line(data),
@@ -222,11 +229,14 @@ def render_status(data: dict[str, Any]) -> str:
         f"{'peer':<14}{'state':<9}{'address':<28}{'rtt ms':>8}{'Mbit/s':>9}  {'codec':<16}"
         f"{'ok':>5}{'failed':>7}",
     ]
-    for p in data.get("peers", []):
+    for p in data.get("peers") or []:
+        if not isinstance(p, dict):
+            continue
         lines.append(
-            f"{p['peer']:<14}{p['state']:<9}{p['address']:<28}{_fmt(p['rtt_ms'], '.1f'):>8}"
-            f"{_fmt(p['goodput_mbit'], '.1f'):>9}  {_fmt(p['codec']):<16}"
-            f"{p['exchanges_ok']:>5}{p['exchanges_failed']:>7}"
+            f"{_fmt(p.get('peer')):<14}{_fmt(p.get('state')):<9}{_fmt(p.get('address')):<28}"
+            f"{_fmt(p.get('rtt_ms'), '.1f'):>8}{_fmt(p.get('goodput_mbit'), '.1f'):>9}  "
+            f"{_fmt(p.get('codec')):<16}{_fmt(p.get('exchanges_ok')):>5}"
+            f"{_fmt(p.get('exchanges_failed')):>7}"
         )
     if not data.get("peers"):
         lines.append("(no peers known yet)")
