@@ -68,6 +68,7 @@ class Checkpointer:
         self._algorithm = algorithm
         self._links = links
         self._written_step = -1
+        self.final_failed = False  # the checkpoint at stop could not be written
         self.written_at: float | None = None  # time.monotonic() of the last write
         self.failures = 0  # writes that failed (OSError: a full disk) or were refused (NaN)
 
@@ -138,6 +139,14 @@ class Checkpointer:
             return
         except OSError as exc:  # a full or failing disk: the run goes on, the older files stay
             self.failures += 1
+            if final:  # nothing goes on: say what is lost (the daemon exits 1)
+                self.final_failed = True
+                log.error("checkpoint_failed", step=self._trainer.step, error=str(exc),
+                          directory=str(self._store.directory), final=True,
+                          hint="the node stops WITHOUT its final checkpoint: a restart resumes "
+                          f"from the newest one on disk (step {self._written_step}; -1: none), "
+                          "the steps after it are lost (free space, or see the error)")  # fmt: skip
+                return
             log.error("checkpoint_failed", step=self._trainer.step, error=str(exc),
                       directory=str(self._store.directory),
                       hint="training goes on and the previous checkpoint is kept; the next "

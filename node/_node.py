@@ -135,6 +135,7 @@ class Node:
         self._stopped = trio.Event()
         self._running = True
         self._reporter: StatusReporter | None = None
+        self._checkpointer: Checkpointer | None = None
         self.metrics: MetricsServer | None = None
         self._checkpointer: Checkpointer | None = None
         self._token: trio.lowlevel.TrioToken | None = None
@@ -152,6 +153,11 @@ class Node:
     async def wait_stopped(self) -> None:
         """Wait until `run()` has finished its shutdown (max_steps reached, or stop requested)."""
         await self._stopped.wait()
+
+    @property
+    def final_checkpoint_failed(self) -> bool:
+        """The checkpoint at stop could not be written (logged: checkpoint_failed, final)."""
+        return self._checkpointer is not None and self._checkpointer.final_failed
 
     @property
     def rejected_messages(self) -> Counter[str]:
@@ -456,6 +462,7 @@ class Node:
             checkpointer = Checkpointer(
                 store, cfg.gossip.algorithm, cfg.training.task, trainer, algorithm, self.links
             )
+            self._checkpointer = checkpointer
             if ckpt is not None:
                 checkpointer.restore(ckpt)
                 log.info("resumed", step=ckpt.step)

@@ -182,3 +182,27 @@ def test_a_signal_delivered_twice_at_once_still_stops_gracefully(tmp_path):
     # (a node that had stopped before the second copy came may be ended by it: -SIGTERM)
     assert proc.returncode in (0, -signal.SIGTERM), text[-3000:]
     assert "stop_forced" not in text and "checkpoint_written" in text and "node_stopped" in text
+
+
+def test_a_daemon_whose_final_checkpoint_fails_exits_1_and_says_what_is_lost(
+        tmp_path, monkeypatch, capsys):  # fmt: skip
+    """A final checkpoint that could not be written (a full or read-only disk) was logged with
+    'training goes on' and the daemon exited 0: a supervisor's Restart=on-failure saw nothing."""
+    import errno
+
+    from geotrain.node.state import _checkpoint
+
+    def full(f, ckpt):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(_checkpoint, "write_checkpoint", full)
+    assert main(["keygen", "--out", str(tmp_path / "identity.key")]) == 0
+    (tmp_path / "node.toml").write_text(
+        '[identity]\nopen_swarm = true\n[training]\ntask = "synthetic-linreg"\n'
+        "wait_for_peers = 0\nmax_steps = 5\n[state]\ncheckpoint_every = 1000\n"
+        '[network]\nlisten = "tcp://127.0.0.1:0"\n'
+    )
+    code = main(["node", "run", "--config", str(tmp_path / "node.toml")])
+    err = capsys.readouterr().err
+    assert code == 1 and "stopped without its final checkpoint" in err
+    assert "checkpoint_failed" in err and "WITHOUT its final checkpoint" in err

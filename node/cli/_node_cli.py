@@ -106,6 +106,10 @@ def node_run(args: argparse.Namespace) -> int:
         log.error("node_failed", error=f"{type(exc).__name__}: {exc}", exc_info=exc)
         print(f"geotrain node run: failed: {type(exc).__name__}: {exc} (the log above has the "
               "traceback)", file=sys.stderr)  # fmt: skip
+    if not (failed or diverged or refused) and node.final_checkpoint_failed:
+        print("geotrain node run: stopped without its final checkpoint (checkpoint_failed "
+              "above): a restart resumes from the newest one on disk", file=sys.stderr)
+        return 1
     return 1 if failed or diverged else 2 if refused else 0
 
 
