@@ -84,12 +84,18 @@ class Swarm:
         Its state (and the scheduler's, if given) is restored from the node's checkpoint when
         there is one, and saved in the node's checkpoints from now on.
 
+        Wrapping the same optimizer again (or what wrap returned) with a scheduler adds that
+        scheduler, e.g. one made on what the first wrap returned.
+
         Raises:
-            ValueError: the optimizer steps parameters that are not the joined model's.
+            ValueError: not a torch optimizer, or the optimizer steps parameters that are not
+                the joined model's.
             LoopClosed: the swarm is closed.
         """
         if self._closed:
             raise LoopClosed("wrap() after the swarm was closed")
+        if isinstance(optimizer, SwarmOptimizer):  # (wrapped again, e.g. to add a scheduler
+            optimizer = optimizer.optimizer  # made on what the first wrap returned)
         self._loop.attach(optimizer, scheduler)
         return SwarmOptimizer(self, optimizer, scheduler)
 

@@ -705,3 +705,39 @@ def test_ctrl_c_during_an_evaluation_reaches_the_loop_and_the_swarm_closes_clean
     assert final, "no final checkpoint: the node failed instead of closing"
     status = json.loads((tmp_path / "a" / "status.json").read_text())
     assert status["metric"] == 0.5
+
+
+def test_wrap_of_something_not_an_optimizer_says_what_it_takes():
+    """swarm.wrap(model) (or a list of parameters, or "adam") was an AttributeError about
+    param_groups."""
+    from geotrain.node.training import LoopTrainer
+
+    model = make_model()
+    loop = LoopTrainer(model)
+    for wrong in (model, list(model.parameters()), "adam"):
+        with pytest.raises(ValueError, match=r"wrap\(\) takes your torch optimizer"):
+            loop.attach(wrong)
+
+
+def test_a_scheduler_made_on_what_wrap_returned_is_checkpointed_when_wrapped_again(tmp_path):
+    """The README's pattern, a schedule built on what wrap returned, could not be checkpointed:
+    passed to wrap it was refused as another optimizer's."""
+    model = make_model()
+    with joined(tmp_path, "s", model, "training.wait_for_peers=0") as swarm:
+        sgd = torch.optim.SGD(model.parameters(), lr=0.1)
+        opt = swarm.wrap(sgd)
+        schedule = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+        swarm.wrap(opt, schedule)  # what wrap returned, wrapped again with its schedule
+        for _ in range(4):
+            opt.zero_grad()
+            model(torch.randn(4, 8)).sum().backward()
+            opt.step()
+            schedule.step()
+    again = make_model()
+    with joined(tmp_path, "s", again, "training.wait_for_peers=0") as swarm:
+        sgd = torch.optim.SGD(again.parameters(), lr=0.1)
+        opt = swarm.wrap(sgd)  # first without the schedule: its saved state waits for it
+        schedule = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+        swarm.wrap(opt, schedule)
+        assert schedule.last_epoch == 4
+        assert sgd.param_groups[0]["lr"] == pytest.approx(0.1 * 0.5**4)

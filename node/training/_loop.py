@@ -348,8 +348,13 @@ class LoopTrainer(OptimizerSync):
                 checkpoint restored at join holds another optimizer's state (its class, its
                 number of parameter groups).
         """
+        groups = getattr(optimizer, "param_groups", None)
+        if not isinstance(groups, list) or not callable(getattr(optimizer, "step", None)):
+            raise ValueError(f"wrap() takes your torch optimizer, got {type(optimizer).__name__}"
+                             f" {optimizer!r:.40}: e.g. swarm.wrap(torch.optim.AdamW("
+                             "model.parameters()))")  # fmt: skip
         mine = {id(p) for p in self.model.parameters()}
-        theirs = [p for group in optimizer.param_groups for p in group["params"]]
+        theirs = [p for group in groups for p in group["params"]]
         if not theirs or any(id(p) not in mine for p in theirs):
             raise ValueError("the optimizer's parameters are not (all) the joined model's: wrap "
                              "the optimizer of the model given to geotrain.join")  # fmt: skip
@@ -358,7 +363,9 @@ class LoopTrainer(OptimizerSync):
                     and callable(getattr(scheduler, "state_dict", None))):  # fmt: skip
                 raise ValueError(f"scheduler {scheduler!r:.60}: expected a torch learning-rate "
                                  "scheduler (with step() and state_dict())")  # fmt: skip
-            if getattr(scheduler, "optimizer", optimizer) is not optimizer:
+            scheduled = getattr(scheduler, "optimizer", optimizer)
+            # (one made on what wrap returned schedules this optimizer through it)
+            if optimizer not in (scheduled, getattr(scheduled, "optimizer", None)):
                 raise ValueError("the scheduler schedules another optimizer than the one "
                                  "wrapped: pass the scheduler made for this optimizer")  # fmt: skip
         if self.optimizer is not None and self.optimizer is not optimizer:
@@ -371,7 +378,7 @@ class LoopTrainer(OptimizerSync):
                 raise ValueError(f"{exc}: wrap the optimizer that wrote the checkpoint (the same "
                                  "class and parameter groups), or start in another "
                                  "state.dir") from None  # fmt: skip
-            self.optimizer, self.scheduler = optimizer, scheduler
+            self.optimizer, self.scheduler = optimizer, scheduler or self.scheduler
 
     def _load_saved_state(self, optimizer: torch.optim.Optimizer, scheduler: Any) -> None:
         """Load the optimizer and scheduler state kept from a checkpoint or a peer into them."""
@@ -396,7 +403,8 @@ class LoopTrainer(OptimizerSync):
             if "lr_lambdas" in current and "lr_lambdas" not in state:  # older checkpoints
                 state = {**state, "lr_lambdas": current["lr_lambdas"]}
             scheduler.load_state_dict(state)
-        self._scheduler_state = None
+        if scheduler is not None:  # (kept for a scheduler passed at a later wrap of it)
+            self._scheduler_state = None
 
     def start(self) -> None:
         """The user's loop begins: from now on changes wait for its steps."""
