@@ -7,9 +7,11 @@
 # counted under peer="other", which never decreases (a counter).
 from __future__ import annotations
 
+import contextlib
 import re
 import socket
 import threading
+import time
 from collections.abc import Callable, Iterator, Mapping
 from wsgiref.simple_server import WSGIRequestHandler, make_server
 
@@ -252,7 +254,12 @@ class _BoundedServer(ThreadingWSGIServer):
     def __init__(self, *args, **kwargs) -> None:
         self._slots = threading.BoundedSemaphore(MAX_SCRAPES)
         self.refused = 0
+        self._deadlines: dict[socket.socket, float] = {}  # served connections: cut at
+        self._watch_lock = threading.Lock()
+        self._stopping = threading.Event()
         super().__init__(*args, **kwargs)
+        threading.Thread(target=self._watch, name="geotrain-metrics-deadlines",
+                         daemon=True).start()  # fmt: skip
 
     def process_request(self, request, client_address) -> None:
         if not self._slots.acquire(blocking=False):
@@ -269,13 +276,38 @@ class _BoundedServer(ThreadingWSGIServer):
             raise
 
     def process_request_thread(self, request, client_address) -> None:
+        # a whole connection gets SCRAPE_TIMEOUT_S, not each read: a byte every few seconds
+        # held a slot for ever, and MAX_SCRAPES such connections held the endpoint
+        with self._watch_lock:
+            self._deadlines[request] = time.monotonic() + SCRAPE_TIMEOUT_S
         try:
             super().process_request_thread(request, client_address)
         finally:
+            with self._watch_lock:
+                self._deadlines.pop(request, None)
             self._slots.release()
+
+    def _watch(self) -> None:
+        """One thread for all connections: cut those past their deadline."""
+        while not self._stopping.wait(0.25):
+            now = time.monotonic()
+            with self._watch_lock:
+                late = [r for r, at in self._deadlines.items() if at <= now]
+            for request in late:
+                _cut(request)
+
+    def server_close(self) -> None:
+        self._stopping.set()
+        super().server_close()
 
     def handle_error(self, request, client_address) -> None:
         """A client that went away or stayed silent: nothing to print."""
+
+
+def _cut(request: socket.socket) -> None:
+    """End a connection past its time (its thread's next read or write fails)."""
+    with contextlib.suppress(OSError):
+        request.shutdown(socket.SHUT_RDWR)
 
 
 class _RefusedConnections:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import socket
@@ -478,3 +479,30 @@ def test_the_plain_status_shows_small_traffic_and_the_algorithm_s_own_counters()
     shown = render_status(status.to_json())
     assert "traffic   in 31.5 kB  out 2.9 kB" in shown
     assert "diloco    outer_steps 2  partners_missing 1  last_partner None  mode fast" in shown
+
+
+def test_connections_that_trickle_a_byte_at_a_time_do_not_hold_the_metrics_port(monkeypatch):
+    """MAX_SCRAPES connections each sending a byte every few seconds held every slot for as
+    long as they went on: the timeout was per read. A whole connection gets SCRAPE_TIMEOUT_S."""
+    import time
+
+    from geotrain.node import _metrics
+
+    monkeypatch.setattr(_metrics, "SCRAPE_TIMEOUT_S", 1.5)
+    server = _metrics.MetricsServer("127.0.0.1:0", _OneGauge())
+    trickling = []
+    try:
+        for _ in range(_metrics.MAX_SCRAPES):
+            trickling.append(socket.create_connection(("127.0.0.1", server.port), timeout=5))
+        started = time.monotonic()
+        while time.monotonic() - started < 3.0:  # a byte each 0.5 s: no read waits 1.5 s
+            for s in trickling:
+                with contextlib.suppress(OSError):
+                    s.send(b"G")
+            time.sleep(0.5)
+        numbers = scrape(server.port)  # the trickling ones were cut at 1.5 s
+        assert numbers[("geotrain_up", ())] == 1.0
+    finally:
+        for s in trickling:
+            s.close()
+        server.close()
