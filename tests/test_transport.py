@@ -841,3 +841,37 @@ async def test_an_oversized_frame_is_counted_and_logged_and_the_node_serves_on(a
             assert header == Pong(7)
         # an honest peer that hangs up after its handshake is not counted
         assert ts.statistics().handshakes_failed == {"closed": 1}
+
+
+async def test_requests_being_reassembled_hold_at_most_the_budget_over_every_connection(
+        authority):  # fmt: skip
+    """Each partial request is allocated whole at its first part, and the limit was two per
+    connection: three admitted connections announcing 250 MiB each took a node of a 0.5 GB
+    estimate to 1.2 GB. Now all connections together hold at most max_reassembly_bytes."""
+    from geotrain.node.transport._noise import part_bounds
+
+    config = TransportConfig(max_message_bytes=1 << 20)  # budget: 2 MiB
+    server = Node(authority)
+    size = 900 * 1024
+    lo, hi = part_bounds(size, 2, 0)
+    async with _open(server, config) as ts:
+        raws = []
+        try:
+            answers = []
+            for _ in range(3):
+                client = Node(authority)
+                raw = RawClient(ts.address, client.identity, server.admission.prologue)
+                raw.credential = client.cert.to_bytes()
+                raws.append(raw)
+                assert await raw.handshake() == b"\x04"
+                part = PartInfo(message_id=1, index=0, count=2, message_len=size)
+                frame = bytes(seal_frame(raw.send, 0, b"", b"x" * (hi - lo), part))
+                answers.append(await raw.rpc(frame, timeout=1.0))
+            assert [a is not None and a[:1] == b"\x10" for a in answers] == [True, True, False]
+        finally:
+            for raw in raws:
+                raw.close()
+        assert ts.statistics().frames_rejected == {"reassembly": 1}
+        assert server.seen == []
+    with pytest.raises(ValueError, match="max_reassembly_bytes"):
+        TransportConfig(max_reassembly_bytes=-1)

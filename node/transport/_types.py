@@ -74,6 +74,10 @@ class TransportConfig:
             in flight at once, so that encrypting, sending and decrypting overlap instead of
             running one after the other.
         parts_in_flight: parts of one request on the wire at once.
+        max_reassembly_bytes: the most bytes the requests being reassembled from parts may hold
+            at once, over every connection (each is allocated whole at its first part); a part
+            that would start one beyond it is refused and its connection dropped. 0: twice
+            max_message_bytes.
     """
 
     listen: str = "tcp://127.0.0.1:0"
@@ -89,6 +93,7 @@ class TransportConfig:
     offload_bytes: int = 2**20
     part_bytes: int = 4 * 2**20
     parts_in_flight: int = 4
+    max_reassembly_bytes: int = 0
 
     def __post_init__(self) -> None:
         if not isinstance(self.listen, str) or "://" not in self.listen:
@@ -115,6 +120,14 @@ class TransportConfig:
             raise ValueError(f"part_bytes: {self.part_bytes}, expected >= 65536")
         if not 1 <= self.parts_in_flight <= 64:
             raise ValueError(f"parts_in_flight: {self.parts_in_flight}, expected 1..64")
+        if not 0 <= self.max_reassembly_bytes <= 2**42:
+            raise ValueError(f"max_reassembly_bytes: {self.max_reassembly_bytes}, expected "
+                             "0..2**42 (0: twice max_message_bytes)")  # fmt: skip
+
+    @property
+    def reassembly_budget(self) -> int:
+        """max_reassembly_bytes, or twice max_message_bytes when it is 0."""
+        return self.max_reassembly_bytes or 2 * self.max_message_bytes
 
     @property
     def recv_max_size(self) -> int:
