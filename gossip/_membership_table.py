@@ -66,6 +66,7 @@ class _Record:
     heard_at: float = float("-inf")  # its last message to this node itself
     suspecters: list[str] = field(default_factory=list)  # distinct origins, first one first
     vouchers: list[str] = field(default_factory=list)  # the sender that brought each origin
+    left_said: bool = False  # LEFT by its own word (hearsay's LEFT yields to its own word)
 
 
 class MembershipTable:
@@ -200,6 +201,7 @@ class MembershipTable:
             self._live_cache = self._verified_cache = self._clients_cache = None
         self.changes += 1
         r.state, r.incarnation, r.changed_at = state, inc, now
+        r.left_said = False
         suspect = state is MemberState.SUSPECT
         r.suspecters = [origin or self.self_id] if suspect else []
         r.vouchers = [sender or self.self_id] if suspect else []
@@ -292,10 +294,12 @@ class MembershipTable:
         """`peer_id` itself (authenticated) says it is alive at `inc`: that beats hearsay.
 
         A lower incarnation than recorded replaces it too, since only the member sets it: this
-        undoes a third party's made-up incarnation. A left member needs a higher one to return.
+        undoes a third party's made-up incarnation. A member that said itself it left needs a
+        higher one to return; one that left by hearsay (which a made-up incarnation, raised by
+        a suspicion, could keep out for good) returns at its word.
         """
         r = self._records.get(peer_id)
-        if r is None or (r.state is MemberState.LEFT and inc <= r.incarnation):
+        if r is None or (r.state is MemberState.LEFT and r.left_said and inc <= r.incarnation):
             return
         if r.state is MemberState.ALIVE and inc <= r.incarnation:
             if inc < r.incarnation:
@@ -333,6 +337,7 @@ class MembershipTable:
             # after a restart); the member itself may
             inc = u.incarnation if sender == u.peer_id else r.incarnation
             self._set(r, state, inc, now, str(state))
+            r.left_said = state is MemberState.LEFT and sender == u.peer_id
         return False
 
     def _apply_alive(self, r: _Record, u: MemberUpdate, now: float) -> None:

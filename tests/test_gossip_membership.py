@@ -307,15 +307,17 @@ def test_a_made_up_death_or_leave_of_a_live_member_does_not_cut_it_off():
     peers = list(net.nodes)
     net.run_until(40.0, stop=lambda: _all_see_alive(net, peers))
     liar, victim, told = "p1", "p3", "p0"
-    for state in ("dead", "left"):
-        lie = MemberUpdate(victim, "addr3", state, MAX_INCARNATION - 1)
-        net.send(liar, [Send("addr0", told, Ping(10**6, "addr1", (lie,)))])
-        net.run_until(net.now + 1.0)
-    net.run_until(net.now + 120.0, stop=lambda: _all_see_alive(net, peers))
-    assert _view(net, told)[victim] is MemberState.ALIVE
-    assert all(victim in net.nodes[p].live_peers() for p in peers if p != victim)
-    assert net.nodes[told].members() and all(
-        m.incarnation < 2**52 for m in net.nodes[told].members())
+    # (then a suspicion that raises the recorded incarnation first, and left at it: a
+    # reviewer's way around the first fix)
+    for lies in (("dead", "left"), ("suspect", "left")):
+        for state in lies:
+            lie = MemberUpdate(victim, "addr3", state, MAX_INCARNATION - 1, origin=liar)
+            net.send(liar, [Send("addr0", told, Ping(10**6, "addr1", (lie,)))])
+            net.run_until(net.now + 0.2)
+        net.run_until(net.now + 120.0, stop=lambda: _all_see_alive(net, peers))
+        assert _view(net, told)[victim] is MemberState.ALIVE, lies
+        assert all(victim in net.nodes[p].live_peers() for p in peers if p != victim)
+        assert net.nodes[victim].incarnation < 2**52
 
 
 def test_made_up_suspicion_origins_do_not_shorten_a_suspicion():
