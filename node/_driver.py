@@ -97,8 +97,9 @@ class TrainingDriver:
 
     async def evaluate(self) -> None:
         """Evaluate the held-out metric now (a worker thread)."""
-        self._evaluated_at = trio.current_time()
         metric = await trio.to_thread.run_sync(self._trainer.evaluate)
+        # (from its end: an evaluation as long as eval_every_s made every step one)
+        self._evaluated_at = trio.current_time()
         if metric is not None:  # (None: it failed, logged; the last metric stays)
             self._progress.metric = metric
             self._progress.metric_step = self._trainer.step

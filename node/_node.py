@@ -135,7 +135,6 @@ class Node:
         self._stopped = trio.Event()
         self._running = True
         self._reporter: StatusReporter | None = None
-        self._checkpointer: Checkpointer | None = None
         self.metrics: MetricsServer | None = None
         self._checkpointer: Checkpointer | None = None
         self._token: trio.lowlevel.TrioToken | None = None
@@ -462,7 +461,6 @@ class Node:
             checkpointer = Checkpointer(
                 store, cfg.gossip.algorithm, cfg.training.task, trainer, algorithm, self.links
             )
-            self._checkpointer = checkpointer
             if ckpt is not None:
                 checkpointer.restore(ckpt)
                 log.info("resumed", step=ckpt.step)

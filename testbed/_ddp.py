@@ -107,6 +107,7 @@ def main(argv: list[str] | None = None) -> int:
                 model.eval()
                 metric, metric_step = float(task.evaluate(task.model)), step
                 model.train()
+                cadence.evaluated()
             elapsed = time.monotonic() - joined
             record = {
                 "system": args.system,
@@ -149,14 +150,16 @@ class EvalCadence:
         self._last: float | None = None
 
     def due(self, step: int) -> bool:
-        """Whether to evaluate after `step`; a True starts the clock again."""
+        """Whether to evaluate after `step` (then call `evaluated` when it is done)."""
         now = time.monotonic()
         if self._last is None:
             self._last = now
-        if step % self.every == 0 or (self.every_s and now - self._last >= self.every_s):
-            self._last = now
-            return True
-        return False
+        return step % self.every == 0 or bool(self.every_s and now - self._last >= self.every_s)
+
+    def evaluated(self) -> None:
+        """An evaluation ended: the clock starts again (from its end, or an evaluation as long
+        as every_s would make every step one)."""
+        self._last = time.monotonic()
 
 
 def pad_step(started: float, step_ms: float, slowdown: float) -> None:

@@ -238,6 +238,7 @@ def main(argv: list[str] | None = None) -> int:
                     with torch.no_grad():
                         metric, metric_step = float(task.evaluate(task.model)), step
                     task.model.train()
+                    cadence.evaluated()
                 elapsed = time.monotonic() - joined
                 out.write(json.dumps({
                     "system": args.system, "t": time.time(), "pid": os.getpid(),

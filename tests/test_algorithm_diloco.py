@@ -981,3 +981,23 @@ async def test_a_partners_claimed_steps_never_outweigh_a_whole_round_of_ours(aut
         await a.after_step(step(a, 4))
         NesterovOuter(0.7, 0.9).step(start, average([delta_a, b.latest_delta]))
         assert all(torch.allclose(a.start[k], start[k], atol=1e-6) for k in start)
+
+
+async def test_a_fast_peer_does_not_end_its_round_for_a_slower_peers_whole_round(autojump_clock):
+    """A 1.5x slower peer's whole round lands anywhere in a fast peer's: without the rounds in
+    the rule, a fast peer ended half of its rounds early for it (a reviewer's simulation)."""
+    torch.manual_seed(0)
+    settings = {**DILOCO, "algorithm_settings": {"diloco": DilocoSettings(inner_steps=10)}}
+    async with runtimes(2, **settings) as (net, (fast, slow)):
+        for _ in range(10):
+            fast.ctx.trainer.train_step()
+        await fast.after_step(step(fast, 10))
+        for _ in range(5):  # 5 steps into its second round when the slower one's first ends
+            fast.ctx.trainer.train_step()
+        for _ in range(10):
+            slow.ctx.trainer.train_step()
+        await slow.after_step(step(slow, 10))  # a whole round, its first: offered to fast
+        assert fast.inbox["p1"][0] == 1 and fast._arrivals["p1"][1] == 10
+        fast.ctx.trainer.train_step()
+        await fast.after_step(step(fast, 16))
+        assert fast.statistics().outer_steps == 1 and fast.statistics().catch_ups == 0

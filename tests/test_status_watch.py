@@ -423,6 +423,8 @@ def test_a_status_left_running_by_a_node_that_died_says_stopped(real_node, tmp_p
     {"steps_per_s": None, "elapsed_s": None, "pid": None},
     {"loss": "low", "bytes_in": "many", "metric": "good", "algorithm_stats": ["x"]},
     {"peers": [{"peer": "gtabc", "rtt_ms": "near", "exchanges_ok": None}, "not a peer"]},
+    {"algorithm": None, "algorithm_stats": {"x": 1}, "certificate_expires_at": float("nan"),
+     "peers": 7, "task": "\x1b[2Jcleared"},
 ])
 def test_a_status_with_numbers_that_are_not_numbers_is_shown_not_a_traceback(
         real_node, tmp_path, capsys, change):  # fmt: skip
@@ -435,4 +437,4 @@ def test_a_status_with_numbers_that_are_not_numbers_is_shown_not_a_traceback(
     (copy / "status.json").write_text(json.dumps({**doc, **change}))
     assert main(["status", "--node", str(copy)]) == 0
     out = capsys.readouterr().out
-    assert doc["peer_id"] in out and "steps/s" in out
+    assert doc["peer_id"] in out and "steps/s" in out and "\x1b" not in out

@@ -238,11 +238,23 @@ def test_a_baseline_evaluates_by_time_between_its_step_counts(monkeypatch):
     for step in range(1, 41):  # 4 s steps
         clock[0] += 4.0
         due.append(cadence.due(step))
+        if due[-1]:
+            clock[0] += 0.5  # the evaluation: the clock starts again from its end
+            cadence.evaluated()
     # the clock starts at the first step: then every third 4 s step, and step 20 and 40 anyway
     assert [s for s, d in zip(range(1, 41), due, strict=True) if d] == [
         4, 7, 10, 13, 16, 19, 20, 23, 26, 29, 32, 35, 38, 40]
     steps_only = _ddp.EvalCadence(20)
     assert [s for s in range(1, 41) if steps_only.due(s)] == [20, 40]
+    slow = _ddp.EvalCadence(20, 1.0)  # evaluations longer than every_s: not every step
+    evaluated = []
+    for step in range(1, 11):
+        clock[0] += 0.1
+        if slow.due(step):
+            evaluated.append(step)
+            clock[0] += 2.0
+            slow.evaluated()
+    assert len(evaluated) <= 1
 
 
 def test_partition_flags_reach_every_system_and_the_run_files(tmp_path: Path, monkeypatch):

@@ -531,7 +531,8 @@ def test_bad_config_names_field_and_value():
 
 
 async def test_big_requests_travel_in_parts_and_arrive_whole(authority):
-    config = TransportConfig(part_bytes=64 * 1024, parts_in_flight=3, max_message_bytes=1 << 20)
+    config = TransportConfig(part_bytes=64 * 1024, parts_in_flight=3, max_message_bytes=1 << 20,
+                             max_reassembly_bytes=8 << 20)  # (four at once: 3 MiB)  # fmt: skip
     a, b = Node(authority), Node(authority)
     payload = bytes(range(256)) * 3000 + b"tail"  # 768 KiB + 4: 13 parts, the last one short
     async with _open(a, config) as ta, _open(b, config) as tb:

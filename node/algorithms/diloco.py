@@ -100,7 +100,8 @@ class DeltaOffer(_ChunkOffer, frozen=True, tag="delta_offer"):
     answered with the same chunk of the responder's latest pseudo-gradient, or with nothing
     (round 0) when that is not newer than round `have`, the sender's newest of the responder's
     updates (held or used): nobody sends an update twice. `steps`: the inner steps the update
-    took (0: not said, as from an older node; taken as a whole round), its weight in the mean."""
+    took (0: not said; taken as a whole round), its weight in the mean. (Nodes from before it
+    refuse a header with it: headers refuse fields they do not know.)"""
 
     have: U63 = 0
     steps: U63 = 0
@@ -352,8 +353,9 @@ class Diloco(Algorithm):
         self._latest_steps = 0  # the inner steps our latest update took
         # the inner steps peers' updates took: (peer, its round) -> steps (0: not said)
         self._steps_of: dict[tuple[str, int], int] = {}
-        # catch_up: peer -> (our step when its update came to the inbox, the steps it took)
-        self._arrivals: dict[str, tuple[int, int]] = {}
+        # catch_up: peer -> (our step when its update came to the inbox, the steps it took, its
+        # round)
+        self._arrivals: dict[str, tuple[int, int, int]] = {}
         self._phase = 0  # fixed rounds end at steps = this modulo inner_steps (catch_up moves it)
         self.catch_ups = 0
         rule = ctx.gossip.robust
@@ -595,14 +597,16 @@ class Diloco(Algorithm):
         return True
 
     def _catching_up(self, step: int) -> bool:
-        """catch_up: whether a partner's update of a whole round came while we were between a
-        tenth and half of our round's inner steps (we are the slow one)."""
+        """catch_up: whether a partner that has made more rounds than we have sent an update of
+        a whole round while we were between a tenth and half of our round's inner steps: we
+        are the slow one. (Without the rounds, a fast peer took a 1.5x slower peer's whole
+        round, landing anywhere in its own, for a reason to end half of its rounds early.)"""
         if not self.ctx.settings.catch_up or not self._arrivals:
             return False
         h, begun = self.inner_steps, self._round_end_step
         low, high = max(1, h // 10), h // 2
-        return any(low <= at - begun <= high and (steps or h) >= h
-                   for at, steps in self._arrivals.values())  # fmt: skip
+        return any(low <= at - begun <= high and (steps or h) >= h and their > self.round
+                   for at, steps, their in self._arrivals.values())  # fmt: skip
 
     def _adapt(self, step: int, waited_s: float) -> None:
         """Set the next round's inner steps from this round end's wait and the step time."""
@@ -1071,7 +1075,7 @@ class Diloco(Algorithm):
             if header.round > self.inbox.get(peer, (-1, None))[0]:
                 self.inbox[peer] = (header.round, assembly)
                 self._steps_of[(peer, header.round)] = header.steps
-                self._arrivals[peer] = (ctx.trainer.step, header.steps)
+                self._arrivals[peer] = (ctx.trainer.step, header.steps, header.round)
         finally:  # (checked before it stops counting as arriving: a round end waits for it)
             if self._incoming.get(peer, (None,))[0] == header.xid:  # (a newer offer may
                 del self._incoming[peer]  # have replaced it)

@@ -146,7 +146,7 @@ def _fmt(value: Any, spec: str = "") -> str:
 
 
 def _certificate_line(expires_at: Any) -> list[str]:
-    if not isinstance(expires_at, int | float):
+    if not isinstance(expires_at, int | float) or not 0 <= expires_at < 2**40:
         return []
     left = expires_at - time.time()
     when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(expires_at))
@@ -200,7 +200,7 @@ def _algorithm_line(data: dict[str, Any]) -> list[str]:
     stats = data.get("algorithm_stats") or {}
     if not stats or not isinstance(stats, dict):
         return []
-    return [f"{data['algorithm'] + ' ':<10}" + "  ".join(f"{k} {format_number(v)}"
+    return [f"{str(data['algorithm']) + ' ':<10}" + "  ".join(f"{k} {format_number(v)}"
                                                          for k, v in stats.items())]  # fmt: skip
 
 
@@ -229,7 +229,8 @@ def render_status(data: dict[str, Any]) -> str:
         f"{'peer':<14}{'state':<9}{'address':<28}{'rtt ms':>8}{'Mbit/s':>9}  {'codec':<16}"
         f"{'ok':>5}{'failed':>7}",
     ]
-    for p in data.get("peers") or []:
+    peers = data.get("peers")
+    for p in peers if isinstance(peers, list) else []:
         if not isinstance(p, dict):
             continue
         lines.append(
@@ -240,4 +241,5 @@ def render_status(data: dict[str, Any]) -> str:
         )
     if not data.get("peers"):
         lines.append("(no peers known yet)")
-    return "\n".join(lines)
+    # (a node's own strings, read over the network too: no terminal control sequences)
+    return "".join(c if c.isprintable() or c == "\n" else "?" for c in "\n".join(lines))

@@ -41,6 +41,9 @@ WARNINGS_PER_MINUTE = 20  # lines a stranger's bad frames or handshakes may cost
 # handshakes one connection may fail before it is closed: one connection ran ~11,800 in 8 s and
 # cost the node 7.4 CPU-seconds (a refusal is answered, so an honest peer learns why)
 MAX_FAILED_HANDSHAKES = 3
+# a message being reassembled that got no part for this long is dropped when room is needed
+# (an honest sender's parts follow each other within its deadline)
+PARTIAL_IDLE_S = 30.0
 
 
 class _Quota:
@@ -270,17 +273,14 @@ class _Inbound:
             # every connection's messages being reassembled hold at most the budget in all:
             # each buffer is allocated whole at its first part, and three admitted connections
             # announcing 250 MiB each took a node of a 0.5 GB estimate to 1.2 GB
-            held = sum(len(p.buffer) for s in self.sessions.values() for p in s.partials.values())
-            budget = self.config.reassembly_budget
-            if held + part.message_len > budget:
-                raise FrameRejected("reassembly", f"a message of {part.message_len} bytes while "
-                                    f"{held} are being reassembled (at most {budget} in all)")
+            self._check_reassembly(session, part.message_len)
             partial = session.partials[part.message_id] = _Partial(part)
         if (partial.part.count, partial.part.message_len) != (part.count, part.message_len):
             raise FrameRejected("part", "parts disagree on the message size")
         if part.index in partial.claimed:
             raise FrameRejected("part", f"part {part.index} sent twice")
         partial.claimed.add(part.index)
+        partial.last_part_at = trio.current_time()
         lo, hi = part_bounds(part.message_len, part.count, part.index)
         header, _ = await session.channel.open(view, info, memoryview(partial.buffer)[lo:hi])
         if header:
@@ -292,6 +292,37 @@ class _Inbound:
         if partial.header is None:
             raise FrameRejected("part", "no part carried the header")
         return partial.header, partial.buffer
+
+    def _check_reassembly(self, session: _InboundSession, size: int) -> None:
+        """Make room for a new message of `size` bytes to reassemble, or refuse it. Messages no
+        part of which came for PARTIAL_IDLE_S are dropped; a peer's own oldest ones make room
+        for its new one beyond half the budget (its connections together); beyond the whole
+        budget (every connection) it is refused.
+
+        Raises:
+            FrameRejected: "reassembly".
+        """
+        now, budget = trio.current_time(), self.config.reassembly_budget
+        held, mine = 0, []
+        for other in self.sessions.values():
+            for key, p in list(other.partials.items()):
+                if now - p.last_part_at > PARTIAL_IDLE_S:  # (abandoned, or kept for its bytes)
+                    del other.partials[key]
+                    continue
+                held += len(p.buffer)
+                if other.peer is not None and other.peer.peer_id == session.peer.peer_id:
+                    mine.append((p.last_part_at, key, other))
+        own = sum(len(o.partials[k].buffer) for _, k, o in mine)
+        for _, key, other in sorted(mine, key=lambda m: m[0]):  # its oldest first
+            if own + size <= budget // 2:
+                break
+            dropped = other.partials.pop(key)
+            own, held = own - len(dropped.buffer), held - len(dropped.buffer)
+            log.info("partial_message_dropped", peer=session.peer.short_id, message=key,
+                     reason="the peer's share of the reassembly budget")  # fmt: skip
+        if held + size > budget:
+            raise FrameRejected("reassembly", f"a message of {size} bytes while {held} are being "
+                                f"reassembled (at most {budget} in all)")
 
     async def _seal_reply(self, session: _InboundSession, header: bytes, payload) -> pynng.Message:
         """A reply frame; a big payload is stored and only its first part sent (pull the rest)."""

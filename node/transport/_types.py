@@ -76,8 +76,8 @@ class TransportConfig:
         parts_in_flight: parts of one request on the wire at once.
         max_reassembly_bytes: the most bytes the requests being reassembled from parts may hold
             at once, over every connection (each is allocated whole at its first part); a part
-            that would start one beyond it is refused and its connection dropped. 0: twice
-            max_message_bytes.
+            that would start one beyond it is refused and its connection dropped, and one peer's
+            new message beyond half of it drops that peer's oldest. 0: twice max_message_bytes.
     """
 
     listen: str = "tcp://127.0.0.1:0"

@@ -121,6 +121,7 @@ class _Partial:
         self.claimed: set[int] = set()
         self.done = 0
         self.header: bytes | None = None
+        self.last_part_at = float("-inf")  # (trio time) when a part of it came last
 
 
 class _Credentials:
