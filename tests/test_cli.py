@@ -36,7 +36,7 @@ def test_console_script_is_installed():
     from importlib import metadata
 
     scripts = {ep.name: ep.value for ep in metadata.entry_points(group="console_scripts")}
-    assert scripts.get("geotrain") == "geotrain.node.cli:main"
+    assert scripts.get("geotrain") == "geotrain.node.cli:console"
 
 
 def test_unknown_log_level_is_a_usage_error():
@@ -206,3 +206,24 @@ def test_a_daemon_whose_final_checkpoint_fails_exits_1_and_says_what_is_lost(
     err = capsys.readouterr().err
     assert code == 1 and "stopped without its final checkpoint" in err
     assert "checkpoint_failed" in err and "WITHOUT its final checkpoint" in err
+
+
+def test_a_signal_after_a_clean_stop_does_not_kill_the_exiting_node(tmp_path):
+    """After node_stopped the interpreter takes ~0.75 s to exit (torch's threads); a SIGTERM
+    then (a supervisor's second, a timeout's) killed a cleanly stopped node with 143."""
+    import signal
+    import time
+
+    proc = _node_with(tmp_path, "synthetic-linreg", "max_steps = 20\n")
+    lines: list[str] = []
+    try:
+        _wait_for(proc, "node_stopped", lines)
+        for _ in range(5):  # through the exit
+            if proc.poll() is not None:
+                break
+            proc.send_signal(signal.SIGTERM)
+            time.sleep(0.1)
+        assert proc.wait(30) == 0, "".join(lines[-5:])
+    finally:
+        proc.kill()
+        proc.wait()

@@ -89,6 +89,10 @@ def node_run(args: argparse.Namespace) -> int:
     refused: list[BaseException] = []
     failed: list[BaseException] = []
     diverged: list[BaseException] = []
+    # ignored outside _run's own signal receiver, which restores this when it closes: after
+    # node_stopped a second SIGTERM (a supervisor's, timeout's) killed a cleanly stopped node
+    # with 143 (restored below for a caller in-process; the console script ignores them again)
+    previous = {s: signal.signal(s, signal.SIG_IGN) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         trio.run(_run, node)
     except* Diverged as group:  # the model's fault, not ours: said without a traceback
@@ -97,6 +101,9 @@ def node_run(args: argparse.Namespace) -> int:
         refused = leaf_errors(group)  # (a task plugin's TaskError is one: it names task and part)
     except* Exception as group:  # a bug: one log event with the traceback, one line here
         failed = leaf_errors(group)
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
     for exc in refused:
         print(f"geotrain node run: {exc}", file=sys.stderr)
     for exc in diverged:
