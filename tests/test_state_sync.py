@@ -285,6 +285,21 @@ async def test_a_library_joiner_moves_its_own_scheduler_on_at_wrap(autojump_cloc
     assert optimizer.param_groups[0]["lr"] != 1.0
 
 
+async def test_a_library_joiner_s_schedule_point_waits_for_a_later_wrap_with_its_scheduler(
+        autojump_clock):  # fmt: skip
+    """Wrapped first without a scheduler (one made on what wrap returned, wrapped again with
+    it), a joiner dropped the peer's point in the schedule: it started over."""
+    server = scheduled_trainer(0)
+    for _ in range(30):
+        server.train_step()
+    model, joiner = await library_joiner_synced_from(server)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+    joiner.attach(optimizer)
+    scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=100)
+    joiner.attach(optimizer, scheduler)
+    assert scheduler.last_epoch == 30
+
+
 def _bn_model(seed: int) -> torch.nn.Module:
     torch.manual_seed(seed)
     return torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.BatchNorm1d(6),

@@ -102,6 +102,7 @@ class LoopTrainer(OptimizerSync):
         self._optimizer_state: tuple[dict, dict] | None = None  # from a checkpoint, until wrap
         self._said_optimizer_unsaved = False  # optimizer_not_checkpointed: warned once
         self._scheduler_state: dict | None = None  # likewise
+        self._schedule_steps: int | None = None  # a peer's schedule point, for a later scheduler
         self._last_end: float | None = None  # perf_counter at the end of the last step
         self._bad_losses = 0  # steps in a row whose reported loss was NaN or infinite
         self.max_bad_losses = 100  # that many in a row: Diverged (0: never; the node sets it)
@@ -329,10 +330,15 @@ class LoopTrainer(OptimizerSync):
                                                "schedule_steps": schedule_steps})  # fmt: skip
             return False
 
-    @staticmethod
-    def _move_schedule(scheduler: Any, steps: int | None) -> None:
-        if scheduler is None or steps is None:
+    def _move_schedule(self, scheduler: Any, steps: int | None) -> None:
+        """Move `scheduler` on by a peer's `steps`; with no scheduler yet, at a later wrap that
+        brings one (a wrap without one, then one with it, lost the peer's point)."""
+        if steps is None:
             return
+        if scheduler is None:
+            self._schedule_steps = steps
+            return
+        self._schedule_steps = None
         why = advance_schedule(scheduler, steps)
         if why is None:
             log.info("schedule_synced", steps=steps, lr=_lr_of(scheduler))
@@ -405,6 +411,7 @@ class LoopTrainer(OptimizerSync):
             scheduler.load_state_dict(state)
         if scheduler is not None:  # (kept for a scheduler passed at a later wrap of it)
             self._scheduler_state = None
+            self._move_schedule(scheduler, self._schedule_steps)
 
     def start(self) -> None:
         """The user's loop begins: from now on changes wait for its steps."""
