@@ -73,6 +73,8 @@ async def test_the_outer_step_uses_the_partners_update_and_survives_a_checkpoint
     async with runtimes(2, **DILOCO) as (net, (restored, _)):
         restored.load_state(tensors, json.loads(json.dumps(meta)))
         assert restored.round == 1
+        # where its round began: the first round after a restart weighs its own steps
+        assert restored._round_end_step == a._round_end_step == 2
         assert same(restored.outer.buffers, momentum) and same(restored.start, start)
 
 

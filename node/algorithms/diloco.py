@@ -379,7 +379,8 @@ class Diloco(Algorithm):
             tensors = {f"start/{n}": t + live[n] for n, t in self.start.items()}
         tensors.update({f"momentum/{n}": t for n, t in self.outer.buffers.items()})
         tensors.update({f"ef/{n}": t for n, t in self.feedback.state_dict().items()})
-        return tensors, {"round": self.round}
+        return tensors, {"round": self.round, "round_end_step": self._round_end_step,
+                         "phase": self._phase}
 
     def load_state(self, tensors: Tensors, meta: dict) -> None:
         device = self.ctx.trainer.task_device
@@ -394,6 +395,11 @@ class Diloco(Algorithm):
         residuals = {k[3:]: v for k, v in tensors.items() if k.startswith("ef/") and "@" not in k}
         self.feedback.load_state_dict({k: v.to(device) for k, v in residuals.items()})
         self.round = int(meta.get("round", 0))
+        # where this round began (an older checkpoint: the last multiple of inner_steps), so the
+        # first round after a restart weighs and catches up as it would have
+        step, h = self.ctx.trainer.step, self.ctx.settings.inner_steps
+        self._round_end_step = int(meta.get("round_end_step", step - step % h))
+        self._phase = int(meta.get("phase", 0)) % h
 
     def model_replaced(self) -> None:
         with self._start_lock:
