@@ -108,6 +108,14 @@ class Checkpointer:
             return
         links = self._links.state_dict(trio.current_time())
 
+        if final and getattr(self._trainer, "cut_short", False):
+            self.failures += 1
+            log.error("checkpoint_refused", step=self._trainer.step,
+                      reason="Ctrl-C cut a change of the model short (a mix or an outer step): "
+                      "it may be half applied", hint="the newest checkpoint on disk stays; a "
+                      "restart resumes from it")  # fmt: skip
+            return
+
         def write() -> tuple[int, float, list[str]]:
             # Written straight from the live tensors, under the model lock: no copy of the model
             # or its optimizer state is made (a 10^8-parameter model would need two), and the

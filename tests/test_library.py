@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -741,3 +742,51 @@ def test_a_scheduler_made_on_what_wrap_returned_is_checkpointed_when_wrapped_aga
         swarm.wrap(opt, schedule)
         assert schedule.last_epoch == 4
         assert sgd.param_groups[0]["lr"] == pytest.approx(0.1 * 0.5**4)
+
+
+@pytest.mark.parametrize("changes", [True, False])
+def test_ctrl_c_in_the_middle_of_a_change_is_remembered_and_an_evaluation_is_not(changes):
+    """Ctrl-C in the user's thread while it ran a mix or an outer step can leave the model
+    half changed: the node refuses its final checkpoint then (the newest on disk stays). An
+    evaluation changes nothing, and the final checkpoint is written after one."""
+    from geotrain.node.training import LoopClosed, LoopTrainer
+
+    model = make_model()
+    loop = LoopTrainer(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    loop.attach(opt)
+    loop.start()
+    told: list[BaseException] = []
+
+    def half_change(live):
+        next(iter(live.values())).add_(1.0)  # the first tensor changed, then the interrupt
+        raise KeyboardInterrupt
+
+    def node_side() -> None:
+        try:
+            loop.apply(half_change, changes=changes)
+        except LoopClosed as exc:
+            told.append(exc)
+
+    worker = threading.Thread(target=node_side)
+    worker.start()
+    while not loop._pending:
+        time.sleep(0.001)
+    with pytest.raises(KeyboardInterrupt):
+        loop.stepped(opt.step, loss=0.1)
+    worker.join(5)
+    assert len(told) == 1  # the node hears the loop closed; the interrupt is the user's
+    assert loop.cut_short is changes
+
+
+def test_no_final_checkpoint_of_a_model_a_ctrl_c_left_half_changed(tmp_path):
+    model = make_model()
+    swarm = joined(tmp_path, "h", model, "training.wait_for_peers=0", "state.checkpoint_every=1000")
+    opt = swarm.wrap(torch.optim.SGD(model.parameters(), lr=0.01))
+    for _ in range(5):
+        model(torch.randn(4, 8)).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+    swarm._loop.cut_short = True  # as a Ctrl-C in the middle of a mix leaves it
+    swarm.close()
+    assert not list((tmp_path / "h" / "checkpoints").glob("ckpt-*"))

@@ -57,8 +57,9 @@ class Diverged(RuntimeError):
 class _Pending:
     """A change of the model waiting for the next step, and its outcome."""
 
-    def __init__(self, fn: Callable[[dict[str, torch.Tensor]], Any]) -> None:
+    def __init__(self, fn: Callable[[dict[str, torch.Tensor]], Any], changes: bool = True) -> None:
         self.fn = fn
+        self.changes = changes  # it changes the model (an evaluation reads it)
         self.done = threading.Event()
         self.result: Any = None
         self.error: BaseException | None = None
@@ -107,6 +108,7 @@ class LoopTrainer(OptimizerSync):
         self._bad_losses = 0  # steps in a row whose reported loss was NaN or infinite
         self.max_bad_losses = 100  # that many in a row: Diverged (0: never; the node sets it)
         self._evaluate_failures = 0  # evaluations that raised or gave no number
+        self.cut_short = False  # a change of the model was interrupted (Ctrl-C) midway
 
     # -- what the node reads ----------------------------------------------------------------
     @property
@@ -130,7 +132,7 @@ class LoopTrainer(OptimizerSync):
         with self._lock, torch.no_grad():
             return fn(self.params())
 
-    def apply(self, fn: Callable[[dict[str, torch.Tensor]], T]) -> T:
+    def apply(self, fn: Callable[[dict[str, torch.Tensor]], T], *, changes: bool = True) -> T:
         """Change the model by `fn` at the user's next step (at once before the loop starts or
         after it ended); blocks until done. Called from the node's worker threads.
 
@@ -141,7 +143,7 @@ class LoopTrainer(OptimizerSync):
             if not self._started or self._closed:
                 with torch.no_grad():
                     return fn(self.params())
-            pending = _Pending(fn)
+            pending = _Pending(fn, changes)
             self._pending.append(pending)
         pending.done.wait()
         if pending.error is not None:
@@ -246,9 +248,9 @@ class LoopTrainer(OptimizerSync):
                 self.model.train(was_training)
 
         try:
-            return self.apply(run)
+            return self.apply(run, changes=False)
         except LoopClosed:  # the loop ended before its next step: nothing runs beside us now
-            return self.apply(run)
+            return self.apply(run, changes=False)
 
     def _evaluate_failed(self, exc: Exception) -> None:
         """Log a failed evaluation: the first, then every 100th."""
@@ -480,6 +482,9 @@ class LoopTrainer(OptimizerSync):
                 # runs them)
                 pending.error = LoopClosed("the loop was interrupted during this change")
                 pending.done.set()
+                # a mix or an outer step cut short leaves the model half changed: no final
+                # checkpoint of it (the newest on disk stays); an evaluation changed nothing
+                self.cut_short = self.cut_short or pending.changes
                 raise
             except BaseException as exc:  # handed to the node's thread that asked for it
                 pending.error = exc
