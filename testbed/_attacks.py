@@ -174,9 +174,9 @@ class AttackedTrainer(Trainer):
         with torch.no_grad():
             return fn(self._forged())
 
-    def apply(self, fn):  # type: ignore[override]
+    def apply(self, fn, *, changes: bool = True):  # type: ignore[override]
         if not self.attack.forges:
-            return Trainer.apply(self, fn)
+            return Trainer.apply(self, fn, changes=changes)
         with torch.no_grad():
             return fn(Trainer.snapshot(self))  # on a copy: the attacker's model stays its own
 

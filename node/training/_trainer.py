@@ -178,10 +178,10 @@ class Trainer(LoopTrainer):
             check_update(live, remote, max_norm_ratio=max_norm_ratio)
             return pairwise_mix(live, snapshot, remote, weight=weight, clip=clip)
 
-    def apply(self, fn: Callable[[dict[str, torch.Tensor]], T]) -> T:
+    def apply(self, fn: Callable[[dict[str, torch.Tensor]], T], *, changes: bool = True) -> T:
         """Change the model by `fn(live parameters)` now, between two steps (the lock keeps it
         from running beside one): the daemon's iteration is all under the lock, so nothing
-        waits for a next step as a loop of the user's own makes it."""
+        waits for a next step as a loop of the user's own makes it (`changes`: unused here)."""
         return self.update(fn)
 
     def checkpoint_extra(self) -> dict[str, Any]:
