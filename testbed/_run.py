@@ -448,13 +448,23 @@ def _run_ddp(options, hosts, meter: BytesMeter, faults: FaultRunner, echo: Echo,
             stop_at_duration=False, launch=launch,
         )  # fmt: skip
         failed = [i for i, p in enumerate(peers.procs) if p.proc and p.proc.returncode not in (0,)]
-        if failed and stopped == "exited":
-            echo(f"ddp: ranks {failed} failed; see {root}/peer-NN.log")
+        if stopped != "exited":
+            failed = []  # (stopped by the supervisor: the duration, or interrupted)
+        if failed:
+            echo(f"{name}: ranks {failed} failed; see {root}/peer-NN.log (its figures are up "
+                 "to there)")  # fmt: skip
+        elif stopped == "exited" and all(
+            r is not None and r.get("metric") is not None
+            and _reached(r["metric"], options.target, options.higher_is_better)
+            for r in (last_json_line(f) for f in files)
+        ):  # the ranks' own stop rule: at the target, as a geotrain swarm stops ("exited" said
+            stopped = "target"  # the two systems ended for different reasons)  # fmt: skip
     finally:
         peers.stop()
     settings = {"period": period} if period else None
     return {"launch_t": launch, "stopped": stopped, "metrics": f"{name}/peer-NN.jsonl",
-            "algorithm": describe(name, settings), "settings": settings}  # fmt: skip
+            "algorithm": describe(name, settings), "settings": settings,
+            "failed_peers": failed}  # fmt: skip
 
 
 def _run_hivemind(name: str, options, hosts, meter: BytesMeter, faults: FaultRunner,

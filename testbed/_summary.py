@@ -287,6 +287,9 @@ def _system(run: dict[str, Any], system: str, peers, samples) -> dict[str, Any]:
         "trained_s": None if t0 is None else round(
             max((rs[-1]["t"] for rs in peers if rs), default=t0) - t0, 2),
         "stopped": run["systems"][system]["stopped"],
+        # peers whose process failed by itself (a baseline's rank that crashed): its figures
+        # end there (absent from runs written before it)
+        "failed_peers": run["systems"][system].get("failed_peers") or [],
     }  # fmt: skip
 
 
@@ -403,9 +406,16 @@ def _final_cell(s: dict[str, Any]) -> str:
 
 def comparison_notes(summary: dict[str, Any]) -> list[str]:
     """The lines under the table: ratios geotrain vs the baseline when both are known, bytes."""
-    return [*_ratios(summary["systems"]), *_equal_lines(summary), *_fairness_lines(summary),
-            *_utilization_lines(summary),
+    return [*_failure_lines(summary), *_ratios(summary["systems"]), *_equal_lines(summary),
+            *_fairness_lines(summary), *_utilization_lines(summary),
             f"bytes: {summary['systems'][0]['bytes_source']}"]  # fmt: skip
+
+
+def _failure_lines(summary: dict[str, Any]) -> list[str]:
+    """A system some of whose peers failed by themselves: said first, its figures are partial."""
+    return [f"FAILED: {s['system']} peers {s['failed_peers']} exited with an error (see their "
+            "logs): its figures end where they failed" for s in summary["systems"]
+            if s.get("failed_peers")]  # fmt: skip
 
 
 def _utilization_lines(summary: dict[str, Any]) -> list[str]:

@@ -460,3 +460,57 @@ def test_peers_flag_says_which_per_peer_settings_it_moved_or_dropped():
     assert sc.peer_moves(sc.with_peers(5)) == [  # a: 0, 1, 2; b: 3, 4
         "straggler 2 (x4): now a peer in a (was b)",
         "fault 't=5s kill peer 1': now a peer in a (was b)"]  # fmt: skip
+
+
+@pytest.mark.parametrize("codes, metrics, stopped, failed", [
+    ([0, 0], [0.95, 0.93], "target", []),  # the ranks' own stop at the target
+    ([0, 0], [0.95, 0.80], "exited", []),
+    ([-6, 0], [0.95, 0.93], "exited", [0]),  # a rank that crashed (SIGABRT)
+])
+def test_a_baselines_end_is_recorded_as_it_was(tmp_path: Path, monkeypatch, codes, metrics,
+                                               stopped, failed):  # fmt: skip
+    """A DDP rank that crashed was only echoed (as "ddp" even for local SGD): run.json and
+    summary.json said nothing; and ranks that stopped at the target were recorded as "exited",
+    where a geotrain swarm that did the same says "target" (a stranger's testbed runs)."""
+    import json as _json
+    from types import SimpleNamespace
+
+    from geotrain.testbed import _run
+    from geotrain.testbed._peers import Host
+
+    sc = scenario_from_dict(_base())
+    options = _run.RunOptions(scenario=sc, out=tmp_path / "run", target=0.9, baseline="localsgd")
+    hosts = [Host(i, "127.0.0.1", "lo") for i in range(sc.n_peers)]
+    codes = codes + [0] * (sc.n_peers - len(codes))  # (the other ranks: ended well, at 0.95)
+    metrics = metrics + [0.95] * (sc.n_peers - len(metrics))
+    made = []
+
+    class FakeProcess:
+        running = False
+
+        def __init__(self, argv, log, env, prefix) -> None:
+            self.proc = SimpleNamespace(returncode=codes[len(made)])
+            metrics_path = Path(argv[argv.index("--metrics") + 1])
+            line = {"step": 5, "metric": metrics[len(made)], "t": 1.0}
+            metrics_path.write_text(_json.dumps(line) + "\n")
+            made.append(self)
+
+        def close(self) -> None:
+            pass
+
+        def start(self) -> None:
+            pass
+
+    monkeypatch.setattr(_run, "ManagedProcess", FakeProcess)
+    monkeypatch.setattr(_run, "_supervise", lambda *a, **k: "exited")
+    options.out.mkdir()
+    said: list[str] = []
+    record = _run._run_ddp(options, hosts, None, None, said.append, "localsgd")
+    assert (record["stopped"], record["failed_peers"]) == (stopped, failed)
+    assert any("localsgd: ranks [0] failed" in s for s in said) == bool(failed)
+    if failed:
+        from geotrain.testbed._summary import comparison_notes
+
+        line = comparison_notes({"systems": [{"system": "localsgd", "failed_peers": failed,
+                                              "bytes_source": "x"}]})[0]  # fmt: skip
+        assert line.startswith("FAILED: localsgd peers [0]")
