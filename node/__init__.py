@@ -9,6 +9,7 @@ transport or the config stays cheap (the testbed imports this package and never 
 
 from importlib import import_module
 
+from ._cadence import EvalCadence as EvalCadence
 from ._config import GOSSIP_PRESETS as GOSSIP_PRESETS
 from ._config import ConfigError as ConfigError
 from ._config import GossipConfig as GossipConfig

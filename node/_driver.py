@@ -10,6 +10,7 @@ from __future__ import annotations
 import structlog
 import trio
 
+from ._cadence import EvalCadence
 from ._checkpointer import Checkpointer
 from ._status_report import Progress
 from .algorithms import Algorithm
@@ -48,9 +49,7 @@ class TrainingDriver:
         self._checkpointer = checkpointer
         self._progress = progress
         self._max_steps = max_steps
-        self._eval_every = eval_every
-        self._eval_every_s = eval_every_s
-        self._evaluated_at: float | None = None  # (trio time; the first step's end before any)
+        self._evaluations = EvalCadence(eval_every, eval_every_s, clock=trio.current_time)
         self._checkpoint_every = checkpoint_every
         self._stop = stop
 
@@ -80,26 +79,15 @@ class TrainingDriver:
                 await self._algorithm.after_step(result)
             except LoopClosed:  # a change for the loop's next step, and none came: it closed
                 return
-            if self._evaluation_due(result.step):
+            if self._evaluations.due(result.step):
                 await self.evaluate()
             if result.step % self._checkpoint_every == 0:
                 await self._checkpointer.write()
 
-    def _evaluation_due(self, step: int) -> bool:
-        if self._eval_every and step % self._eval_every == 0:
-            return True
-        if not self._eval_every_s:
-            return False
-        now = trio.current_time()
-        if self._evaluated_at is None:  # the clock starts at the first step
-            self._evaluated_at = now
-        return now - self._evaluated_at >= self._eval_every_s
-
     async def evaluate(self) -> None:
         """Evaluate the held-out metric now (a worker thread)."""
         metric = await trio.to_thread.run_sync(self._trainer.evaluate)
-        # (from its end: an evaluation as long as eval_every_s made every step one)
-        self._evaluated_at = trio.current_time()
+        self._evaluations.evaluated()
         if metric is not None:  # (None: it failed, logged; the last metric stays)
             self._progress.metric = metric
             self._progress.metric_step = self._trainer.step

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from geotrain.node import Task, TaskContext, resolve_task
+from geotrain.node import EvalCadence, Task, TaskContext, resolve_task
 
 STOP_CHECK_EVERY = 10
 
@@ -136,30 +136,6 @@ def task_optimizer(
     same way. The schedule is stepped once per local step, and `task.recipe.clip` clips."""
     optimizer = task.recipe.build_optimizer(params, lr or task.lr)
     return optimizer, task.recipe.build_scheduler(optimizer)
-
-
-class EvalCadence:
-    """When a baseline's worker evaluates, as a geotrain node does (`training.eval_every`,
-    `eval_every_s`): every `every` steps, and also once `every_s` seconds (monotonic) have
-    passed since the last evaluation or the first step (0: by steps only). With slow steps a
-    step count alone puts minutes between evaluations, and a time to a quality level is then
-    only known to within those minutes."""
-
-    def __init__(self, every: int, every_s: float = 0.0) -> None:
-        self.every, self.every_s = every, every_s
-        self._last: float | None = None
-
-    def due(self, step: int) -> bool:
-        """Whether to evaluate after `step` (then call `evaluated` when it is done)."""
-        now = time.monotonic()
-        if self._last is None:
-            self._last = now
-        return step % self.every == 0 or bool(self.every_s and now - self._last >= self.every_s)
-
-    def evaluated(self) -> None:
-        """An evaluation ended: the clock starts again (from its end, or an evaluation as long
-        as every_s would make every step one)."""
-        self._last = time.monotonic()
 
 
 def pad_step(started: float, step_ms: float, slowdown: float) -> None:

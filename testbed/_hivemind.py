@@ -29,9 +29,9 @@ from typing import Any
 
 import torch
 
-from geotrain.node import TaskContext, resolve_task
+from geotrain.node import EvalCadence, TaskContext, resolve_task
 
-from ._ddp import EvalCadence, pad_step
+from ._ddp import pad_step
 
 BOOTSTRAP_WAIT_S = 180.0  # peer 0's torch + hivemind import on 2 busy cores
 OVERRUN_S = 120.0  # the worker stops itself this long after --duration if nobody stopped it

@@ -226,14 +226,13 @@ def test_compute_emulation_reaches_every_system(tmp_path: Path, monkeypatch):
     assert not scenario_from_dict(_base()).step_ms  # off unless asked for
 
 
-def test_a_baseline_evaluates_by_time_between_its_step_counts(monkeypatch):
+def test_a_baseline_evaluates_by_time_between_its_step_counts():
     """With 4 s steps a baseline evaluating every 20 steps said its time to a level only to
     within 80 s; now every system also evaluates every eval_every_s."""
     from geotrain.testbed import _ddp
 
     clock = [100.0]
-    monkeypatch.setattr(_ddp.time, "monotonic", lambda: clock[0])
-    cadence = _ddp.EvalCadence(20, 10.0)
+    cadence = _ddp.EvalCadence(20, 10.0, clock=lambda: clock[0])
     due = []
     for step in range(1, 41):  # 4 s steps
         clock[0] += 4.0
@@ -246,7 +245,8 @@ def test_a_baseline_evaluates_by_time_between_its_step_counts(monkeypatch):
         4, 7, 10, 13, 16, 19, 20, 23, 26, 29, 32, 35, 38, 40]
     steps_only = _ddp.EvalCadence(20)
     assert [s for s in range(1, 41) if steps_only.due(s)] == [20, 40]
-    slow = _ddp.EvalCadence(20, 1.0)  # evaluations longer than every_s: not every step
+    # evaluations longer than every_s: not every step
+    slow = _ddp.EvalCadence(20, 1.0, clock=lambda: clock[0])
     evaluated = []
     for step in range(1, 11):
         clock[0] += 0.1
