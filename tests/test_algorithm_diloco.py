@@ -967,6 +967,43 @@ async def test_a_slow_peer_catches_up_and_each_update_weighs_its_inner_steps(aut
         assert slow.statistics().outer_steps == 2
 
 
+@pytest.mark.parametrize("round_s", [30.0, 0.0])
+async def test_a_slow_peer_ends_its_round_by_time_and_takes_a_partners_newest_round(
+        autojump_clock, round_s):  # fmt: skip
+    """With fanout 1 a straggler took the swarm's progress only when a fast peer happened to
+    draw it (two runs of three on geo3). With round_s its round also ends once it has lasted
+    that long: its offer's reply brings the partner's newest whole round, weighed by steps."""
+    torch.manual_seed(0)
+    settings = {**DILOCO, "algorithm_settings": {"diloco": DilocoSettings(
+        inner_steps=10, fanout=1, consensus_every=0, round_s=round_s)}}  # fmt: skip
+    async with runtimes(3, **settings) as (net, (fast, other, slow)):
+        fast._skip["p2"] = slow._skip["p1"] = (99, 0)  # fast draws the other; slow draws fast
+        for _ in range(10):
+            fast.ctx.trainer.train_step()
+        await fast.after_step(step(fast, 10))
+        assert "p0" not in slow.inbox  # nobody offered it anything
+        slow.ctx.trainer.train_step()
+        await slow.after_step(step(slow, 1))
+        await trio.sleep(29)
+        slow.ctx.trainer.train_step()
+        await slow.after_step(step(slow, 2))
+        assert slow.statistics().outer_steps == 0  # not yet round_s
+        await trio.sleep(2)
+        slow.ctx.trainer.train_step()
+        delta_slow = pseudo_gradient(slow.start, slow.ctx.trainer.params())
+        start = {k: v.clone() for k, v in slow.start.items()}
+        await slow.after_step(step(slow, 3))
+        stats = slow.statistics()
+        if not round_s:  # rounds of inner_steps only
+            assert stats.outer_steps == 0 and stats.timed_rounds == 0
+            return
+        assert (stats.outer_steps, stats.timed_rounds, stats.peer_deltas_used) == (1, 1, 1)
+        mean = {k: (3 * delta_slow[k] + 10 * fast.latest_delta[k]) / 13 for k in delta_slow}
+        NesterovOuter(0.7, 0.9).step(start, mean)
+        assert all(torch.allclose(slow.start[k], start[k], atol=1e-6) for k in start)
+        assert fast.inbox["p2"][0] == 1  # its 3 steps went to the fast peer
+
+
 async def test_a_partners_claimed_steps_never_outweigh_a_whole_round_of_ours(autojump_clock):
     """`steps` comes from the network: a peer saying a million weighs as one whole round."""
     torch.manual_seed(0)

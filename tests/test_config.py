@@ -134,6 +134,9 @@ OPEN = "[identity]\nopen_swarm = true\n"
         ("diloco", "outer_momentum = 1.0", "gossip.diloco.outer_momentum"),
         ("diloco", "fanout = 0", "gossip.diloco.fanout"),
         ("diloco", "max_staleness = -1", "gossip.diloco.max_staleness"),
+        ("diloco", "round_s = -5", "gossip.diloco.round_s"),
+        ("diloco", "round_s = nan", "gossip.diloco.round_s"),
+        ("diloco", "round_s = true", "gossip.diloco.round_s"),
         ("selsync", "threshold = 0.0", "gossip.selsync.threshold"),
         ("selsync", "treshold = 0.1", "gossip.selsync.treshold"),  # a typo is named too
     ],

@@ -186,6 +186,13 @@ class DilocoSettings:
         end, H of its slow steps later (a 4x straggler waited 4 rounds of the others). Every
         update is weighted by the inner steps it took (capped at a whole round of ours), so
         such a short round counts for what it did. False: rounds of inner_steps only.
+    round_s: 0: rounds count steps only. Above 0 a round also ends once it has lasted this many
+        seconds (with at least a tenth of inner_steps done): a slow peer then ends its rounds
+        about as often as the fast ones, each time taking a partner's newest whole round in the
+        reply to its offer, instead of waiting to be drawn by one (catch_up) or for its own H
+        slow steps. Set it near what inner_steps take a peer of the usual speed (the steps'
+        weights keep a short round from counting for more than it did). Measured on geo3 in
+        BENCHMARKS.md.
     """
 
     inner_steps: int = 20
@@ -198,6 +205,7 @@ class DilocoSettings:
     comm_fraction: float = 0.0
     max_inner_steps: int = 1000
     catch_up: bool = True
+    round_s: float = 0.0
 
     def __post_init__(self) -> None:
         check_field(self.inner_steps >= 1, "gossip.diloco.inner_steps", self.inner_steps, ">= 1")
@@ -219,6 +227,10 @@ class DilocoSettings:
                     self.max_inner_steps, f">= inner_steps ({self.inner_steps})")  # fmt: skip
         check_field(isinstance(self.catch_up, bool), "gossip.diloco.catch_up", self.catch_up,
                     "true or false")  # fmt: skip
+        check_field(isinstance(self.round_s, int | float) and not isinstance(self.round_s, bool)
+                    and math.isfinite(self.round_s) and self.round_s >= 0,
+                    "gossip.diloco.round_s", self.round_s,
+                    "seconds >= 0 (0: rounds of inner_steps only)")  # fmt: skip
 
 
 def wire_share(codec: str) -> float:
@@ -273,6 +285,7 @@ class DilocoStatistics:
     # this round's inner steps (comm_fraction adapts them)
     inner_steps: int = field(default=0, metadata={"gauge": True})
     catch_ups: int = 0  # rounds ended early to take a faster partner's update (catch_up)
+    timed_rounds: int = 0  # rounds ended early by round_s
 
 
 class Diloco(Algorithm):
@@ -358,6 +371,8 @@ class Diloco(Algorithm):
         self._arrivals: dict[str, tuple[int, int, int]] = {}
         self._phase = 0  # fixed rounds end at steps = this modulo inner_steps (catch_up moves it)
         self.catch_ups = 0
+        self.timed_rounds = 0
+        self._round_began: float | None = None  # when this round's inner steps began (round_s)
         rule = ctx.gossip.robust
         self._consensus_radius = ClipRadius("none" if rule == "none" else "clip",
                                             cap=ctx.gossip.clip)  # fmt: skip
@@ -368,7 +383,7 @@ class Diloco(Algorithm):
     def statistics(self) -> DilocoStatistics:
         return DilocoStatistics(self.outer_steps, self.peer_deltas_used, self.missing,
                                 self.consensus_mixes, self.inner_steps,
-                                self.catch_ups)  # fmt: skip
+                                self.catch_ups, self.timed_rounds)  # fmt: skip
 
     def state(self) -> tuple[Tensors, dict]:
         # (no copies: a checkpoint is written under the trainer's lock, and the round start and
@@ -594,13 +609,29 @@ class Diloco(Algorithm):
             if self._next_round_at is None:  # (also after a restart: the next multiple)
                 self._next_round_at = result.step + (-result.step) % cfg.inner_steps
             ends = result.step >= self._next_round_at
-        if ends or not self._catching_up(result.step):
-            return ends
+        if ends:
+            return True
+        if self._catching_up(result.step):
+            self.catch_ups += 1
+            log.info("round_caught_up", step=result.step,
+                     inner_steps=result.step - self._round_end_step)  # fmt: skip
+        elif self._timed_out(result.step):
+            self.timed_rounds += 1
+            log.debug("round_timed", step=result.step,
+                      inner_steps=result.step - self._round_end_step)  # fmt: skip
+        else:
+            return False
         self._phase = result.step % cfg.inner_steps  # (fixed rounds: H steps from here on)
-        self.catch_ups += 1
-        log.info("round_caught_up", step=result.step,
-                 inner_steps=result.step - self._round_end_step)  # fmt: skip
         return True
+
+    def _timed_out(self, step: int) -> bool:
+        """round_s: whether this round has lasted round_s seconds, with a tenth of its inner
+        steps done."""
+        round_s, now = self.ctx.settings.round_s, self.ctx.now()
+        if self._round_began is None:  # (the first step since the start or a restart)
+            self._round_began = now
+        return (bool(round_s) and step - self._round_end_step >= max(1, self.inner_steps // 10)
+                and now - self._round_began >= round_s)  # fmt: skip
 
     def _catching_up(self, step: int) -> bool:
         """catch_up: whether a partner that has made more rounds than we have sent an update of
@@ -650,6 +681,7 @@ class Diloco(Algorithm):
             # mmap threshold) back to the system, not kept through the inner steps
             await ctx.to_thread(release_free_memory)
         self._adapt(result.step, ctx.now() - started)
+        self._round_began = ctx.now()  # (round_s counts the inner steps' time, not the end's)
 
     async def _end_round(self, round_: int, partners: list[str], spec: str) -> None:
         """Our update made, offered to `partners`, and the outer step on what came."""
