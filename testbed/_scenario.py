@@ -228,6 +228,7 @@ class TestbedScenario:
         for fault in self.faults:
             self._check_fault(fault, names)
         object.__setattr__(self, "faults", tuple(sorted(self.faults, key=lambda f: f.at_s)))
+        self._check_kill_restart_order()
         if (not isinstance(self.duration_s, int | float) or isinstance(self.duration_s, bool)
                 or not 0 < self.duration_s < math.inf):  # fmt: skip
             raise _fail("duration_s", self.duration_s, "a finite number of seconds > 0")
@@ -302,6 +303,23 @@ class TestbedScenario:
                 raise _fail("nat", peer, f"a peer index in 1..{self.n_peers - 1} (peer 0 is "
                             "the bootstrap peer and must stay reachable)")  # fmt: skip
         object.__setattr__(self, "nat", tuple(sorted(nat)))
+
+    def _check_kill_restart_order(self) -> None:
+        """Each peer's kills and restarts alternate, a kill first: a restart of a running peer or
+        a second kill of a dead one was only skipped at run time (a restart before its kill was
+        accepted, seen by a stranger)."""
+        down: dict[int, float] = {}  # peer -> when it was killed
+        for fault in self.faults:  # (sorted by time; equal times keep their written order)
+            if fault.action == "kill":
+                if fault.peer in down:
+                    raise _fail("faults", fault.describe(), f"a restart of peer {fault.peer} "
+                                f"between its kills (it is down since {down[fault.peer]:g} s)")
+                down[fault.peer] = fault.at_s  # type: ignore[index]
+            elif fault.action == "restart":
+                if fault.peer not in down:
+                    raise _fail("faults", fault.describe(), f"a kill of peer {fault.peer} "
+                                "before it (a running peer cannot be restarted)")  # fmt: skip
+                del down[fault.peer]
 
     def _check_fault(self, fault: Fault, names: list[str]) -> None:
         if fault.peer is not None and not 0 <= fault.peer < self.n_peers:

@@ -139,6 +139,27 @@ def test_invalid_scenarios_name_the_field(change, field):
     assert f"scenario.{field}" in str(info.value)
 
 
+@pytest.mark.parametrize(
+    ("faults", "said"),
+    [
+        ([("restart", 10), ("kill", 20)], "a kill of peer 3 before it"),
+        ([("kill", 10), ("kill", 20)], "a restart of peer 3 between its kills"),
+        ([("kill", 5), ("restart", 10), ("restart", 20)], "a kill of peer 3 before it"),
+    ],
+)
+def test_a_peers_kills_and_restarts_must_alternate_a_kill_first(faults, said):
+    """A restart of a running peer (written before its kill) was accepted, and only skipped at
+    run time: the run then measured something other than what the scenario said."""
+    data = _base()
+    data["faults"] = [{"at_s": t, "action": a, "peer": 3} for a, t in faults]
+    with pytest.raises(ScenarioError, match=said) as info:
+        scenario_from_dict(data)
+    assert "scenario.faults" in str(info.value)
+    data["faults"] = [{"at_s": 20, "action": "restart", "peer": 3},  # written out of order
+                      {"at_s": 10, "action": "kill", "peer": 3}]  # fmt: skip
+    assert [f.action for f in scenario_from_dict(data).faults] == ["kill", "restart"]
+
+
 ACCESS_TOML = """
 [[regions]]
 name = "dc"
