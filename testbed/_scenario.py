@@ -228,7 +228,6 @@ class TestbedScenario:
         for fault in self.faults:
             self._check_fault(fault, names)
         object.__setattr__(self, "faults", tuple(sorted(self.faults, key=lambda f: f.at_s)))
-        self._check_kill_restart_order()
         if (not isinstance(self.duration_s, int | float) or isinstance(self.duration_s, bool)
                 or not 0 < self.duration_s < math.inf):  # fmt: skip
             raise _fail("duration_s", self.duration_s, "a finite number of seconds > 0")
@@ -252,6 +251,7 @@ class TestbedScenario:
         self._check_nat()
         self._check_attackers()
         self._check_availability()
+        self._check_kill_restart_order()  # (after the checks that name a more specific cause)
         if self.partition not in PARTITIONS:
             raise _fail("partition", self.partition, f"one of {PARTITIONS}")
         if (not isinstance(self.alpha, int | float) or isinstance(self.alpha, bool)

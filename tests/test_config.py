@@ -137,6 +137,7 @@ OPEN = "[identity]\nopen_swarm = true\n"
         ("diloco", "round_s = -5", "gossip.diloco.round_s"),
         ("diloco", "round_s = nan", "gossip.diloco.round_s"),
         ("diloco", "round_s = true", "gossip.diloco.round_s"),
+        ("diloco", "round_s = 60.0\ncomm_fraction = 0.05", "gossip.diloco.round_s"),
         ("selsync", "threshold = 0.0", "gossip.selsync.threshold"),
         ("selsync", "treshold = 0.1", "gossip.selsync.treshold"),  # a typo is named too
     ],

@@ -865,6 +865,38 @@ async def test_a_connection_closed_unread_is_counted_even_when_nng_s_close_note_
         assert ts.statistics().handshakes_failed == {"closed": 1}
 
 
+async def test_a_connection_whose_close_note_overtakes_its_open_note_is_counted_once(
+        authority, monkeypatch):  # fmt: skip
+    """nng's notes of a pipe come from different threads: its close can reach the node before
+    its opening (which pynng then adds back). The late opening made a fresh session for the dead
+    pipe, which was counted a second time (a reviewer's reading of pynng)."""
+    from geotrain.node.transport._inbound import _Inbound
+
+    held: dict[int, object] = {}
+
+    def note_connect(self, pipe):  # the opening's note is late...
+        held[pipe.id] = pipe
+
+    def note_remove(self, pipe):  # ...and comes after the close's
+        self.token.run_sync_soon(self._removed, pipe.id)
+        if pipe.id in held:
+            self.token.run_sync_soon(self._connected, held.pop(pipe.id))
+
+    monkeypatch.setattr(_Inbound, "note_connect", note_connect)
+    monkeypatch.setattr(_Inbound, "note_remove", note_remove)
+    server = Node(authority)
+    async with _open(server, CONFIG) as ts:
+        raw = RawClient(ts.address, Identity.generate(), server.admission.prologue)
+        try:
+            hs = NoiseHandshake(True, X25519PrivateKey.generate(), server.admission.prologue)
+            assert (await raw.rpc(b"\x01" + hs.write_message(b"")))[:1] == b"\x02"  # a session
+            assert await raw.rpc(b"\x01" + bytes(CONFIG.recv_max_size + 1024), timeout=1.0) is None
+            await trio.sleep(CONFIG.handshake_timeout_s * 2.5)  # (sweeps and deadlines pass)
+        finally:
+            raw.close()
+        assert ts.statistics().handshakes_failed == {"closed": 1}
+
+
 async def test_requests_being_reassembled_hold_at_most_the_budget_over_every_connection(
         authority):  # fmt: skip
     """Each partial request is allocated whole at its first part, and the limit was two per

@@ -190,9 +190,11 @@ class DilocoSettings:
         seconds (with at least a tenth of inner_steps done): a slow peer then ends its rounds
         about as often as the fast ones, each time taking a partner's newest whole round in the
         reply to its offer, instead of waiting to be drawn by one (catch_up) or for its own H
-        slow steps. Set it near what inner_steps take a peer of the usual speed (the steps'
-        weights keep a short round from counting for more than it did). Measured on geo3 in
-        BENCHMARKS.md.
+        slow steps. Set it a little above what inner_steps take a peer of the usual speed:
+        below that, a round ends before the partners have a newer round to give, and the fast
+        peers' rounds are cut short too (more outer steps and bytes). The steps' weights keep a
+        short round from counting for more than it did. Not with comm_fraction, which sets the
+        rounds' length itself. Measured on geo3 in BENCHMARKS.md.
     """
 
     inner_steps: int = 20
@@ -231,6 +233,9 @@ class DilocoSettings:
                     and math.isfinite(self.round_s) and self.round_s >= 0,
                     "gossip.diloco.round_s", self.round_s,
                     "seconds >= 0 (0: rounds of inner_steps only)")  # fmt: skip
+        check_field(not (self.round_s and self.comm_fraction), "gossip.diloco.round_s",
+                    self.round_s, "0 with comm_fraction (adaptive rounds set their own length; "
+                    "one or the other)")  # fmt: skip
 
 
 def wire_share(codec: str) -> float:
@@ -617,8 +622,8 @@ class Diloco(Algorithm):
                      inner_steps=result.step - self._round_end_step)  # fmt: skip
         elif self._timed_out(result.step):
             self.timed_rounds += 1
-            log.debug("round_timed", step=result.step,
-                      inner_steps=result.step - self._round_end_step)  # fmt: skip
+            log.info("round_timed", step=result.step,
+                     inner_steps=result.step - self._round_end_step)  # fmt: skip
         else:
             return False
         self._phase = result.step % cfg.inner_steps  # (fixed rounds: H steps from here on)
@@ -677,11 +682,11 @@ class Diloco(Algorithm):
             await self._end_round(round_, partners, spec)
         finally:  # (an in-place round end cut short: the round start back, the model as it was)
             self._restore_start()
+            self._round_began = ctx.now()  # (round_s counts the inner steps, not the end)
         if 4 * ctx.peers.numel > RELEASE_ABOVE_BYTES:  # the chunk buffers freed (below the
             # mmap threshold) back to the system, not kept through the inner steps
             await ctx.to_thread(release_free_memory)
         self._adapt(result.step, ctx.now() - started)
-        self._round_began = ctx.now()  # (round_s counts the inner steps' time, not the end's)
 
     async def _end_round(self, round_: int, partners: list[str], spec: str) -> None:
         """Our update made, offered to `partners`, and the outer step on what came."""
