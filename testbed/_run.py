@@ -443,8 +443,7 @@ def _run_ddp(options, hosts, meter: BytesMeter, faults: FaultRunner, echo: Echo,
 
         stopped = _supervise(
             name, options, peers, meter, faults, echo, reached=lambda: False,
-            progress=progress, first_step=lambda: any(f.exists() and f.stat().st_size
-                                                       for f in files),
+            progress=progress, first_step=lambda: first_step_began(files),
             stop_at_duration=False, launch=launch,
         )  # fmt: skip
         failed = [i for i, p in enumerate(peers.procs) if p.proc and p.proc.returncode not in (0,)]
@@ -514,7 +513,7 @@ def _run_hivemind(name: str, options, hosts, meter: BytesMeter, faults: FaultRun
 
         stopped = _supervise(
             name, options, peers, meter, faults, echo, reached, progress,
-            first_step=lambda: any(f.exists() and f.stat().st_size for f in files),
+            first_step=lambda: first_step_began(files),
             stop_at_duration=True, launch=launch,
         )  # fmt: skip
         if stopped == "exited":
@@ -561,7 +560,8 @@ def _reached(value: float, target: float, higher_is_better: bool) -> bool:
 
 
 def _supervise(system, options, peers: Peers, meter, faults, echo, reached, progress, *,
-               first_step, stop_at_duration: bool, launch: float,
+               first_step: Callable[[], float | bool | None], stop_at_duration: bool,
+               launch: float,
                availability: AvailabilityRunner | None = None) -> str:  # fmt: skip
     """Watch one system until its target, its duration, or its processes' exit (faults and, for
     geotrain, availability windows applied on the way).
@@ -569,16 +569,17 @@ def _supervise(system, options, peers: Peers, meter, faults, echo, reached, prog
     Returns why it stopped: "target", "duration", "exited".
     """
     sc = options.scenario
-    start, last_line = None, 0.0
+    start, last_line = None, 0.0  # start: when the first step began (the summary's t0)
     samples = open(options.out / f"bytes-{system}.jsonl", "w")
     base = meter.total()
     told: set[int] = set()  # pids of failed processes already reported
     with samples:
         while True:
             now = time.time()
-            if start is None and first_step():
-                start = now
-                echo(f"{system}: training started {now - launch:.1f} s after launch")
+            began = first_step() if start is None else None
+            if began:  # (True: now; a time: from the metrics, before the line that showed it)
+                start = now if began is True else min(now, began)
+                echo(f"{system}: training started {start - launch:.1f} s after launch")
             failed = _failed_exits(system, peers, told, echo)
             if start is None and failed:  # (the others would wait for it until the timeout)
                 # (a peer's first steps show in its status a moment later: one that failed at
@@ -610,6 +611,25 @@ def _supervise(system, options, peers: Peers, meter, faults, echo, reached, prog
                 faults.not_reached(0.0 if start is None else now - start, stopped)
                 return stopped
             time.sleep(0.25)
+
+
+def first_step_began(files: list[Path]) -> float | None:
+    """When a baseline's first step began (wall time), from the first line of each metrics file
+    that has one: its time less its steps at its rate, as the summary's t0 counts. None before
+    any line. (The line comes at the end of the step and its evaluation: DDP's first, with the
+    all-reduce's connection set up, was 7 s after it began, so faults counted from the line
+    came 7 s later into a baseline's run than into geotrain's, on the summary's time axis.)"""
+    starts = []
+    for f in files:
+        try:
+            with open(f) as fh:
+                record = json.loads(fh.readline())
+            step, rate, t = record.get("step", 0), record.get("steps_per_s") or 0.0, record["t"]
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            continue  # (no line yet, or one half written: the next look reads it)
+        if isinstance(step, int) and step > 0:
+            starts.append(t - (step / rate if rate > 0 else 0.0))
+    return min(starts) if starts else None
 
 
 def _failed_exits(system: str, peers: Peers, told: set[int], echo: Echo) -> list[str]:

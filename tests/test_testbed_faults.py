@@ -116,3 +116,41 @@ def test_faults_the_run_ended_before_are_recorded_and_said():
     assert fault_x(late[0], 0.0) == 3.0  # (the report's table places it where it was due)
     runner.not_reached(3.0, "target")  # nothing left to say
     assert len(runner.applied_all) == 5
+
+
+def test_a_baselines_faults_count_from_when_its_first_step_began(tmp_path):
+    """The fault clock started when the supervisor first saw a metrics line, at the end of the
+    first step and its evaluation: DDP's came 7 s after its first step began, so its faults
+    fell 7 s later into its run than into geotrain's, on the summary's time axis (t0: the first
+    step's start, from the same line)."""
+    import json
+    import time
+    from types import SimpleNamespace
+
+    from geotrain.testbed import _run
+
+    began = time.time() - 7.0  # the first line says: step 1 at 0.14 steps/s, written now
+    metrics = tmp_path / "peer-00.jsonl"
+    metrics.write_text(json.dumps({"t": began + 7.0, "step": 1, "steps_per_s": 1 / 7.0}) + "\n")
+    assert abs(_run.first_step_began([metrics, tmp_path / "peer-01.jsonl"]) - began) < 1e-6
+
+    seen = []
+
+    class Faults:
+        def apply_due(self, elapsed_s, peers, wall_t=None):
+            seen.append(elapsed_s)
+
+        def not_reached(self, ended_s, why):
+            seen.append(why)
+
+    options = SimpleNamespace(scenario=SimpleNamespace(duration_s=7.5), out=tmp_path,
+                              progress_every_s=60.0)  # fmt: skip
+    peers = SimpleNamespace(procs=[], running=lambda: True)
+    meter = SimpleNamespace(total=lambda: None)
+    stopped = _run._supervise(
+        "ddp", options, peers, meter, Faults(), lambda line: None, lambda: False, lambda: [],
+        first_step=lambda: _run.first_step_began([metrics]), stop_at_duration=True,
+        launch=began - 10.0,
+    )  # fmt: skip
+    assert stopped == "duration" and seen[-1] == "duration"
+    assert seen[0] >= 7.0  # its clock began with its first step, not with the line
