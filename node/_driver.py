@@ -86,7 +86,10 @@ class TrainingDriver:
 
     async def evaluate(self) -> None:
         """Evaluate the held-out metric now (a worker thread)."""
+        began = trio.current_time()
         metric = await trio.to_thread.run_sync(self._trainer.evaluate)
+        if self._progress.training_since is not None:  # (compute utilization leaves it out)
+            self._progress.eval_s += trio.current_time() - began
         self._evaluations.evaluated()
         if metric is not None:  # (None: it failed, logged; the last metric stays)
             self._progress.metric = metric

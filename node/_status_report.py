@@ -39,12 +39,16 @@ class Progress:
     train_s: float | None = None
     samples: int | None = None  # training samples taken since start (None: not known)
     training_since: float | None = None  # trio clock at the first step's start
+    eval_s: float = 0.0  # seconds in held-out evaluations since the first step
 
-    def utilization(self, now: float) -> float | None:
-        """The fraction of wall time since the first step spent in training steps."""
-        if self.train_s is None or self.training_since is None or now <= self.training_since:
+    def utilization(self, now: float, *, without_eval: bool = False) -> float | None:
+        """The fraction of wall time since the first step spent in training steps (of the time
+        not spent evaluating, `without_eval`: evaluations are the operator's measurement, at a
+        cadence of their choosing; the testbed's every 10 s cost its peers ~3-5%)."""
+        if self.train_s is None or self.training_since is None:
             return None
-        return min(1.0, self.train_s / (now - self.training_since))
+        wall = now - self.training_since - (self.eval_s if without_eval else 0.0)
+        return min(1.0, self.train_s / wall) if wall > 0 else None
 
 
 @dataclass
@@ -131,6 +135,8 @@ class StatusReporter:
             train_s=s.progress.train_s,
             samples=s.progress.samples,
             utilization=s.progress.utilization(now),
+            eval_s=s.progress.eval_s if s.progress.train_s is not None else None,
+            utilization_without_eval=s.progress.utilization(now, without_eval=True),
             algorithm_stats=s.algorithm.status_counters(),
             algorithm_gauges=tuple(sorted(s.algorithm.status_gauges())),
             **_privacy(s.trainer),

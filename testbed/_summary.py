@@ -226,21 +226,32 @@ def _fairness(finals: list[float | None], higher_is_better: bool) -> dict[str, A
     }  # fmt: skip
 
 
-def utilization(records: list[dict[str, Any]], pinned_s: float) -> float | None:
-    """The share of a peer's wall time (first to last step line) spent in its training steps.
+def utilization(records: list[dict[str, Any]], pinned_s: float, *,
+                without_eval: bool = False) -> float | None:  # fmt: skip
+    """The share of a peer's wall time (first to last step line) spent in its training steps;
+    `without_eval`: of the wall time not spent in held-out evaluations (the testbed's own
+    measurement, every 10 s in every system; None from lines written before it was counted).
 
     A geotrain node measures it (`utilization` in its lines). A baseline's worker does not tell
     compute from waiting inside its step (DDP's all-reduce runs inside backward); with compute
     emulation its compute is the pinned time per step, so steps x pinned / wall time; without,
     None (not measured)."""
-    own = next((r["utilization"] for r in reversed(records) if r.get("utilization") is not None),
-               None)  # fmt: skip
+    key = "utilization_without_eval" if without_eval else "utilization"
+    own = next((r[key] for r in reversed(records) if r.get(key) is not None), None)
     if own is not None:
         return round(own, 3)
+    if any(r.get("utilization") is not None for r in records):
+        return None  # (a node's lines from before it counted its evaluations)
     stepped = [r for r in records if r.get("step", 0) > 0]
     if pinned_s <= 0 or len(stepped) < 2 or stepped[-1]["t"] <= stepped[0]["t"]:
         return None
     wall = stepped[-1]["t"] - stepped[0]["t"]
+    if without_eval:
+        if stepped[-1].get("eval_s") is None or stepped[0].get("eval_s") is None:
+            return None
+        wall -= stepped[-1]["eval_s"] - stepped[0]["eval_s"]
+        if wall <= 0:
+            return None
     return round(min(1.0, (stepped[-1]["step"] - stepped[0]["step"]) * pinned_s / wall), 3)
 
 
@@ -279,6 +290,9 @@ def _system(run: dict[str, Any], system: str, peers, samples) -> dict[str, Any]:
     busy = [utilization(rs, run.get("step_ms", 0.0) / 1000 * slowdowns[i])
             for i, rs in enumerate(peers)]  # fmt: skip
     busy_known = [u for u in busy if u is not None]
+    busy_ex = [utilization(rs, run.get("step_ms", 0.0) / 1000 * slowdowns[i], without_eval=True)
+               for i, rs in enumerate(peers)]  # fmt: skip
+    busy_ex_known = [u for u in busy_ex if u is not None]
     return {
         "system": system,
         "algorithm": entry.get("algorithm") or (
@@ -298,6 +312,9 @@ def _system(run: dict[str, Any], system: str, peers, samples) -> dict[str, Any]:
         # compute utilization: share of wall time in training steps (see utilization())
         "utilization_by_peer": busy,
         "utilization_min": min(busy_known) if busy_known else None,
+        # the same of the wall time not spent in held-out evaluations (see utilization())
+        "utilization_without_eval_by_peer": busy_ex,
+        "utilization_without_eval_min": min(busy_ex_known) if busy_ex_known else None,
         "startup_s": None if t0 is None else round(t0 - run["systems"][system]["launch_t"], 2),
         "trained_s": None if t0 is None else round(
             max((rs[-1]["t"] for rs in peers if rs), default=t0) - t0, 2),
@@ -440,13 +457,16 @@ def _failure_lines(summary: dict[str, Any]) -> list[str]:
 
 def _utilization_lines(summary: dict[str, Any]) -> list[str]:
     """The lowest peer's compute utilization per system, where it was measured."""
-    known = [(s["system"], s["utilization_min"]) for s in summary["systems"]
-             if s.get("utilization_min") is not None]  # fmt: skip
+    known = [(s["system"], s["utilization_min"], s.get("utilization_without_eval_min"))
+             for s in summary["systems"] if s.get("utilization_min") is not None]  # fmt: skip
     if not known:
         return []
-    cells = ", ".join(f"{name} {u:.0%}" for name, u in known)
-    return [f"compute utilization, lowest peer: {cells} (share of wall time in training steps; "
-            "baselines: pinned step time x steps, under compute emulation only)"]
+    cells = ", ".join(f"{name} {u:.0%}" + ("" if ex is None else f" ({ex:.0%})")
+                      for name, u, ex in known)  # fmt: skip
+    said = ", and in brackets of the time not spent in held-out evaluations" if any(
+        ex is not None for _, _, ex in known) else ""
+    return [f"compute utilization, lowest peer: {cells} (share of wall time in training steps"
+            f"{said}; baselines: pinned step time x steps, under compute emulation only)"]
 
 
 def _fairness_lines(summary: dict[str, Any]) -> list[str]:

@@ -84,7 +84,8 @@ async def test_a_running_node_serves_its_numbers(tmp_path):
 
 async def test_compute_utilization_is_the_share_of_wall_time_in_training_steps(tmp_path):
     # compute emulation pins each step to 40 ms: a node alone spends nearly all its time in steps
-    cfg = config(tmp_path, "u", "training.step_time_ms=40", "training.wait_for_peers=0")
+    cfg = config(tmp_path, "u", "training.step_time_ms=40", "training.wait_for_peers=0",
+                 "training.eval_every=10")  # fmt: skip
     async with geotrain.open_node(cfg, identity=Identity.generate(),
                                   admission=Admission.open_swarm("geotrain")) as node:  # fmt: skip
         with trio.fail_after(60):
@@ -97,6 +98,8 @@ async def test_compute_utilization_is_the_share_of_wall_time_in_training_steps(t
     # padding ends), at most that plus the real compute
     assert 0.04 * (status.step - 1) <= status.train_s <= 0.04 * status.step + 1.5, status
     assert 0.5 < status.utilization <= 1.0, status  # what the loop adds around steps is small
+    # evaluations (every 10 steps here) are counted, and left out of the second figure
+    assert status.eval_s > 0 and status.utilization < status.utilization_without_eval <= 1.0
     assert samples[("geotrain_train_seconds_total", ())] > 0
     assert 0.5 < samples[("geotrain_compute_utilization", ())] <= 1.0
 

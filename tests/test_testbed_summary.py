@@ -196,6 +196,30 @@ def test_compute_utilization_per_peer_for_every_system(tmp_path: Path):
         build_summary(tmp_path))
 
 
+def test_compute_utilization_also_of_the_time_not_spent_evaluating(tmp_path: Path):
+    """The testbed evaluates every system every 10 s; those seconds are its measurement, not
+    the system's waiting: the figure without them stands beside the whole one."""
+    _fake_run(tmp_path)
+    run = json.loads((tmp_path / "run.json").read_text())
+    run.update(step_ms=500.0, slowdowns=[1.0, 1.0])
+    (tmp_path / "run.json").write_text(json.dumps(run))
+    for i in range(2):  # ddp at 1 step/s (0.5 s pinned), 0.2 s of each second evaluating
+        _write_lines(tmp_path / "ddp" / f"peer-0{i}.jsonl", [
+            {"t": T0 + s, "step": s, "steps_per_s": 1.0, "metric": 0.6, "eval_s": 0.2 * s}
+            for s in range(1, 6)
+        ])  # fmt: skip
+        path = tmp_path / "geotrain" / f"peer-0{i}" / "metrics.jsonl"
+        lines = [json.loads(x) for x in path.read_text().splitlines()]
+        _write_lines(path, [*lines, {**lines[-1], "utilization": 0.9,
+                                     "utilization_without_eval": 0.96 + 0.01 * i}])
+    geotrain, ddp = build_summary(tmp_path)["systems"]
+    assert geotrain["utilization_min"] == 0.9 and geotrain["utilization_without_eval_min"] == 0.96
+    assert ddp["utilization_by_peer"] == [0.5, 0.5]
+    assert ddp["utilization_without_eval_by_peer"] == [0.625, 0.625]  # 2 s of 3.2 s not evaluating
+    table = render_table(build_summary(tmp_path))
+    assert "geotrain 90% (96%), ddp 50% (62%)" in table
+
+
 def test_a_nan_metric_is_read_as_no_metric(tmp_path: Path):
     """A baseline peer whose evaluation gave NaN made ladder rows of "accuracy nan" and bare
     NaN tokens in summary.json (not JSON)."""

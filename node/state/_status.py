@@ -68,6 +68,10 @@ class NodeStatus:
     # training samples this process took (None for a loop of the user's own: not seen)
     samples: int | None = None
     utilization: float | None = None
+    # seconds in held-out evaluations since the first step, and the share of the rest of the
+    # wall time spent in training steps (None, as train_s, for a loop of the user's own)
+    eval_s: float | None = None
+    utilization_without_eval: float | None = None
     # peers accepted this node's connections but none dialled it back (behind NAT, configured
     # reachable): the node warned `not_dialled`
     not_dialled: bool = False
