@@ -130,8 +130,10 @@ def test_summary_compares_every_system_at_equal_quality(tmp_path: Path):
     eq = summary["equal_quality"]
     assert eq["level"] == pytest.approx(0.49)  # the best level both swarms reached
     # geotrain: both peers past 0.49 at T0+3 (0.6, 0.58 -> capped 0.5, 0.49); 3000 bytes by then
-    assert eq["systems"]["geotrain"] == {"time_s": 3.0, "bytes": 3000}
-    assert eq["systems"]["hivemind-local"] == {"time_s": 5.0, "bytes": 500}
+    assert eq["systems"]["geotrain"] == {"time_s": 3.0, "bytes": 3000, "held_time_s": 3.0,
+                                         "held_bytes": 3000}  # (there for good from then)
+    assert eq["systems"]["hivemind-local"] == {"time_s": 5.0, "bytes": 500, "held_time_s": 5.0,
+                                               "held_bytes": 500}  # fmt: skip
     # the ladder: from the worst first level (hivemind's 0.1) up to 0.49, a quarter at a time
     ladder = [(round(r["level"], 4), r["systems"]["geotrain"]["time_s"],
                r["systems"]["hivemind-local"]["time_s"]) for r in eq["ladder"]]  # fmt: skip
