@@ -44,7 +44,7 @@ class Progress:
     def utilization(self, now: float, *, without_eval: bool = False) -> float | None:
         """The fraction of wall time since the first step spent in training steps (of the time
         not spent evaluating, `without_eval`: evaluations are the operator's measurement, at a
-        cadence of their choosing; the testbed's every 10 s cost its peers ~3-5%)."""
+        cadence of their choosing; the testbed's every 10 s cost a charlm peer 5-6%)."""
         if self.train_s is None or self.training_since is None:
             return None
         wall = now - self.training_since - (self.eval_s if without_eval else 0.0)
