@@ -578,7 +578,7 @@ def _supervise(system, options, peers: Peers, meter, faults, echo, reached, prog
             now = time.time()
             began = first_step() if start is None else None
             if began:  # (True: now; a time: from the metrics, before the line that showed it)
-                start = now if began is True else min(now, began)
+                start = now if began is True else max(launch, min(now, began))
                 echo(f"{system}: training started {start - launch:.1f} s after launch")
             failed = _failed_exits(system, peers, told, echo)
             if start is None and failed:  # (the others would wait for it until the timeout)
