@@ -3,8 +3,9 @@
 # so every system in a comparison evaluates by the same rule.
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 
 class EvalCadence:
@@ -17,6 +18,7 @@ class EvalCadence:
                  clock: Callable[[], float] = time.monotonic) -> None:  # fmt: skip
         self.every, self.every_s, self._clock = every, every_s, clock
         self._last: float | None = None
+        self.spent_s = 0.0  # seconds in evaluations timed by `evaluating`
 
     def due(self, step: int) -> bool:
         """Whether to evaluate after `step` (then call `evaluated` when it is done)."""
@@ -33,3 +35,12 @@ class EvalCadence:
         """An evaluation ended: the clock starts again from its end (from its start, one as
         long as every_s made every step one)."""
         self._last = self._clock()
+
+    @contextlib.contextmanager
+    def evaluating(self) -> Iterator[None]:
+        """Around an evaluation: `evaluated` at its end, and its seconds added to `spent_s`
+        (compute utilization leaves them out). One that raises is neither."""
+        began = self._clock()
+        yield
+        self.evaluated()
+        self.spent_s += self._last - began  # type: ignore[operator]

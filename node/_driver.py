@@ -86,11 +86,9 @@ class TrainingDriver:
 
     async def evaluate(self) -> None:
         """Evaluate the held-out metric now (a worker thread)."""
-        began = trio.current_time()
-        metric = await trio.to_thread.run_sync(self._trainer.evaluate)
-        if self._progress.training_since is not None:  # (compute utilization leaves it out)
-            self._progress.eval_s += trio.current_time() - began
-        self._evaluations.evaluated()
+        with self._evaluations.evaluating():
+            metric = await trio.to_thread.run_sync(self._trainer.evaluate)
+        self._progress.eval_s = self._evaluations.spent_s  # (compute utilization leaves it out)
         if metric is not None:  # (None: it failed, logged; the last metric stays)
             self._progress.metric = metric
             self._progress.metric_step = self._trainer.step

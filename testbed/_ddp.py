@@ -87,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     joined = time.monotonic()
     stop = StopRule(args, joined)
     cadence = EvalCadence(args.eval_every, args.eval_every_s)
-    step, metric, metric_step, eval_s = 0, None, None, 0.0
+    step, metric, metric_step = 0, None, None
     with open(args.metrics, "a") as out:
         while True:
             t0 = time.perf_counter()
@@ -104,12 +104,10 @@ def main(argv: list[str] | None = None) -> int:
             # DDP overlaps it with the backward pass on GPUs
             pad_step(t0, args.step_ms, args.slowdown)
             if cadence.due(step):
-                began = time.monotonic()
-                model.eval()
-                metric, metric_step = float(task.evaluate(task.model)), step
-                model.train()
-                cadence.evaluated()
-                eval_s += time.monotonic() - began
+                with cadence.evaluating():
+                    model.eval()
+                    metric, metric_step = float(task.evaluate(task.model)), step
+                    model.train()
             elapsed = time.monotonic() - joined
             record = {
                 "system": args.system,
@@ -120,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
                 "metric": metric,
                 "metric_step": metric_step,
                 "steps_per_s": step / elapsed if elapsed > 0 else 0.0,
-                "eval_s": round(eval_s, 4),  # (compute utilization leaves it out)
+                "eval_s": round(cadence.spent_s, 4),  # (compute utilization leaves it out)
             }
             out.write(json.dumps(record) + "\n")
             out.flush()

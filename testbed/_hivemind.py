@@ -217,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
     cadence = EvalCadence(args.eval_every, args.eval_every_s)
     step, metric, metric_step = _last_step(args.metrics) if rejoining and args.metrics.exists() \
         else 0, None, None  # fmt: skip
-    step0, eval_s = step, 0.0  # eval_s: seconds in evaluations (compute utilization)
+    step0 = step
     assembled = rejoining
     try:
         with open(args.metrics, "a") as out:
@@ -234,20 +234,17 @@ def main(argv: list[str] | None = None) -> int:
                     _wait_for_swarm(opt, args.world, lambda: stopping)
                     assembled, joined, step0 = True, time.monotonic(), step
                 if cadence.due(step):
-                    began = time.monotonic()
-                    task.model.eval()
-                    with torch.no_grad():
+                    with cadence.evaluating(), torch.no_grad():
+                        task.model.eval()
                         metric, metric_step = float(task.evaluate(task.model)), step
-                    task.model.train()
-                    cadence.evaluated()
-                    eval_s += time.monotonic() - began
+                        task.model.train()
                 elapsed = time.monotonic() - joined
                 out.write(json.dumps({
                     "system": args.system, "t": time.time(), "pid": os.getpid(),
                     "elapsed_s": round(time.monotonic() - started, 4), "step": step,
                     "loss": float(loss.detach()), "metric": metric, "metric_step": metric_step,
                     "steps_per_s": (step - step0) / elapsed if elapsed > 0 else 0.0,
-                    "eval_s": round(eval_s, 4), "epoch": opt.local_epoch,
+                    "eval_s": round(cadence.spent_s, 4), "epoch": opt.local_epoch,
                     "target_batch_size": target_batch,
                     "hivemind_peers": opt.tracker.global_progress.num_peers,
                 }) + "\n")  # fmt: skip

@@ -48,7 +48,7 @@ from ._peers import (
     write_swarm_files,
 )
 from ._scenario import TestbedScenario
-from ._summary import build_summary, render_table
+from ._summary import at_or_past, build_summary, render_table
 from ._userspace import UserspaceLinks
 
 STARTUP_TIMEOUT_S = 180.0  # launch -> first step, 2 cores shared by every peer's torch import
@@ -454,7 +454,7 @@ def _run_ddp(options, hosts, meter: BytesMeter, faults: FaultRunner, echo: Echo,
                  "to there)")  # fmt: skip
         elif stopped == "exited" and all(
             r is not None and r.get("metric") is not None
-            and _reached(r["metric"], options.target, options.higher_is_better)
+            and at_or_past(r["metric"], options.target, options.higher_is_better)
             for r in (last_json_line(f) for f in files)
         ):  # the ranks' own stop rule: at the target, as a geotrain swarm stops ("exited" said
             stopped = "target"  # the two systems ended for different reasons)  # fmt: skip
@@ -504,7 +504,7 @@ def _run_hivemind(name: str, options, hosts, meter: BytesMeter, faults: FaultRun
             return len(live) > 0 and all(
                 r is not None and r.get("metric") is not None
                 and r.get("pid") == p.proc.pid  # a line of this process, not of a killed one
-                and _reached(r["metric"], options.target, options.higher_is_better)
+                and at_or_past(r["metric"], options.target, options.higher_is_better)
                 for p, r in live
             )  # fmt: skip
 
@@ -550,13 +550,9 @@ def swarm_at_target(peers: Peers, statuses: list[dict | None], windowed: set[int
         elif p.running:
             return False  # started, not reporting yet
     return len(counted) > 0 and all(
-        st.get("metric") is not None and _reached(st["metric"], target, higher_is_better)
+        st.get("metric") is not None and at_or_past(st["metric"], target, higher_is_better)
         for st in counted
     )
-
-
-def _reached(value: float, target: float, higher_is_better: bool) -> bool:
-    return value >= target if higher_is_better else value <= target
 
 
 def _supervise(system, options, peers: Peers, meter, faults, echo, reached, progress, *,

@@ -181,9 +181,14 @@ def time_bytes_to(curve, samples, level: float, higher_is_better: bool,
                   t0: float) -> tuple[float, int | None] | None:  # fmt: skip
     """(seconds from t0, bytes by then) when the swarm first was at or past `level`, or None."""
     for t, worst in curve:
-        if worst >= level if higher_is_better else worst <= level:
+        if at_or_past(worst, level, higher_is_better):
             return round(t - t0, 2), bytes_at(samples, t)
     return None
+
+
+def at_or_past(value: float, level: float, higher_is_better: bool) -> bool:
+    """Whether a metric `value` is at or past `level`, in the metric's direction."""
+    return value >= level if higher_is_better else value <= level
 
 
 def time_bytes_held(curve, samples, level: float, higher_is_better: bool,
@@ -192,13 +197,11 @@ def time_bytes_held(curve, samples, level: float, higher_is_better: bool,
     there to its last evaluation, or None when it ended short of it. A noisy metric can touch a
     level once and leave it (DDP on the 10M gpt model: 6.41 bits per byte at its step 1, 7.79 at
     step 3): the first touch alone said it was there."""
-    held = None
+    since = None
     for t, worst in curve:
-        if worst >= level if higher_is_better else worst <= level:
-            held = held or (t, worst)
-        else:
-            held = None
-    return None if held is None else (round(held[0] - t0, 2), bytes_at(samples, held[0]))
+        reached = at_or_past(worst, level, higher_is_better)
+        since = (since if since is not None else t) if reached else None
+    return None if since is None else (round(since - t0, 2), bytes_at(samples, since))
 
 
 WORST_FRACTION = 0.1  # fairness: the worst 10% of the peers (federated learning's usual cut)
@@ -287,11 +290,10 @@ def _system(run: dict[str, Any], system: str, peers, samples) -> dict[str, Any]:
     rates = [steps_per_s(rs) for rs in peers]
     rates_known = [r for r in rates if r is not None]
     slowdowns = run.get("slowdowns") or [1.0] * len(peers)
-    busy = [utilization(rs, run.get("step_ms", 0.0) / 1000 * slowdowns[i])
-            for i, rs in enumerate(peers)]  # fmt: skip
+    busy, busy_ex = ([utilization(rs, run.get("step_ms", 0.0) / 1000 * slowdowns[i],
+                                  without_eval=ex) for i, rs in enumerate(peers)]
+                     for ex in (False, True))  # fmt: skip
     busy_known = [u for u in busy if u is not None]
-    busy_ex = [utilization(rs, run.get("step_ms", 0.0) / 1000 * slowdowns[i], without_eval=True)
-               for i, rs in enumerate(peers)]  # fmt: skip
     busy_ex_known = [u for u in busy_ex if u is not None]
     return {
         "system": system,
@@ -534,12 +536,11 @@ def _equal_lines(summary: dict[str, Any]) -> list[str]:
                 parts.append(f"{name} -")
                 continue
             cell = f"{name} {hit['time_s']:.1f} s, {format_bytes(hit['bytes'], 2)}"
-            if "held_time_s" not in hit:  # (a summary from before it)
-                pass
-            elif hit["held_time_s"] is None:
+            held = hit.get("held_time_s", hit["time_s"])  # (a summary from before it: as then)
+            if held is None:
                 cell += " (then left it: not there at the end)"
-            elif hit["held_time_s"] != hit["time_s"]:
-                cell += f" (there for good from {hit['held_time_s']:.1f} s)"
+            elif held != hit["time_s"]:
+                cell += f" (there for good from {held:.1f} s)"
             parts.append(cell)
         return "; ".join(parts)
 
