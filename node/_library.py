@@ -277,6 +277,8 @@ def join(
     Args:
         config: a node config file (TOML) or a NodeConfig; its [training] task is not used.
         model: the model your loop trains (same parameter names and shapes on every peer).
+            Its parameters that require grad now are averaged; those frozen now (a fine-tuned
+            model's base) are not sent: every peer must load the same frozen values.
         overrides: `section.key=value` items applied to a config file.
         evaluate / metric / higher_is_better: a held-out metric for the node's status and
             checkpoints' log (the loss is reported when none is given).
@@ -287,7 +289,7 @@ def join(
         ConfigError: a bad config or identity files (before anything starts), or a model that
             does not fit limits.memory_gb. ResumeError: the state directory holds another
             algorithm's checkpoint. TimeoutError: not ready in `ready_timeout_s`. ValueError: a
-            model without parameters.
+            model without parameters, or with every one frozen (requires_grad False).
     """
     if not isinstance(config, NodeConfig):
         config = load_config(Path(config), overrides)
@@ -296,11 +298,11 @@ def join(
     if not isinstance(model, torch.nn.Module) or not any(True for _ in model.parameters()):
         raise ValueError(f"model {type(model).__name__}: expected a torch.nn.Module with "
                          "parameters (there is nothing to train or average)")  # fmt: skip
+    loop = LoopTrainer(model, evaluate, metric=metric, higher_is_better=higher_is_better)
     if identity is None or admission is None:
         identity, admission = load_identity(config)
     if not structlog.is_configured():  # (its defaults print every debug line to stdout)
         configure_logging("info", "auto")
-    loop = LoopTrainer(model, evaluate, metric=metric, higher_is_better=higher_is_better)
     ready = threading.Event()
     box: dict[str, Any] = {"ended": threading.Event()}  # set as the node's trio loop returns
     node = Node(config, identity, admission, loop=loop, on_ready=ready.set)

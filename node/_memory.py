@@ -27,13 +27,14 @@ class MemoryBudgetError(ConfigError):
 
 @dataclass(frozen=True)
 class MemoryEstimate:
-    model_gb: float  # the model's parameters
+    model_gb: float  # the model's parameters that train (those frozen at join: frozen_gb)
     plain_copies: float  # weights + gradients + optimizer state
     algorithm: str
     algorithm_copies: float | None  # None: the algorithm states none
     buffers_gb: float = 0.0  # chunks of model streams in flight
     runtime_gb: float = RUNTIME_GB
     numel: int = 0  # the model's parameters (what an algorithm's fit is told)
+    frozen_gb: float = 0.0  # parameters frozen at join: one copy, never averaged
 
     @property
     def copies(self) -> float:
@@ -41,13 +42,15 @@ class MemoryEstimate:
 
     @property
     def total_gb(self) -> float:
-        return self.model_gb * self.copies + self.buffers_gb + self.runtime_gb
+        return self.model_gb * self.copies + self.frozen_gb + self.buffers_gb + self.runtime_gb
 
     def explain(self) -> str:
         extra = "?" if self.algorithm_copies is None else f"{self.algorithm_copies:g}"
         return (
             f"model {self.model_gb:.3g} GB x ({self.plain_copies:g} plain training loop + {extra} "
-            f"{self.algorithm}) + {self.buffers_gb:.2g} GB chunks in flight + "
+            f"{self.algorithm}) + "
+            + (f"{self.frozen_gb:.3g} GB frozen + " if self.frozen_gb else "")
+            + f"{self.buffers_gb:.2g} GB chunks in flight + "
             f"{self.runtime_gb:g} GB runtime = {self.total_gb:.3g} GB"
         )
 
@@ -67,7 +70,7 @@ def estimate_memory(
     buffers = CHUNKS_IN_FLIGHT * BUFFERS_PER_CHUNK * chunk_bytes
     return MemoryEstimate(
         model_bytes / 1e9, 2.0 + OPTIMIZER_COPIES.get(optimizer, 2.0), spec.name, extra,
-        buffers / 1e9, numel=numel,
+        buffers / 1e9, numel=numel, frozen_gb=trainer.frozen_bytes / 1e9,
     )  # fmt: skip
 
 
@@ -96,7 +99,8 @@ def fit_budget(
     limit = config.limits.memory_gb or machine_memory_gb()
     if spec.fit is None or limit is None or estimate.total_gb <= limit or not estimate.model_gb:
         return config, estimate, ""
-    room = (limit - estimate.buffers_gb - estimate.runtime_gb) / estimate.model_gb
+    room = (limit - estimate.frozen_gb - estimate.buffers_gb - estimate.runtime_gb) / (
+        estimate.model_gb)
     fitted = spec.fit(config.gossip, room - estimate.plain_copies, estimate.numel)
     if fitted is None or fitted == config.gossip:
         return config, estimate, ""

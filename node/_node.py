@@ -495,6 +495,8 @@ class Node:
                 task=cfg.training.task if self.loop is None else "own loop",
                 algorithm=cfg.gossip.algorithm,
                 device=str(trainer.task_device), step=trainer.step,
+                parameters=sum(p.numel() for p in trainer.params().values()),
+                frozen=trainer.frozen_numel,
             )  # fmt: skip
             task_status.started(self.address)
             diverged = None

@@ -336,10 +336,15 @@ class StateSync:
         if self._differ and len(self._differ) >= min(MISMATCH_PEERS, len(dialable)):
             plan = self._plan(self._chunk_numel)
             names = ", ".join(sorted(p[:12] for p in self._differ))
+            frozen = self._trainer.frozen_numel
+            ours = f"{len(plan.shapes)} tensors, {plan.numel:,} parameters" + (
+                f" exchanged, {frozen:,} frozen" if frozen else "")
             raise ModelMismatch(
                 f"the model differs from the swarm's: {len(self._differ)} peer(s) ({names}) "
-                f"train other parameter names or shapes (ours: {len(plan.shapes)} tensors, "
-                f"{plan.numel:,} parameters); every peer must build the same model"
+                f"train other parameter names or shapes{', or other frozen ones' if frozen else ''}"
+                f" (ours: {ours}); every peer must build the same model" + (
+                    ", freeze the same parameters and load the same frozen values before "
+                    "joining" if frozen else "")
             )
 
     async def _fetch_from(self, peer: str, address: str) -> int | None:

@@ -232,7 +232,8 @@ def test_a_peer_may_stream_chunks_no_larger_than_the_memory_estimate_counts():
     from geotrain.node.algorithms import algorithm_specs
 
     # a 400 MB model (on the meta device: no memory), as the estimate sees it
-    trainer = SimpleNamespace(params=lambda: {"w": torch.empty(10**8, device="meta")})
+    trainer = SimpleNamespace(params=lambda: {"w": torch.empty(10**8, device="meta")},
+                              frozen_bytes=0)
     spec = algorithm_specs()["adpsgd"]
     default = config_from_toml(OPEN, base=Path())
     # by default a peer's chunks are at most our own: not the 255 MB one message could carry

@@ -159,3 +159,19 @@ def test_adamw_schedule_clipping_and_accumulation_train_and_survive_a_checkpoint
     assert again.optimizer.param_groups[0]["lr"] == pytest.approx(
         trainer.optimizer.param_groups[0]["lr"]
     )
+
+
+def test_a_tasks_frozen_parameter_stays_as_built_and_only_the_rest_is_mixed():
+    """A task plugin may freeze part of its model (a pretrained base): the daemon's trainer
+    (the library's) neither steps nor exchanges it, and a peer's mix carries the rest only."""
+    task = resolve_task("synthetic-linreg")(TaskContext(seed=2))
+    task.model.bias.requires_grad_(False)
+    bias = task.model.bias.detach().clone()
+    trainer = Trainer(task, optimizer="adamw", lr=0.05, weight_decay=0.1)
+    assert sorted(trainer.params()) == ["weight"] and trainer.frozen_numel == 1
+    for _ in range(50):
+        trainer.train_step()
+    snapshot = trainer.snapshot()
+    trainer.mix(snapshot, {"weight": torch.zeros_like(snapshot["weight"])})
+    assert torch.equal(task.model.bias, bias)  # weight decay and the mix left it alone
+    assert torch.allclose(task.model.weight, snapshot["weight"] / 2)

@@ -75,10 +75,13 @@ class ChunkPlan:
     chunks: tuple[tuple[Slice, ...], ...]
     shapes: tuple[tuple[str, tuple[int, ...]], ...]
     chunk_numel: int
-    digest: int  # of the shapes and chunk_numel: equal plans have equal digests
+    digest: int  # of the shapes, chunk_numel and salt: equal plans have equal digests
 
     @classmethod
-    def build(cls, shapes: Sequence[tuple[str, Sequence[int]]], chunk_numel: int) -> ChunkPlan:
+    def build(
+        cls, shapes: Sequence[tuple[str, Sequence[int]]], chunk_numel: int, salt: int = 0
+    ) -> ChunkPlan:
+        """`salt`: more that peers must agree on to exchange (the digest of frozen parameters)."""
         if chunk_numel < 1:
             raise ValueError(f"chunk_numel={chunk_numel}: expected >= 1")
         ordered = tuple(sorted((name, tuple(int(d) for d in shape)) for name, shape in shapes))
@@ -103,7 +106,8 @@ class ChunkPlan:
                     current, room = [], chunk_numel
         if current or not chunks:
             chunks.append(tuple(current))
-        h = hashlib.sha256(repr((ordered, chunk_numel)).encode()).digest()
+        key = (ordered, chunk_numel) if not salt else (ordered, chunk_numel, salt)
+        h = hashlib.sha256(repr(key).encode()).digest()
         return cls(tuple(chunks), ordered, chunk_numel, int.from_bytes(h[:8], "big") >> 1)
 
     @classmethod
@@ -169,8 +173,11 @@ def models_differ(trainer: Trainer) -> str:
         log.warning("models_differ", hint="a peer asked to exchange a model of other parameter "
                     "names or shapes: neither mixes with the other. Every node must train the "
                     "same architecture under the same names (torch.compile adds '_orig_mod.', "
-                    "DataParallel 'module.': join with the inner model)")  # fmt: skip
-    return f"{MODELS_DIFFER}: other parameter names or shapes (or a wrong chunk count)"
+                    "DataParallel 'module.': join with the inner model), and freeze the same "
+                    "parameters with the same values loaded before joining",
+                    frozen_parameters=trainer.frozen_numel)  # fmt: skip
+    return (f"{MODELS_DIFFER}: other parameter names or shapes, other frozen parameters or "
+            "values (or a wrong chunk count)")
 
 
 def plan_refusal(
@@ -202,7 +209,7 @@ def cached_plan(cache: dict[int, ChunkPlan], trainer: Trainer, chunk_numel: int)
     plan = cache.get(chunk_numel)
     if plan is None:
         shapes = [(n, tuple(t.shape)) for n, t in trainer.params().items()]
-        plan = ChunkPlan.build(shapes, chunk_numel)
+        plan = ChunkPlan.build(shapes, chunk_numel, trainer.frozen_digest)
         while len(cache) >= 4:
             del cache[next(iter(cache))]
         cache[chunk_numel] = plan

@@ -8,6 +8,7 @@
 # network; before the loop starts and after it ends they run at once.
 from __future__ import annotations
 
+import hashlib
 import math
 import threading
 import time
@@ -65,6 +66,23 @@ class _Pending:
         self.error: BaseException | None = None
 
 
+def frozen_digest(frozen: list[tuple[str, torch.Tensor]], samples: int = 64) -> int:
+    """A digest of frozen parameters: their names, shapes and up to `samples` values of each,
+    evenly spaced and rounded to bfloat16 (a base loaded in bfloat16 on one peer and in float32
+    on another digests alike). 0 when nothing is frozen. Reads a few values of each tensor, not
+    the whole: a 10^9-parameter base costs a few milliseconds."""
+    if not frozen:
+        return 0
+    h = hashlib.sha256()
+    for name, p in sorted(frozen, key=lambda item: item[0]):
+        flat = p.detach().reshape(-1)
+        stride = max(1, flat.numel() // samples)
+        picked = flat[::stride][:samples].to("cpu", torch.bfloat16).float()
+        h.update(repr((name, tuple(p.shape))).encode())
+        h.update(picked.numpy().tobytes())
+    return int.from_bytes(h.digest()[:8], "big") >> 1
+
+
 class LoopTrainer(OptimizerSync):
     """The node's trainer for a model trained by the user's own loop (see geotrain.join).
 
@@ -87,6 +105,22 @@ class LoopTrainer(OptimizerSync):
         higher_is_better: bool = False,
     ) -> None:
         self.model = model
+        # what is averaged and synced: the parameters that train when the swarm is joined. Those
+        # frozen then (requires_grad False: a fine-tuned model's base) stay as each peer loaded
+        # them; a digest of samples of their values goes into every plan, so peers that froze
+        # other parameters, or loaded other frozen values, refuse each other's exchanges
+        named = list(model.named_parameters())
+        self._exchanged = frozenset(n for n, p in named if p.requires_grad)
+        if not self._exchanged:
+            raise ValueError(f"model {type(model).__name__}: every parameter is frozen "
+                             "(requires_grad False): nothing to train or average; unfreeze what "
+                             "trains before joining")  # fmt: skip
+        frozen = [(n, p) for n, p in named if not p.requires_grad]
+        self._frozen = [p for _, p in frozen]
+        self.frozen_numel = sum(p.numel() for p in self._frozen)
+        self.frozen_bytes = sum(p.numel() * p.element_size() for p in self._frozen)
+        self.frozen_digest = frozen_digest(frozen)
+        self._said_unfrozen = False
         self._evaluate = evaluate
         self.metric = metric if evaluate is not None else "loss"
         self.higher_is_better = higher_is_better if evaluate is not None else False
@@ -117,7 +151,9 @@ class LoopTrainer(OptimizerSync):
         return self._bad_losses
 
     def params(self) -> dict[str, torch.Tensor]:
-        return {name: p.data for name, p in self.model.named_parameters()}
+        """The parameters exchanged, averaged and synced: those that trained at join."""
+        kept = self._exchanged
+        return {name: p.data for name, p in self.model.named_parameters() if name in kept}
 
     @property
     def task_device(self) -> torch.device:
@@ -366,6 +402,12 @@ class LoopTrainer(OptimizerSync):
         if not theirs or any(id(p) not in mine for p in theirs):
             raise ValueError("the optimizer's parameters are not (all) the joined model's: wrap "
                              "the optimizer of the model given to geotrain.join")  # fmt: skip
+        frozen = {id(p) for p in self._frozen}
+        thawed = [p for p in theirs if id(p) in frozen and p.requires_grad]
+        if thawed:
+            raise ValueError(f"the optimizer trains {len(thawed)} parameter(s) that were frozen "
+                             "(requires_grad False) when the swarm was joined: nothing would "
+                             "average them. Freeze or unfreeze before geotrain.join")  # fmt: skip
         if scheduler is not None:
             if not (callable(getattr(scheduler, "step", None))
                     and callable(getattr(scheduler, "state_dict", None))):  # fmt: skip
@@ -438,6 +480,8 @@ class LoopTrainer(OptimizerSync):
                 self._check_loss()
             self._run(self._pending)
             step = self.step
+            if self._frozen and not self._said_unfrozen:
+                self._check_frozen()
             diverged = 0 < self.max_bad_losses <= self._bad_losses
         self._step_ends.append(time.monotonic())
         ended = time.perf_counter()
@@ -454,6 +498,17 @@ class LoopTrainer(OptimizerSync):
                 "(non-finite models are not checkpointed). training.max_nonfinite_steps "
                 "sets how many are allowed (0: train on)", stepped)  # fmt: skip
         return result, stepped
+
+    def _check_frozen(self) -> None:
+        """Warn once when a parameter frozen at join trains now: nothing averages it."""
+        thawed = [p for p in self._frozen if p.requires_grad]
+        if thawed:
+            self._said_unfrozen = True
+            names = [n for n, p in self.model.named_parameters() if any(p is t for t in thawed)]
+            log.warning("unfrozen_after_join", step=self.step, parameters=names[:5],
+                        count=len(thawed), detail="these parameters were frozen when the swarm "
+                        "was joined: they train now, but are neither averaged nor synced, so "
+                        "peers' copies drift apart. Unfreeze before geotrain.join")  # fmt: skip
 
     def _check_loss(self) -> None:
         """Say so when the reported loss is NaN or infinite: the model diverged, and peers will

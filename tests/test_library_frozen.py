@@ -1,0 +1,123 @@
+"""Fine-tuning with a frozen base through geotrain.join: what trains is averaged, what is frozen
+stays as each peer loaded it, and peers that froze other parameters or loaded other frozen values
+are told so instead of training a mix."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+from structlog.testing import capture_logs
+from test_library import config, distance, joined, make_model, train
+
+import geotrain
+from geotrain.node import ConfigError
+from geotrain.node.training import LoopTrainer
+
+
+def fine_tuned(base_seed: int = 0, head_seed: int = 0, freeze: int = 0) -> torch.nn.Module:
+    """make_model's network with layer `freeze` frozen: a 'pretrained' base from `base_seed`
+    (what every peer loads), the rest from `head_seed`."""
+    model = make_model(head_seed)
+    base = make_model(base_seed)
+    with torch.no_grad():
+        model[freeze].load_state_dict(base[freeze].state_dict())
+    model[freeze].requires_grad_(False)
+    return model
+
+
+def test_a_frozen_base_is_neither_averaged_nor_synced_and_the_head_trains_together(tmp_path):
+    models = [fine_tuned(head_seed=0), fine_tuned(head_seed=0)]
+    base = {k: v.clone() for k, v in models[0][0].state_dict().items()}
+    # int8 exchanges would move every value they average: a frozen base averaged would change
+    extra = ('gossip.codec="int8"',)
+    with joined(tmp_path, "a", models[0], *extra) as a:
+        with joined(tmp_path, "b", models[1], *extra,
+                    f'network.bootstrap=["{a.address}"]') as b:  # fmt: skip
+            threads = [threading.Thread(target=train, args=(s, m, 200, i))
+                       for i, (s, m) in enumerate([(a, models[0]), (b, models[1])])]  # fmt: skip
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(120)
+            statuses = [a.status(), b.status()]
+    assert all(s.step == 200 and s.exchanges_ok >= 3 for s in statuses), statuses
+    for model in models:  # bit for bit what was loaded
+        for name, value in model[0].state_dict().items():
+            assert torch.equal(value, base[name]), name
+    # the heads were averaged: far closer than two loops alone
+    alone = [fine_tuned(head_seed=0), fine_tuned(head_seed=0)]
+    for i, m in enumerate(alone):
+        from test_library import _train_alone
+
+        _train_alone(m, 200, i)
+    assert distance(*models) < 0.5 * distance(*alone), (distance(*models), distance(*alone))
+
+
+def test_only_the_parameters_that_train_at_join_are_exchanged_and_counted_in_memory(tmp_path):
+    from geotrain.node._memory import estimate_memory
+    from geotrain.node.algorithms import algorithm_specs
+
+    model = fine_tuned()
+    loop = LoopTrainer(model)
+    assert sorted(loop.params()) == ["2.bias", "2.weight"]
+    assert loop.frozen_numel == 8 * 16 + 16
+    estimate = estimate_memory(config(tmp_path, "m"), loop, algorithm_specs()["adpsgd"])
+    assert estimate.numel == 17 and estimate.frozen_gb == pytest.approx(144 * 4 / 1e9)
+    assert "GB frozen" in estimate.explain()
+
+
+@pytest.mark.parametrize(
+    ("theirs", "what"),
+    [
+        (lambda: fine_tuned(base_seed=1), "other frozen values (another base)"),
+        (lambda: fine_tuned(freeze=2), "another layer frozen"),
+    ],
+)
+def test_a_peer_with_another_frozen_base_is_told_at_join(tmp_path, theirs, what):
+    first = joined(tmp_path, "a", fine_tuned(), "training.wait_for_peers=0")
+    try:
+        with pytest.raises(ConfigError, match=r"the model differs .* or other frozen ones .* "
+                           r"load the same frozen values before joining"):  # fmt: skip
+            joined(tmp_path, "b", theirs(), f'network.bootstrap=["{first.address}"]',
+                   "training.wait_for_peers=1")  # fmt: skip
+    finally:
+        first.close()
+
+
+def test_a_base_loaded_in_bfloat16_digests_as_the_same_base_in_float32():
+    ours, theirs = fine_tuned(), fine_tuned()
+    theirs[0].to(torch.bfloat16)
+    assert LoopTrainer(ours).frozen_digest == LoopTrainer(theirs).frozen_digest != 0
+    assert LoopTrainer(fine_tuned(base_seed=1)).frozen_digest != LoopTrainer(ours).frozen_digest
+    assert LoopTrainer(make_model()).frozen_digest == 0  # nothing frozen: plans as before
+
+
+def test_freezing_everything_or_unfreezing_after_join_is_a_clear_error_or_warning():
+    everything = make_model().requires_grad_(False)
+    with pytest.raises(ValueError, match="every parameter is frozen"):
+        LoopTrainer(everything)
+    model = fine_tuned()
+    loop = LoopTrainer(model)
+    model[0].requires_grad_(True)  # unfrozen after join, before wrap
+    with pytest.raises(ValueError, match=r"trains 2 parameter\(s\) that were frozen .* joined"):
+        loop.attach(torch.optim.SGD(model.parameters(), lr=0.1))
+    model[0].requires_grad_(False)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    loop.attach(opt)  # frozen params in the optimizer are fine: it never steps them
+    model[0].requires_grad_(True)  # unfrozen after wrap: warned once
+    with capture_logs() as logs:
+        for _ in range(3):
+            model(torch.randn(4, 8)).sum().backward()
+            loop.stepped(opt.step, 0.0)
+    said = [e for e in logs if e["event"] == "unfrozen_after_join"]
+    assert len(said) == 1 and said[0]["parameters"] == ["0.weight", "0.bias"], said
+
+
+def test_join_refuses_a_model_with_every_parameter_frozen(tmp_path):
+    toml = tmp_path / "node.toml"
+    toml.write_text("[identity]\nopen_swarm = true\n")
+    with pytest.raises(ValueError, match="every parameter is frozen"):
+        geotrain.join(Path(toml), make_model().requires_grad_(False))
