@@ -121,3 +121,16 @@ def test_join_refuses_a_model_with_every_parameter_frozen(tmp_path):
     toml.write_text("[identity]\nopen_swarm = true\n")
     with pytest.raises(ValueError, match="every parameter is frozen"):
         geotrain.join(Path(toml), make_model().requires_grad_(False))
+
+
+def test_a_checkpoint_with_other_frozen_values_is_restored_and_said_so():
+    saved = LoopTrainer(fine_tuned(base_seed=0))
+    tensors, meta = saved.state_tensors()
+    other = LoopTrainer(fine_tuned(base_seed=1))  # the script now loads another base
+    with capture_logs() as logs:
+        other.restore(tensors, meta, 7)
+    assert other.frozen_digest == saved.frozen_digest  # what it trains with now
+    assert [e["event"] for e in logs].count("frozen_parameters_restored") == 1
+    with capture_logs() as logs:
+        LoopTrainer(fine_tuned(base_seed=0)).restore(tensors, meta, 7)  # the same base: quiet
+    assert not [e for e in logs if e["event"] == "frozen_parameters_restored"]

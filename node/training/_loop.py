@@ -115,7 +115,8 @@ class LoopTrainer(OptimizerSync):
             raise ValueError(f"model {type(model).__name__}: every parameter is frozen "
                              "(requires_grad False): nothing to train or average; unfreeze what "
                              "trains before joining")  # fmt: skip
-        frozen = [(n, p) for n, p in named if not p.requires_grad]
+        self._frozen_named = [(n, p) for n, p in named if not p.requires_grad]
+        frozen = self._frozen_named
         self._frozen = [p for _, p in frozen]
         self.frozen_numel = sum(p.numel() for p in self._frozen)
         self.frozen_bytes = sum(p.numel() * p.element_size() for p in self._frozen)
@@ -332,6 +333,14 @@ class LoopTrainer(OptimizerSync):
         with self._lock:
             self.model.load_state_dict(model_sd)
             self.step = step
+            if self._frozen:  # the checkpoint's frozen values are the ones used from now on
+                digest = frozen_digest(self._frozen_named)
+                if digest != self.frozen_digest:
+                    log.warning("frozen_parameters_restored", step=step,
+                                detail="the checkpoint's frozen parameters differ from those "
+                                "loaded before join; the checkpoint's are used (peers that "
+                                "loaded the other values refuse this node's exchanges)")
+                    self.frozen_digest = digest
             if "optimizer" in meta:
                 opt = {k: v.to(device) for k, v in tensors.items() if k.startswith("optim/")}
                 self._optimizer_state = (opt, meta["optimizer"])

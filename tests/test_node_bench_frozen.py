@@ -1,0 +1,21 @@
+"""bench_frozen runs end to end: a frozen base stays out of the exchanges, a trained one not."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+
+def test_the_frozen_run_sends_the_head_only_and_keeps_the_base():
+    out = subprocess.run(
+        [sys.executable, "-m", "geotrain.node.bench_frozen", "--base-millions", "17",
+         "--steps", "8", "--json"],
+        capture_output=True, text=True, check=True, timeout=600)  # fmt: skip
+    frozen, trained = (json.loads(line) for line in out.stdout.strip().splitlines()[-2:])
+    assert frozen["frozen"] and not trained["frozen"]
+    assert frozen["base_unchanged"] and not trained["base_unchanged"]
+    assert min(frozen["exchanges_ok"]) > 0 and min(trained["exchanges_ok"]) > 0
+    per = [sum(r["bytes_out_mb"]) / sum(r["exchanges_ok"]) for r in (frozen, trained)]
+    # the head is 1.05M of the trained run's 17.8M parameters
+    assert per[0] < 4.2 * 2 and per[1] > 5 * per[0], per
