@@ -790,3 +790,15 @@ def test_no_final_checkpoint_of_a_model_a_ctrl_c_left_half_changed(tmp_path):
     swarm._loop.cut_short = True  # as a Ctrl-C in the middle of a mix leaves it
     swarm.close()
     assert not list((tmp_path / "h" / "checkpoints").glob("ckpt-*"))
+
+
+def test_a_model_with_lazy_parameters_is_refused_before_anything_starts():
+    """A LazyLinear's weight has no shape before its first forward pass: join said nothing and
+    the node failed later with torch's "uninitialized parameter" from its own thread."""
+    from geotrain.node.training import LoopTrainer
+
+    model = nn.Sequential(nn.LazyLinear(4), nn.ReLU(), nn.Linear(4, 1))
+    with pytest.raises(ValueError, match=r"\['0.weight', '0.bias'\] are not initialized yet"):
+        LoopTrainer(model)
+    model(torch.randn(2, 8))  # one forward pass: shapes known, it joins
+    assert sorted(LoopTrainer(model).params()) == ["0.bias", "0.weight", "2.bias", "2.weight"]

@@ -110,6 +110,11 @@ class LoopTrainer(OptimizerSync):
         # them; a digest of samples of their values goes into every plan, so peers that froze
         # other parameters, or loaded other frozen values, refuse each other's exchanges
         named = list(model.named_parameters())
+        lazy = [n for n, p in named if torch.nn.parameter.is_lazy(p)]
+        if lazy:
+            raise ValueError(f"model {type(model).__name__}: parameters {lazy[:3]} are not "
+                             "initialized yet (a lazy module's): run one forward pass on a "
+                             "batch before joining (every peer needs their shapes)")  # fmt: skip
         self._exchanged = frozenset(n for n, p in named if p.requires_grad)
         if not self._exchanged:
             raise ValueError(f"model {type(model).__name__}: every parameter is frozen "
