@@ -605,8 +605,10 @@ def _coerce(name: str, value: Any, hint: Any, base: Path) -> Any:
     if origin in (types.UnionType, typing.Union):
         if value is None or (isinstance(value, str) and value == "" and type(None) in args):
             return None
-        (inner,) = [a for a in args if a is not type(None)]
-        return _coerce(name, value, inner, base)
+        inner = [a for a in args if a is not type(None)]
+        if len(inner) > 1 and isinstance(value, str) and str in inner:  # (e.g. seconds or
+            return value  # "auto": the dataclass checks which words it takes)
+        return _coerce(name, value, next(a for a in inner if a is not str), base)
     if hint is Path:
         _check(isinstance(value, str) and value != "", name, value, "a path")
         path = Path(value).expanduser()

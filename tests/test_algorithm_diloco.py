@@ -1040,3 +1040,47 @@ async def test_a_fast_peer_does_not_end_its_round_for_a_slower_peers_whole_round
         fast.ctx.trainer.train_step()
         await fast.after_step(step(fast, 16))
         assert fast.statistics().outer_steps == 1 and fast.statistics().catch_ups == 0
+
+
+async def test_round_s_auto_ends_a_slow_peers_round_after_its_partners_measured_pace(
+        autojump_clock):  # fmt: skip
+    """round_s = "auto": no seconds to guess. The slow peer measures a partner's seconds per
+    round from the rounds its offers carry (20 s here) and ends its own round by time after
+    1.5x that; before it has seen a partner two rounds apart, no round ends by time."""
+    torch.manual_seed(0)
+    settings = {**DILOCO, "algorithm_settings": {"diloco": DilocoSettings(
+        inner_steps=10, fanout=1, consensus_every=0, catch_up=False, round_s="auto")}}
+    async with runtimes(3, **settings) as (net, (fast, other, slow)):
+        fast._skip["p1"] = slow._skip["p1"] = (99, 0)  # fast draws the slow peer, and back
+        assert slow.statistics().round_budget_s == 0.0
+        slow.ctx.trainer.train_step()
+        await slow.after_step(step(slow, 1))
+        for number in (10, 20, 30):  # a round every 20 s, each offered to the slow peer
+            for _ in range(10):
+                fast.ctx.trainer.train_step()
+            await fast.after_step(step(fast, number))
+            if number < 30:
+                await trio.sleep(20)
+        assert slow.statistics().round_budget_s == pytest.approx(30.0, rel=0.01)
+        assert slow.statistics().timed_rounds == 0  # nothing ended it while unmeasured
+        slow.ctx.trainer.train_step()  # 40 s into its round: past the budget now
+        await slow.after_step(step(slow, 2))
+        stats = slow.statistics()
+        assert (stats.outer_steps, stats.timed_rounds) == (1, 1)
+        slow.ctx.trainer.train_step()
+        await trio.sleep(29)
+        await slow.after_step(step(slow, 3))
+        assert slow.statistics().timed_rounds == 1  # 29 s into the next: not yet
+        slow.ctx.trainer.train_step()
+        await trio.sleep(2)
+        await slow.after_step(step(slow, 4))
+        assert slow.statistics().timed_rounds == 2
+
+
+def test_round_s_takes_seconds_or_auto_and_names_the_field_otherwise():
+    assert DilocoSettings(round_s="auto").round_s == "auto"
+    for bad in ("fast", -1.0, float("nan"), True):
+        with pytest.raises(ValueError, match="gossip.diloco.round_s"):
+            DilocoSettings(round_s=bad)
+    with pytest.raises(ValueError, match="gossip.diloco.round_s"):
+        DilocoSettings(round_s="auto", comm_fraction=0.05)

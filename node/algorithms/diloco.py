@@ -14,6 +14,7 @@ import functools
 import math
 import random
 import threading
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -193,7 +194,10 @@ class DilocoSettings:
         slow steps. Set it a little above what inner_steps take a peer of the usual speed:
         below that, a round ends before the partners have a newer round to give, and the fast
         peers' rounds are cut short too (more outer steps and bytes). The steps' weights keep a
-        short round from counting for more than it did. Not with comm_fraction, which sets the
+        short round from counting for more than it did. "auto": AUTO_ROUND_MARGIN x the
+        swarm's usual seconds per round, measured (the median over partners of the time
+        between two of their rounds we saw, from their offers and replies; off until one
+        partner has been seen two rounds apart). Not with comm_fraction, which sets the
         rounds' length itself. Measured on geo3 in BENCHMARKS.md.
     """
 
@@ -207,7 +211,7 @@ class DilocoSettings:
     comm_fraction: float = 0.0
     max_inner_steps: int = 1000
     catch_up: bool = True
-    round_s: float = 0.0
+    round_s: float | str = 0.0
 
     def __post_init__(self) -> None:
         check_field(self.inner_steps >= 1, "gossip.diloco.inner_steps", self.inner_steps, ">= 1")
@@ -229,10 +233,10 @@ class DilocoSettings:
                     self.max_inner_steps, f">= inner_steps ({self.inner_steps})")  # fmt: skip
         check_field(isinstance(self.catch_up, bool), "gossip.diloco.catch_up", self.catch_up,
                     "true or false")  # fmt: skip
-        check_field(isinstance(self.round_s, int | float) and not isinstance(self.round_s, bool)
-                    and math.isfinite(self.round_s) and self.round_s >= 0,
-                    "gossip.diloco.round_s", self.round_s,
-                    "seconds >= 0 (0: rounds of inner_steps only)")  # fmt: skip
+        check_field(self.round_s == "auto" or (
+            isinstance(self.round_s, int | float) and not isinstance(self.round_s, bool)
+            and math.isfinite(self.round_s) and self.round_s >= 0), "gossip.diloco.round_s",
+            self.round_s, 'seconds >= 0 (0: rounds of inner_steps only), or "auto"')  # fmt: skip
         check_field(not (self.round_s and self.comm_fraction), "gossip.diloco.round_s",
                     self.round_s, "0 with comm_fraction (adaptive rounds set their own length; "
                     "one or the other)")  # fmt: skip
@@ -281,6 +285,10 @@ def held_share(codec: str, numel: int) -> float:
     return 1.0 if hold is None else wire_share(hold)
 
 
+AUTO_ROUND_MARGIN = 1.5  # round_s "auto": rounds end by time after this x the swarm's usual round
+ROUNDS_SEEN = 8  # round_s "auto": a partner's last rounds seen, whose span gives its pace
+
+
 @dataclass(frozen=True)
 class DilocoStatistics:
     outer_steps: int
@@ -291,6 +299,8 @@ class DilocoStatistics:
     inner_steps: int = field(default=0, metadata={"gauge": True})
     catch_ups: int = 0  # rounds ended early to take a faster partner's update (catch_up)
     timed_rounds: int = 0  # rounds ended early by round_s
+    # the seconds after which a round ends by time (round_s, or what "auto" measured; 0: never)
+    round_budget_s: float = field(default=0.0, metadata={"gauge": True})
 
 
 class Diloco(Algorithm):
@@ -378,6 +388,8 @@ class Diloco(Algorithm):
         self.catch_ups = 0
         self.timed_rounds = 0
         self._round_began: float | None = None  # when this round's inner steps began (round_s)
+        # round_s "auto": peer -> (when we saw one of its rounds, which), its last few
+        self._rounds_seen: dict[str, deque[tuple[float, int]]] = {}
         rule = ctx.gossip.robust
         self._consensus_radius = ClipRadius("none" if rule == "none" else "clip",
                                             cap=ctx.gossip.clip)  # fmt: skip
@@ -388,7 +400,8 @@ class Diloco(Algorithm):
     def statistics(self) -> DilocoStatistics:
         return DilocoStatistics(self.outer_steps, self.peer_deltas_used, self.missing,
                                 self.consensus_mixes, self.inner_steps,
-                                self.catch_ups, self.timed_rounds)  # fmt: skip
+                                self.catch_ups, self.timed_rounds,
+                                self.round_budget_s())  # fmt: skip
 
     def state(self) -> tuple[Tensors, dict]:
         # (no copies: a checkpoint is written under the trainer's lock, and the round start and
@@ -622,7 +635,7 @@ class Diloco(Algorithm):
                      inner_steps=result.step - self._round_end_step)  # fmt: skip
         elif self._timed_out(result.step):
             self.timed_rounds += 1
-            log.info("round_timed", step=result.step,
+            log.info("round_timed", step=result.step, budget_s=round(self.round_budget_s(), 2),
                      inner_steps=result.step - self._round_end_step)  # fmt: skip
         else:
             return False
@@ -632,11 +645,36 @@ class Diloco(Algorithm):
     def _timed_out(self, step: int) -> bool:
         """round_s: whether this round has lasted round_s seconds, with a tenth of its inner
         steps done."""
-        round_s, now = self.ctx.settings.round_s, self.ctx.now()
+        round_s, now = self.round_budget_s(), self.ctx.now()
         if self._round_began is None:  # (the first step since the start or a restart)
             self._round_began = now
         return (bool(round_s) and step - self._round_end_step >= max(1, self.inner_steps // 10)
                 and now - self._round_began >= round_s)  # fmt: skip
+
+    def round_budget_s(self) -> float:
+        """The seconds after which a round ends by time (0: never): round_s, or with "auto"
+        AUTO_ROUND_MARGIN x the median of partners' measured seconds per round."""
+        round_s = self.ctx.settings.round_s
+        if round_s != "auto":
+            return float(round_s)
+        paces = sorted((seen[-1][0] - seen[0][0]) / (seen[-1][1] - seen[0][1])
+                       for seen in self._rounds_seen.values()
+                       if seen[-1][1] - seen[0][1] >= 2 and seen[-1][0] > seen[0][0])  # fmt: skip
+        if not paces:
+            return 0.0
+        middle = len(paces) // 2
+        median = paces[middle] if len(paces) % 2 else (paces[middle - 1] + paces[middle]) / 2
+        return AUTO_ROUND_MARGIN * median
+
+    def _saw_round(self, peer: str, round_: int) -> None:
+        """round_s "auto": `peer` has made `round_` rounds by now (an offer's or a reply's)."""
+        if self.ctx.settings.round_s != "auto" or round_ <= 0:
+            return
+        seen = self._rounds_seen.get(peer)
+        if seen is None or round_ < seen[-1][1]:  # new, or restarted from an older checkpoint
+            seen = self._rounds_seen[peer] = deque(maxlen=ROUNDS_SEEN)
+        if not seen or round_ > seen[-1][1]:
+            seen.append((self.ctx.now(), round_))
 
     def _catching_up(self, step: int) -> bool:
         """catch_up: whether a partner that has made more rounds than we have sent an update of
@@ -974,6 +1012,8 @@ class Diloco(Algorithm):
                 # its update changed while it answered (its round ended): ours still gets there
                 # whole; of its answer nothing is kept (chunks of two updates make none)
                 changed[0] = True
+            if not their_round:
+                self._saw_round(peer, reply.round)
             their_round.append(reply.round)
             their_steps[0] = reply.steps
             if reply.round > 0 and not changed[0]:
@@ -1097,6 +1137,7 @@ class Diloco(Algorithm):
     async def _take(self, peer: str, header: DeltaOffer, payload: memoryview, plan) -> None:
         """Add one chunk of `peer`'s offer; a complete, checked update goes to the inbox."""
         ctx = self.ctx
+        self._saw_round(peer, header.round)  # (offered at its round end, taken or not)
         current = self._incoming.get(peer)
         fresh = current is None or current[0] != header.xid
         if fresh and header.round <= self._held_round(peer, arriving=False):
