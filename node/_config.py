@@ -608,7 +608,7 @@ def _coerce(name: str, value: Any, hint: Any, base: Path) -> Any:
         inner = [a for a in args if a is not type(None)]
         if len(inner) > 1 and isinstance(value, str) and str in inner:  # (e.g. seconds or
             return value  # "auto": the dataclass checks which words it takes)
-        return _coerce(name, value, next(a for a in inner if a is not str), base)
+        return _coerce(name, value, next((a for a in inner if a is not str), str), base)
     if hint is Path:
         _check(isinstance(value, str) and value != "", name, value, "a path")
         path = Path(value).expanduser()

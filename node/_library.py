@@ -88,8 +88,8 @@ class Swarm:
         scheduler, e.g. one made on what the first wrap returned.
 
         Raises:
-            ValueError: not a torch optimizer, or the optimizer steps parameters that are not
-                the joined model's.
+            ValueError: not a torch optimizer, the optimizer steps parameters that are not
+                the joined model's, or trains one that was frozen at join.
             LoopClosed: the swarm is closed.
         """
         if self._closed:

@@ -341,10 +341,10 @@ class StateSync:
                 f" exchanged, {frozen:,} frozen" if frozen else "")
             raise ModelMismatch(
                 f"the model differs from the swarm's: {len(self._differ)} peer(s) ({names}) "
-                f"train other parameter names or shapes{', or other frozen ones' if frozen else ''}"
-                f" (ours: {ours}); every peer must build the same model" + (
-                    ", freeze the same parameters and load the same frozen values before "
-                    "joining" if frozen else "")
+                "train other parameter names or shapes, or froze other parameters or values "
+                f"(ours: {ours}); every peer must build the same model, freeze the same "
+                "parameters (requires_grad False) and load the same frozen values before "
+                "joining"
             )
 
     async def _fetch_from(self, peer: str, address: str) -> int | None:

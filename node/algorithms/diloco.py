@@ -417,6 +417,18 @@ class Diloco(Algorithm):
 
     def load_state(self, tensors: Tensors, meta: dict) -> None:
         device = self.ctx.trainer.task_device
+        live = self.ctx.trainer.params()
+        saved = {k[6:]: tuple(t.shape) for k, t in tensors.items() if k.startswith("start/")}
+        if saved != {n: tuple(t.shape) for n, t in live.items()}:
+            # another set of parameters trains now (one frozen or unfrozen since, or a
+            # checkpoint from before frozen parameters were left out): the round starts afresh
+            # from the restored model, its momentum and residuals dropped
+            log.warning("diloco_state_dropped", saved=len(saved), training=len(live),
+                        detail="the checkpoint's round start is of other parameters than "
+                        "those training now: this round starts from the model")  # fmt: skip
+            tensors = {k: v for k, v in tensors.items()
+                       if not k.startswith(("start/", "momentum/", "ef/"))}  # fmt: skip
+            self.model_replaced()  # (made before the restore: its start was the model then)
         for prefix, target in (("start/", self.start), ("momentum/", self.outer.buffers)):
             for key, t in tensors.items():
                 if key.startswith(prefix):

@@ -66,20 +66,23 @@ class _Pending:
         self.error: BaseException | None = None
 
 
-def frozen_digest(frozen: list[tuple[str, torch.Tensor]], samples: int = 64) -> int:
-    """A digest of frozen parameters: their names, shapes and up to `samples` values of each,
-    evenly spaced and rounded to bfloat16 (a base loaded in bfloat16 on one peer and in float32
-    on another digests alike). 0 when nothing is frozen. Reads a few values of each tensor, not
-    the whole: a 10^9-parameter base costs a few milliseconds."""
+def frozen_digest(frozen: list[tuple[str, torch.Tensor]], samples: int = 256) -> int:
+    """A digest of frozen parameters: their names, shapes and `samples` values of each (all of
+    a smaller one), evenly spaced from the first to the last and rounded to bfloat16 (a base
+    loaded in bfloat16 on one peer and in float32 on another digests alike). 0 when nothing is
+    frozen. It reads those values where they lie (no copy of a non-contiguous tensor): a
+    10^9-parameter base costs milliseconds. Values between the samples are not compared."""
     if not frozen:
         return 0
     h = hashlib.sha256()
     for name, p in sorted(frozen, key=lambda item: item[0]):
-        flat = p.detach().reshape(-1)
-        stride = max(1, flat.numel() // samples)
-        picked = flat[::stride][:samples].to("cpu", torch.bfloat16).float()
         h.update(repr((name, tuple(p.shape))).encode())
-        h.update(picked.numpy().tobytes())
+        if not p.numel():
+            continue
+        at = torch.linspace(0, p.numel() - 1, min(p.numel(), samples), dtype=torch.float64)
+        index = torch.unravel_index(at.round().long().to(p.device), tuple(p.shape))
+        picked = p.detach()[index] if p.dim() else p.detach().reshape(1)
+        h.update(picked.to("cpu", torch.bfloat16).float().numpy().tobytes())
     return int.from_bytes(h.digest()[:8], "big") >> 1
 
 
@@ -110,18 +113,23 @@ class LoopTrainer(OptimizerSync):
         # them; a digest of samples of their values goes into every plan, so peers that froze
         # other parameters, or loaded other frozen values, refuse each other's exchanges
         named = list(model.named_parameters())
-        lazy = [n for n, p in named if torch.nn.parameter.is_lazy(p)]
+        lazy = [n for n, p in [*named, *model.named_buffers()] if torch.nn.parameter.is_lazy(p)]
         if lazy:
-            raise ValueError(f"model {type(model).__name__}: parameters {lazy[:3]} are not "
-                             "initialized yet (a lazy module's): run one forward pass on a "
-                             "batch before joining (every peer needs their shapes)")  # fmt: skip
+            raise ValueError(f"model {type(model).__name__}: {lazy[:3]} are not initialized "
+                             "yet (a lazy module's): run one forward pass on a batch before "
+                             "joining (every peer needs their shapes)")  # fmt: skip
+        meta = [n for n, p in named if p.is_meta]
+        if meta:
+            raise ValueError(f"model {type(model).__name__}: parameters {meta[:3]} are on the "
+                             "meta device (no values: offloaded, or built empty): load them "
+                             "before joining")  # fmt: skip
         self._exchanged = frozenset(n for n, p in named if p.requires_grad)
         if not self._exchanged:
             raise ValueError(f"model {type(model).__name__}: every parameter is frozen "
                              "(requires_grad False): nothing to train or average; unfreeze what "
                              "trains before joining")  # fmt: skip
-        self._frozen_named = [(n, p) for n, p in named if not p.requires_grad]
-        frozen = self._frozen_named
+        self._trained_one = next(p for n, p in named if n in self._exchanged)
+        frozen = [(n, p) for n, p in named if not p.requires_grad]
         self._frozen = [p for _, p in frozen]
         self.frozen_numel = sum(p.numel() for p in self._frozen)
         self.frozen_bytes = sum(p.numel() * p.element_size() for p in self._frozen)
@@ -163,7 +171,8 @@ class LoopTrainer(OptimizerSync):
 
     @property
     def task_device(self) -> torch.device:
-        return next(self.model.parameters()).device
+        """Where the parameters that train lie (a frozen part may be elsewhere)."""
+        return self._trained_one.device
 
     def snapshot(self) -> dict[str, torch.Tensor]:
         with self._lock:
@@ -305,10 +314,17 @@ class LoopTrainer(OptimizerSync):
 
     # -- checkpoints ------------------------------------------------------------------------
     def state_tensors(self, *, copy: bool = True) -> tuple[dict[str, torch.Tensor], dict]:
-        """Model, optimizer (once wrapped) and scheduler state for a checkpoint."""
+        """Model, optimizer (once wrapped) and scheduler state for a checkpoint. Parameters
+        frozen at join are left out (a fine-tuned model's base is not rewritten at every
+        checkpoint); their digest goes in the meta."""
         with self._lock:
-            tensors = {f"model/{k}": v.detach() for k, v in self.model.state_dict().items()}
+            frozen = {id(p) for p in self._frozen}
+            tensors = {f"model/{k}": v.detach()
+                       for k, v in self.model.state_dict(keep_vars=True).items()
+                       if id(v) not in frozen}  # fmt: skip
             meta: dict[str, Any] = {"step": self.step}
+            if frozen:
+                meta["frozen_digest"] = self.frozen_digest
             if self.optimizer is not None:
                 try:
                     opt_tensors, meta["optimizer"] = optimizer_to_checkpoint(self.optimizer)
@@ -334,18 +350,30 @@ class LoopTrainer(OptimizerSync):
         """Load a checkpoint: the model now; the optimizer's and scheduler's state now when
         they are attached (the daemon's), else at `wrap`."""
         device = self.task_device
-        model_sd = {k[6:]: v.to(device) for k, v in tensors.items() if k.startswith("model/")}
+        ids = {id(p) for p in self._frozen}
+        frozen = {name for name, p in self.model.state_dict(keep_vars=True).items()
+                  if id(p) in ids}  # fmt: skip
+        # the frozen parameters stay as loaded before join (an older checkpoint holds them too)
+        model_sd = {k[6:]: v.to(device) for k, v in tensors.items()
+                    if k.startswith("model/") and k[6:] not in frozen}  # fmt: skip
         with self._lock:
-            self.model.load_state_dict(model_sd)
+            if frozen:
+                result = self.model.load_state_dict(model_sd, strict=False)
+                missing = sorted(set(result.missing_keys) - frozen)
+                if missing or result.unexpected_keys:
+                    raise RuntimeError(f"the checkpoint's model is not this one: missing "
+                                       f"{missing[:5]}, unexpected "
+                                       f"{result.unexpected_keys[:5]}")  # fmt: skip
+            else:
+                self.model.load_state_dict(model_sd)
             self.step = step
-            if self._frozen:  # the checkpoint's frozen values are the ones used from now on
-                digest = frozen_digest(self._frozen_named)
-                if digest != self.frozen_digest:
-                    log.warning("frozen_parameters_restored", step=step,
-                                detail="the checkpoint's frozen parameters differ from those "
-                                "loaded before join; the checkpoint's are used (peers that "
-                                "loaded the other values refuse this node's exchanges)")
-                    self.frozen_digest = digest
+            saved = meta.get("frozen_digest")
+            if saved is not None and saved != self.frozen_digest:
+                log.warning("frozen_parameters_differ", step=step,
+                            detail="this checkpoint was written with other frozen parameter "
+                            "values than those loaded before join: those loaded now are kept "
+                            "(peers that froze the other values refuse this node's "
+                            "exchanges)")  # fmt: skip
             if "optimizer" in meta:
                 opt = {k: v.to(device) for k, v in tensors.items() if k.startswith("optim/")}
                 self._optimizer_state = (opt, meta["optimizer"])
