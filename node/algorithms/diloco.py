@@ -14,7 +14,6 @@ import functools
 import math
 import random
 import threading
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -106,14 +105,16 @@ class DeltaOffer(_ChunkOffer, frozen=True, tag="delta_offer"):
 
     have: U63 = 0
     steps: U63 = 0
+    round_ms: U63 = 0  # how long those steps took, in milliseconds (0: not said)
 
 
 class DeltaReply(Header, frozen=True, tag="delta_reply"):
     """A chunk of the responder's latest pseudo-gradient (round 0, empty: it has none yet);
-    `steps` as in DeltaOffer."""
+    `steps` and `round_ms` as in DeltaOffer."""
 
     round: U63
     steps: U63 = 0
+    round_ms: U63 = 0
 
 
 class OuterOffer(_ChunkOffer, frozen=True, tag="outer_offer"):
@@ -195,10 +196,11 @@ class DilocoSettings:
         below that, a round ends before the partners have a newer round to give, and the fast
         peers' rounds are cut short too (more outer steps and bytes). The steps' weights keep a
         short round from counting for more than it did. "auto": AUTO_ROUND_MARGIN x the
-        swarm's usual seconds per round, measured (the median over partners of the time
-        between two of their rounds we saw, from their offers and replies; off until one
-        partner has been seen two rounds apart). Not with comm_fraction, which sets the
-        rounds' length itself. Measured on geo3 in BENCHMARKS.md.
+        swarm's usual time for inner_steps: the median over partners of the seconds per step
+        their latest update took (its offer or reply says its steps and their milliseconds),
+        so it is armed by the first update that reaches a node; off until then. Not with
+        comm_fraction, which sets the rounds' length itself. Measured on geo3 in
+        BENCHMARKS.md.
     """
 
     inner_steps: int = 20
@@ -286,7 +288,7 @@ def held_share(codec: str, numel: int) -> float:
 
 
 AUTO_ROUND_MARGIN = 1.5  # round_s "auto": rounds end by time after this x the swarm's usual round
-ROUNDS_SEEN = 8  # round_s "auto": a partner's last rounds seen, whose span gives its pace
+MAX_STEP_S = 86400.0  # round_s "auto": a partner's claimed seconds per step above this: not taken
 
 
 @dataclass(frozen=True)
@@ -388,8 +390,9 @@ class Diloco(Algorithm):
         self.catch_ups = 0
         self.timed_rounds = 0
         self._round_began: float | None = None  # when this round's inner steps began (round_s)
-        # round_s "auto": peer -> (when we saw one of its rounds, which), its last few
-        self._rounds_seen: dict[str, deque[tuple[float, int]]] = {}
+        # round_s "auto": peer -> seconds per inner step of its latest update
+        self._paces: dict[str, float] = {}
+        self._latest_round_ms = 0  # how long our latest update's inner steps took
         rule = ctx.gossip.robust
         self._consensus_radius = ClipRadius("none" if rule == "none" else "clip",
                                             cap=ctx.gossip.clip)  # fmt: skip
@@ -665,28 +668,24 @@ class Diloco(Algorithm):
 
     def round_budget_s(self) -> float:
         """The seconds after which a round ends by time (0: never): round_s, or with "auto"
-        AUTO_ROUND_MARGIN x the median of partners' measured seconds per round."""
+        AUTO_ROUND_MARGIN x inner_steps x the median of partners' seconds per step."""
         round_s = self.ctx.settings.round_s
         if round_s != "auto":
             return float(round_s)
-        paces = sorted((seen[-1][0] - seen[0][0]) / (seen[-1][1] - seen[0][1])
-                       for seen in self._rounds_seen.values()
-                       if seen[-1][1] - seen[0][1] >= 2 and seen[-1][0] > seen[0][0])  # fmt: skip
-        if not paces:
+        if not self._paces:
             return 0.0
+        paces = sorted(self._paces.values())
         middle = len(paces) // 2
         median = paces[middle] if len(paces) % 2 else (paces[middle - 1] + paces[middle]) / 2
-        return AUTO_ROUND_MARGIN * median
+        return AUTO_ROUND_MARGIN * self.ctx.settings.inner_steps * median
 
-    def _saw_round(self, peer: str, round_: int) -> None:
-        """round_s "auto": `peer` has made `round_` rounds by now (an offer's or a reply's)."""
-        if self.ctx.settings.round_s != "auto" or round_ <= 0:
-            return
-        seen = self._rounds_seen.get(peer)
-        if seen is None or round_ < seen[-1][1]:  # new, or restarted from an older checkpoint
-            seen = self._rounds_seen[peer] = deque(maxlen=ROUNDS_SEEN)
-        if not seen or round_ > seen[-1][1]:
-            seen.append((self.ctx.now(), round_))
+    def _saw_pace(self, peer: str, steps: int, round_ms: int) -> None:
+        """round_s "auto": `peer`'s latest update took `steps` inner steps in `round_ms` (said
+        by its offer or reply; 0: not said). Values past a day a step are not taken."""
+        if self.ctx.settings.round_s == "auto" and steps > 0 and 0 < round_ms:
+            pace = round_ms / 1000 / steps
+            if pace <= MAX_STEP_S:
+                self._paces[peer] = pace
 
     def _catching_up(self, step: int) -> bool:
         """catch_up: whether a partner that has made more rounds than we have sent an update of
@@ -714,6 +713,8 @@ class Diloco(Algorithm):
         if not self._round_ends(result):
             return
         started = ctx.now()
+        began = self._round_began  # (what this round's inner steps took goes with our update)
+        self._latest_round_ms = 0 if began is None else max(0, int(1000 * (started - began)))
         round_ = self.round + 1
         # a client-mode peer offers, is not offered to; one that failed lately sits out some
         # rounds (a crashed peer drew a fanout-1 round in two of three, seen)
@@ -1010,7 +1011,8 @@ class Diloco(Algorithm):
         async def one(index: int) -> None:
             header = DeltaOffer(codec=spec, round=round_, xid=xid, plan=plan.digest,
                                 chunk_numel=plan.chunk_numel, chunks=len(plan), index=index,
-                                have=have, steps=self._latest_steps)  # fmt: skip
+                                have=have, steps=self._latest_steps,
+                                round_ms=self._latest_round_ms)  # fmt: skip
             ours = await self._chunk(plan, index, spec)
             reply, data, _ = await ctx.network.request(
                 address, header, ours, deadline_s=deadline, expect_peer=peer
@@ -1024,8 +1026,8 @@ class Diloco(Algorithm):
                 # its update changed while it answered (its round ended): ours still gets there
                 # whole; of its answer nothing is kept (chunks of two updates make none)
                 changed[0] = True
-            if not their_round:
-                self._saw_round(peer, reply.round)
+            if not their_round and reply.round > 0:
+                self._saw_pace(peer, reply.steps, reply.round_ms)
             their_round.append(reply.round)
             their_steps[0] = reply.steps
             if reply.round > 0 and not changed[0]:
@@ -1102,7 +1104,8 @@ class Diloco(Algorithm):
         if answering[1] == 0 or not available:  # none, or none it lacks
             return DeltaReply(round=0), b""
         try:
-            return (DeltaReply(round=round_, steps=self._latest_steps),
+            return (DeltaReply(round=round_, steps=self._latest_steps,
+                               round_ms=self._latest_round_ms),
                     await self._chunk(plan, header.index, header.codec))
         except _Stale:  # our outer step took it meanwhile: as if our round had ended (none)
             return DeltaReply(round=0), b""
@@ -1149,7 +1152,7 @@ class Diloco(Algorithm):
     async def _take(self, peer: str, header: DeltaOffer, payload: memoryview, plan) -> None:
         """Add one chunk of `peer`'s offer; a complete, checked update goes to the inbox."""
         ctx = self.ctx
-        self._saw_round(peer, header.round)  # (offered at its round end, taken or not)
+        self._saw_pace(peer, header.steps, header.round_ms)  # (taken or not)
         current = self._incoming.get(peer)
         fresh = current is None or current[0] != header.xid
         if fresh and header.round <= self._held_round(peer, arriving=False):
