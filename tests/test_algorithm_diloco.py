@@ -1042,41 +1042,83 @@ async def test_a_fast_peer_does_not_end_its_round_for_a_slower_peers_whole_round
         assert fast.statistics().outer_steps == 1 and fast.statistics().catch_ups == 0
 
 
-async def test_round_s_auto_ends_a_slow_peers_round_after_its_partners_measured_pace(
-        autojump_clock):  # fmt: skip
+def paced(number: int, seconds: float) -> StepResult:
+    return StepResult(step=number, loss=0.0, seconds=seconds)
+
+
+async def take_steps(algorithm, first: int, last: int, seconds: float) -> None:
+    for number in range(first, last + 1):
+        algorithm.ctx.trainer.train_step()
+        await algorithm.after_step(paced(number, seconds))
+
+
+AUTO = {"inner_steps": 10, "fanout": 1, "consensus_every": 0, "catch_up": False,
+        "round_s": "auto"}
+
+
+async def test_round_s_auto_ends_a_slow_peers_round_after_its_partners_pace(autojump_clock):
     """round_s = "auto": no seconds to guess. A partner's offer says how long its update's
-    inner steps took (10 in 20 s here): the slow peer ends its own round by time after 1.5x
-    inner_steps at that pace; before any offer says it, no round ends by time."""
+    inner steps took (10 steps of 2 s): the slow peer ends its own round by time after 1.5x
+    inner_steps at that pace; before any update says it, no round ends by time."""
     torch.manual_seed(0)
-    settings = {**DILOCO, "algorithm_settings": {"diloco": DilocoSettings(
-        inner_steps=10, fanout=1, consensus_every=0, catch_up=False, round_s="auto")}}
+    settings = {**DILOCO, "algorithm_settings": {"diloco": DilocoSettings(**AUTO)}}
     async with runtimes(3, **settings) as (net, (fast, other, slow)):
         fast._skip["p1"] = slow._skip["p1"] = (99, 0)  # fast draws the slow peer, and back
+        await take_steps(slow, 1, 1, 8.0)
         assert slow.statistics().round_budget_s == 0.0
-        slow.ctx.trainer.train_step()
-        await slow.after_step(step(slow, 1))
-        for number in (10, 20, 30):  # a round every 20 s, each offered to the slow peer
-            for _ in range(10):
-                fast.ctx.trainer.train_step()
-            await fast.after_step(step(fast, number))
-            # its first round's start was not seen (no step but the round end's): not said
-            assert slow.statistics().round_budget_s == (0.0 if number == 10 else
-                                                        pytest.approx(30.0, rel=0.01))
-            if number < 30:
-                await trio.sleep(20)
-        assert slow.statistics().timed_rounds == 0  # nothing ended it while unmeasured
-        slow.ctx.trainer.train_step()  # 40 s into its round: past the budget now
-        await slow.after_step(step(slow, 2))
+        await trio.sleep(40)
+        await take_steps(slow, 2, 2, 8.0)
+        assert slow.statistics().timed_rounds == 0  # 40 s in, but nothing says the pace yet
+        await take_steps(fast, 1, 10, 2.0)  # its round: offered to the slow peer
+        assert slow.statistics().round_budget_s == pytest.approx(30.0)
+        await take_steps(slow, 3, 3, 8.0)  # 40 s into its round: past the budget now
         stats = slow.statistics()
         assert (stats.outer_steps, stats.timed_rounds) == (1, 1)
-        slow.ctx.trainer.train_step()
         await trio.sleep(29)
-        await slow.after_step(step(slow, 3))
+        await take_steps(slow, 4, 4, 8.0)
         assert slow.statistics().timed_rounds == 1  # 29 s into the next: not yet
-        slow.ctx.trainer.train_step()
         await trio.sleep(2)
-        await slow.after_step(step(slow, 4))
+        await take_steps(slow, 5, 5, 8.0)
         assert slow.statistics().timed_rounds == 2
+
+
+async def test_round_s_auto_is_armed_by_the_reply_to_a_slow_peers_own_offer(autojump_clock):
+    """A straggler that no partner draws learns the pace at its own round end, from the
+    update that comes back in the reply."""
+    torch.manual_seed(0)
+    settings = {**DILOCO, "algorithm_settings": {"diloco": DilocoSettings(**AUTO)}}
+    async with runtimes(3, **settings) as (net, (fast, other, slow)):
+        fast._skip["p2"] = slow._skip["p1"] = (99, 0)  # fast draws the other; slow draws fast
+        await take_steps(fast, 1, 10, 2.0)
+        assert "p0" not in slow.inbox
+        await take_steps(slow, 1, 10, 8.0)  # its round of 10 steps, offered to the fast peer
+        assert slow.statistics().peer_deltas_used == 1
+        assert slow.statistics().round_budget_s == pytest.approx(30.0)
+
+
+async def test_round_s_auto_takes_the_upper_median_and_bounds_what_peers_claim(autojump_clock):
+    settings = {**DILOCO, "algorithm_settings": {"diloco": DilocoSettings(**AUTO)}}
+    async with runtimes(1, **settings) as (net, (a,)):
+        a._saw_pace("x", 10, 20_000)  # 2 s a step
+        a._saw_pace("liar", 10, 10)  # 1 ms a step: one low value does not halve the budget
+        assert a.round_budget_s() == pytest.approx(30.0)
+        a._saw_pace("y", 2**62, 1)  # a pace below 0.1 ms a step: not taken
+        a._saw_pace("z", 10**6, 20_000)  # steps count at most max_inner_steps (1000)
+        assert "y" not in a._paces and a._paces["z"][0] == pytest.approx(0.02)
+        await trio.sleep(20 * 10 * 2 + 1)  # 20 of x's rounds: its pace is forgotten
+        assert a.round_budget_s() == 0.0
+
+
+async def test_an_updates_time_counts_the_steps_it_saw_after_a_restart_mid_round(
+        autojump_clock):  # fmt: skip
+    """Restarted at step 8 of a 10-step round, a node times 2 steps of 2 s: its update of 10
+    steps says 20 s, not 4 (a partner then ended its rounds 5x too soon)."""
+    settings = {**DILOCO, "algorithm_settings": {"diloco": DilocoSettings(**AUTO)}}
+    async with runtimes(2, **settings) as (net, (a, b)):
+        for _ in range(8):
+            a.ctx.trainer.train_step()
+        await take_steps(a, 9, 10, 2.0)
+        assert a._latest_round_ms == 20_000 and a._latest_steps == 10
 
 
 def test_round_s_takes_seconds_or_auto_and_names_the_field_otherwise():

@@ -288,7 +288,9 @@ def held_share(codec: str, numel: int) -> float:
 
 
 AUTO_ROUND_MARGIN = 1.5  # round_s "auto": rounds end by time after this x the swarm's usual round
-MAX_STEP_S = 86400.0  # round_s "auto": a partner's claimed seconds per step above this: not taken
+MIN_STEP_S = 1e-4  # round_s "auto": a partner's seconds per step below this are not taken,
+MAX_STEP_S = 86400.0  # nor above this
+PACE_ROUNDS = 20  # round_s "auto": a partner's pace counts for this many of its rounds
 
 
 @dataclass(frozen=True)
@@ -390,9 +392,10 @@ class Diloco(Algorithm):
         self.catch_ups = 0
         self.timed_rounds = 0
         self._round_began: float | None = None  # when this round's inner steps began (round_s)
-        # round_s "auto": peer -> seconds per inner step of its latest update
-        self._paces: dict[str, float] = {}
+        # round_s "auto": peer -> (seconds per inner step of its latest update used, when)
+        self._paces: dict[str, tuple[float, float]] = {}
         self._latest_round_ms = 0  # how long our latest update's inner steps took
+        self._timed = [0.0, 0]  # this round's steps' seconds (StepResult.seconds) and count
         rule = ctx.gossip.robust
         self._consensus_radius = ClipRadius("none" if rule == "none" else "clip",
                                             cap=ctx.gossip.clip)  # fmt: skip
@@ -422,7 +425,8 @@ class Diloco(Algorithm):
         device = self.ctx.trainer.task_device
         live = self.ctx.trainer.params()
         saved = {k[6:]: tuple(t.shape) for k, t in tensors.items() if k.startswith("start/")}
-        if saved != {n: tuple(t.shape) for n, t in live.items()}:
+        dropped = saved != {n: tuple(t.shape) for n, t in live.items()}
+        if dropped:
             # another set of parameters trains now (one frozen or unfrozen since, or a
             # checkpoint from before frozen parameters were left out): the round starts afresh
             # from the restored model, its momentum and residuals dropped
@@ -447,6 +451,8 @@ class Diloco(Algorithm):
         # first round after a restart weighs and catches up as it would have
         step, h = self.ctx.trainer.step, self.ctx.settings.inner_steps
         self._round_end_step = int(meta.get("round_end_step", step - step % h))
+        if dropped:  # the round starts from the restored model at this step
+            self._round_end_step = step
         self._phase = int(meta.get("phase", 0)) % h
 
     def model_replaced(self) -> None:
@@ -668,24 +674,28 @@ class Diloco(Algorithm):
 
     def round_budget_s(self) -> float:
         """The seconds after which a round ends by time (0: never): round_s, or with "auto"
-        AUTO_ROUND_MARGIN x inner_steps x the median of partners' seconds per step."""
+        AUTO_ROUND_MARGIN x inner_steps x the (upper) median of partners' seconds per step,
+        each from its latest update we used within PACE_ROUNDS of its rounds."""
         round_s = self.ctx.settings.round_s
         if round_s != "auto":
             return float(round_s)
-        if not self._paces:
+        h, now = self.ctx.settings.inner_steps, self.ctx.now()
+        paces = sorted(pace for pace, at in self._paces.values()
+                       if now - at <= PACE_ROUNDS * h * pace)  # fmt: skip
+        if not paces:
             return 0.0
-        paces = sorted(self._paces.values())
-        middle = len(paces) // 2
-        median = paces[middle] if len(paces) % 2 else (paces[middle - 1] + paces[middle]) / 2
-        return AUTO_ROUND_MARGIN * self.ctx.settings.inner_steps * median
+        return AUTO_ROUND_MARGIN * h * paces[len(paces) // 2]
 
     def _saw_pace(self, peer: str, steps: int, round_ms: int) -> None:
-        """round_s "auto": `peer`'s latest update took `steps` inner steps in `round_ms` (said
-        by its offer or reply; 0: not said). Values past a day a step are not taken."""
-        if self.ctx.settings.round_s == "auto" and steps > 0 and 0 < round_ms:
-            pace = round_ms / 1000 / steps
-            if pace <= MAX_STEP_S:
-                self._paces[peer] = pace
+        """round_s "auto": `peer`'s update we took had `steps` inner steps that took `round_ms`
+        (0: not said). Its claimed steps count at most a whole round of its longest kind;
+        paces outside MIN_STEP_S..MAX_STEP_S are not taken."""
+        if self.ctx.settings.round_s != "auto" or steps <= 0 or round_ms <= 0:
+            return
+        cfg = self.ctx.settings
+        pace = round_ms / 1000 / min(steps, max(cfg.inner_steps, cfg.max_inner_steps))
+        if MIN_STEP_S <= pace <= MAX_STEP_S:
+            self._paces[peer] = (pace, self.ctx.now())
 
     def _catching_up(self, step: int) -> bool:
         """catch_up: whether a partner that has made more rounds than we have sent an update of
@@ -710,11 +720,16 @@ class Diloco(Algorithm):
 
     async def after_step(self, result: StepResult) -> None:
         ctx = self.ctx
+        timed = self._timed
+        timed[0], timed[1] = timed[0] + max(0.0, result.seconds), timed[1] + 1
         if not self._round_ends(result):
             return
+        # how long our update's inner steps took, from the seconds of the steps we saw (after
+        # a restart mid-round, not all of them): it goes with the update (round_s "auto")
+        steps = max(1, min(result.step - self._round_end_step, self.inner_steps))
+        self._latest_round_ms = int(1000 * steps * timed[0] / timed[1])
+        self._timed = [0.0, 0]
         started = ctx.now()
-        began = self._round_began  # (what this round's inner steps took goes with our update)
-        self._latest_round_ms = 0 if began is None else max(0, int(1000 * (started - began)))
         round_ = self.round + 1
         # a client-mode peer offers, is not offered to; one that failed lately sits out some
         # rounds (a crashed peer drew a fanout-1 round in two of three, seen)
@@ -1006,7 +1021,7 @@ class Diloco(Algorithm):
         theirs: EncodedAssembly | None = EncodedAssembly(plan, spec, ctx.trainer.task_device,
                                                          self._hold)  # fmt: skip
         their_round: list[int] = []
-        started, moved, changed, their_steps = ctx.now(), [0], [False], [0]
+        started, moved, changed, their_steps, their_ms = ctx.now(), [0], [False], [0], [0]
 
         async def one(index: int) -> None:
             header = DeltaOffer(codec=spec, round=round_, xid=xid, plan=plan.digest,
@@ -1026,10 +1041,8 @@ class Diloco(Algorithm):
                 # its update changed while it answered (its round ended): ours still gets there
                 # whole; of its answer nothing is kept (chunks of two updates make none)
                 changed[0] = True
-            if not their_round and reply.round > 0:
-                self._saw_pace(peer, reply.steps, reply.round_ms)
             their_round.append(reply.round)
-            their_steps[0] = reply.steps
+            their_steps[0], their_ms[0] = reply.steps, reply.round_ms
             if reply.round > 0 and not changed[0]:
                 assert theirs is not None
                 await ctx.to_thread(theirs.add, index, data)
@@ -1066,6 +1079,7 @@ class Diloco(Algorithm):
         if delta is not None:
             self._replied[peer] = their_round[0]
             self._steps_of[(peer, their_round[0])] = their_steps[0]
+            self._saw_pace(peer, their_steps[0], their_ms[0])
         self.counters.record_ok(peer, spec)
 
     async def handle(self, peer: PeerInfo, header: Header, payload: memoryview) -> Reply:
@@ -1152,7 +1166,6 @@ class Diloco(Algorithm):
     async def _take(self, peer: str, header: DeltaOffer, payload: memoryview, plan) -> None:
         """Add one chunk of `peer`'s offer; a complete, checked update goes to the inbox."""
         ctx = self.ctx
-        self._saw_pace(peer, header.steps, header.round_ms)  # (taken or not)
         current = self._incoming.get(peer)
         fresh = current is None or current[0] != header.xid
         if fresh and header.round <= self._held_round(peer, arriving=False):
@@ -1175,6 +1188,7 @@ class Diloco(Algorithm):
                 self.inbox[peer] = (header.round, assembly)
                 self._steps_of[(peer, header.round)] = header.steps
                 self._arrivals[peer] = (ctx.trainer.step, header.steps, header.round)
+                self._saw_pace(peer, header.steps, header.round_ms)
         finally:  # (checked before it stops counting as arriving: a round end waits for it)
             if self._incoming.get(peer, (None,))[0] == header.xid:  # (a newer offer may
                 del self._incoming[peer]  # have replaced it)
