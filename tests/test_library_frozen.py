@@ -187,6 +187,6 @@ def test_a_diloco_resume_after_freezing_one_more_layer_starts_its_round_afresh(t
     with capture_logs() as logs:
         with joined(tmp_path, "a", model, *extra) as swarm:
             train(swarm, model, 12, 0)
-            status = swarm.status()
-    assert status.step == 24 and status.algorithm_stats["outer_steps"] >= 2, status
-    assert [e["event"] for e in logs].count("diloco_state_dropped") == 1
+            assert swarm.step == 24
+    events = [e["event"] for e in logs]  # (close() finishes a round end the last step began)
+    assert events.count("diloco_state_dropped") == 1 and events.count("outer_step") == 2, events
