@@ -343,12 +343,12 @@ def join(
 
 def _stop_unready(node: Node, box: dict[str, Any]) -> None:
     """Stop a node that never became ready (its thread may still be starting trio) and wait;
-    a Ctrl-C meanwhile is raised once it has stopped."""
-    interrupted = None
+    a Ctrl-C (or a signal handler's SystemExit) meanwhile is raised once it has stopped."""
+    interrupted: BaseException | None = None
     while "token" not in box and not box["ended"].is_set():
         try:
             box["ended"].wait(0.01)
-        except KeyboardInterrupt as exc:
+        except (KeyboardInterrupt, SystemExit) as exc:
             interrupted = exc
     if "token" in box:
         interrupted = _stop_and_wait(box["token"], node.request_stop, box, 60.0) or interrupted
@@ -359,26 +359,27 @@ def _stop_unready(node: Node, box: dict[str, Any]) -> None:
 def _stop_and_wait(
     token: trio.lowlevel.TrioToken, stop: Callable[[], None], box: dict[str, Any],
     timeout_s: float,
-) -> KeyboardInterrupt | None:  # fmt: skip
+) -> BaseException | None:  # fmt: skip
     """Run `stop` on the node's loop and wait up to `timeout_s` for that loop to end. A Ctrl-C
     meanwhile does not cut the wait short (the interpreter would exit under the node's running
-    thread, and nng aborts the process then): it is returned, to be raised by the caller. (The
+    thread, and nng aborts the process then), nor does a SystemExit a signal handler raises (the
+    README's SIGTERM handler, signalled twice): it is returned, to be raised by the caller. (The
     wait is on an event the node's thread sets, not Thread.join: a join cut by Ctrl-C can leave
     is_alive() saying False while the thread runs on.)"""
-    interrupted = None
+    interrupted: BaseException | None = None
     while True:
         try:
             trio.from_thread.run_sync(stop, trio_token=token)
             break
         except trio.RunFinishedError:
             break
-        except KeyboardInterrupt as exc:  # (stop is safe to run twice)
+        except (KeyboardInterrupt, SystemExit) as exc:  # (stop is safe to run twice)
             interrupted = exc
     deadline = time.monotonic() + timeout_s
     while not box["ended"].is_set() and (left := deadline - time.monotonic()) > 0:
         try:
             box["ended"].wait(min(left, 0.1))
-        except KeyboardInterrupt as exc:
+        except (KeyboardInterrupt, SystemExit) as exc:
             if interrupted is None:
                 structlog.get_logger().warning(
                     "stop_interrupted", detail="the node is stopping (checkpoint, leave): "

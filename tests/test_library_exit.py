@@ -105,6 +105,45 @@ def test_a_second_ctrl_c_while_the_node_stops_waits_for_it_too(tmp_path, gap_s):
     assert code in (-signal.SIGINT, 1, 130), (code, text[-3000:])
 
 
+TERMINATED = JOIN.replace("import os,", "import os, signal,") + """
+signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # as the README tells a service to
+print("LOOPING", flush=True)
+try:
+    while True:
+        model(torch.randn(2, 4)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+finally:
+    swarm.close()
+"""
+
+
+@pytest.mark.parametrize("gap_s", [0.001, 0.02])
+def test_two_sigterms_with_the_readmes_handler_still_stop_the_node_first(tmp_path, gap_s):
+    """The README's SIGTERM handler raises SystemExit; a second SIGTERM while close() waited
+    for the node cut the wait short (only Ctrl-C was held back), and the interpreter exited
+    under the node's thread: nng's pthread_mutex_lock panic, no final checkpoint, no leave."""
+    path = tmp_path / "loop.py"
+    path.write_text(TERMINATED.format(wait=0, state=tmp_path / "state"))
+    log = tmp_path / "stderr.txt"
+    with log.open("w") as err:
+        proc = subprocess.Popen([sys.executable, str(path)], stdout=subprocess.PIPE, stderr=err,
+                                text=True)  # fmt: skip
+        try:
+            assert proc.stdout is not None and proc.stdout.readline() == "LOOPING\n"
+            time.sleep(0.5)
+            proc.send_signal(signal.SIGTERM)
+            time.sleep(gap_s)
+            proc.send_signal(signal.SIGTERM)
+            code = proc.wait(90)
+        finally:
+            proc.kill()
+    text = log.read_text()
+    # (143: the handler's exit; -15: the second SIGTERM came as the interpreter finished)
+    assert code in (143, -signal.SIGTERM) and "node_stopped" in text, (code, text[-3000:])
+    assert "panic" not in text and "terminate called" not in text, text[-3000:]
+
+
 FORKS = JOIN + """
 pid = os.fork()
 if pid == 0:  # a child of the user's own that simply ends (it closes no swarm of the parent's)
