@@ -116,6 +116,18 @@ def test_freezing_everything_or_unfreezing_after_join_is_a_clear_error_or_warnin
     assert len(said) == 1 and said[0]["parameters"] == ["0.weight", "0.bias"], said
 
 
+def test_freezing_between_join_and_wrap_is_warned():
+    """A stranger froze the base after join: it travelled in every exchange and int8 moved it,
+    silently."""
+    model = make_model()
+    loop = LoopTrainer(model)
+    model[0].requires_grad_(False)
+    with capture_logs() as logs:
+        loop.attach(torch.optim.AdamW([p for p in model.parameters() if p.requires_grad]))
+    said = [e for e in logs if e["event"] == "frozen_after_join"]
+    assert len(said) == 1 and said[0]["parameters"] == ["0.weight", "0.bias"], said
+
+
 def test_join_refuses_a_model_with_every_parameter_frozen(tmp_path):
     toml = tmp_path / "node.toml"
     toml.write_text("[identity]\nopen_swarm = true\n")

@@ -450,6 +450,13 @@ class LoopTrainer(OptimizerSync):
             raise ValueError(f"the optimizer trains {len(thawed)} parameter(s) that were frozen "
                              "(requires_grad False) when the swarm was joined: nothing would "
                              "average them. Freeze or unfreeze before geotrain.join")  # fmt: skip
+        cold = [n for n, p in self.model.named_parameters()
+                if n in self._exchanged and not p.requires_grad]  # fmt: skip
+        if cold:  # frozen between join and wrap: they still travel (and a lossy codec moves them)
+            log.warning("frozen_after_join", parameters=cold[:5], count=len(cold),
+                        detail="these parameters were trainable when the swarm was joined: "
+                        "they are still exchanged, averaged and checkpointed (a lossy codec's "
+                        "rounding moves them). Freeze before geotrain.join")  # fmt: skip
         if scheduler is not None:
             if not (callable(getattr(scheduler, "step", None))
                     and callable(getattr(scheduler, "state_dict", None))):  # fmt: skip
