@@ -58,8 +58,9 @@ class Swarm:
         if self._closed or self._thread.is_alive():
             return
         error = self._box.get("error")
-        raise LoopClosed(f"the geotrain node stopped: {_leaf(error)!r}" if error is not None
-                         else "the geotrain node stopped") from error  # fmt: skip
+        leaf = None if error is None else _leaf(error)  # (the cause: not trio's group around it)
+        raise LoopClosed(f"the geotrain node stopped: {leaf!r}" if leaf is not None
+                         else "the geotrain node stopped") from leaf  # fmt: skip
 
     @property
     def address(self) -> str | None:
@@ -150,7 +151,7 @@ class Swarm:
         if interrupted is not None:  # (after the node stopped: see _stop_and_wait)
             raise interrupted
         if error is not None:
-            raise LoopClosed(f"the geotrain node had failed: {_leaf(error)!r}") from error
+            raise LoopClosed(f"the geotrain node had failed: {_leaf(error)!r}") from _leaf(error)
 
     def _stop(self) -> None:
         if self.node.steps is not None:

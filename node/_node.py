@@ -36,9 +36,10 @@ from ._driver import LoopDriver, TrainingDriver
 from ._membership_service import MembershipService
 from ._memory import check_budget, fit_budget
 from ._metrics import MetricsServer, NodeCollector
+from ._mismatch import MismatchWatch
 from ._peer_choice import PeerChoice, model_dtype
 from ._protocol import node_header_codec
-from ._state_sync import StateSync
+from ._state_sync import ModelMismatch, StateSync
 from ._status_report import Progress, StatusReporter, StatusSources
 from .algorithms import MODEL_CODECS, Algorithm, AlgorithmContext, get_algorithm
 from .identity import Admission, Identity
@@ -141,6 +142,7 @@ class Node:
         self._transport: Transport | None = None
         self._prepared: tuple[Task, Trainer, Checkpoint | None, CheckpointStore] | None = None
         self._state_lock: BinaryIO | None = None  # held while this node runs on its state.dir
+        self._mismatch: ModelMismatch | None = None  # the swarm refused our model: stop, fail
 
     def request_stop(self) -> None:
         """Ask the node to stop (idempotent); `run()` returns after a clean shutdown. A loop of
@@ -510,6 +512,8 @@ class Node:
             nursery.cancel_scope.cancel()
         if diverged is not None:
             raise diverged
+        if self._mismatch is not None:
+            raise self._mismatch
 
     def _bootstrap(self) -> list[str]:
         """network.bootstrap without this node's own address (listen or advertise: a config
@@ -530,6 +534,12 @@ class Node:
                             if len(mine) == len(net.bootstrap) else ""))  # fmt: skip
         return [a for a in net.bootstrap if a not in own]
 
+    def _model_refused(self, error: ModelMismatch) -> None:
+        """The swarm refuses our model (MismatchWatch): a clean stop, then the node fails."""
+        self._mismatch = error
+        log.error("model_mismatch", error=str(error))
+        self.request_stop()
+
     def _peer_disconnected(self, peer_id: str) -> None:
         if self.algorithm is not None:
             self.algorithm.peer_disconnected(peer_id)
@@ -542,12 +552,15 @@ class Node:
             trainer.step_interval_s, client=not self.config.network.reachable,
             model_dtype=model_dtype(p.dtype for p in params.values()),
         )  # fmt: skip
+        numel = sum(p.numel() for p in params.values())
+        ours = f"{len(params)} tensors, {numel:,} parameters" + (
+            f" exchanged, {trainer.frozen_numel:,} frozen" if trainer.frozen_numel else "")
         ctx = AlgorithmContext(
             trainer=trainer,
             gossip=self.config.gossip,
             settings=self.config.gossip.settings,
             peers=peers,
-            network=transport,
+            network=MismatchWatch(transport, lambda: ours, self._model_refused),
             rng=self.rng,
             start_soon=nursery.start_soon,
             chunk_numel=self.config.network.chunk_numel,

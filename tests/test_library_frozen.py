@@ -4,6 +4,7 @@ are told so instead of training a mix."""
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from pathlib import Path
 
@@ -202,3 +203,32 @@ def test_a_diloco_resume_after_freezing_one_more_layer_starts_its_round_afresh(t
             assert swarm.step == 24
     events = [e["event"] for e in logs]  # (close() finishes a round end the last step began)
     assert events.count("diloco_state_dropped") == 1 and events.count("outer_step") == 2, events
+
+
+def test_a_resumed_node_whose_base_the_swarm_refuses_stops_instead_of_training_alone(tmp_path):
+    """State sync checks a joiner's model; a node resuming from its own checkpoint skips it,
+    and with another base every exchange it started failed at info level while opt.step()
+    went on (a stranger's find). Two peers refusing and none accepting: it stops, cleanly."""
+    odd = fine_tuned(base_seed=1)
+    with joined(tmp_path, "odd", odd, "training.wait_for_peers=0") as swarm:
+        train(swarm, odd, 3, 0)  # its own checkpoint: it resumes, no state sync
+    with joined(tmp_path, "a", fine_tuned(), "training.wait_for_peers=0") as a:
+        with joined(tmp_path, "b", fine_tuned(), f'network.bootstrap=["{a.address}"]') as b:
+            threads = [threading.Thread(target=train, args=(s, s._loop.model, 150, i))
+                       for i, s in enumerate([a, b])]  # fmt: skip
+            for t in threads:
+                t.start()
+            swarm = joined(tmp_path, "odd", odd, f'network.bootstrap=["{a.address}"]',
+                           "training.wait_for_peers=2")  # fmt: skip
+            try:
+                with pytest.raises(geotrain.LoopClosed) as stopped:
+                    train(swarm, odd, 10_000, 2)
+            finally:
+                with contextlib.suppress(geotrain.LoopClosed):  # (it failed: said again)
+                    swarm.close()
+            for t in threads:
+                t.join(120)
+            assert a.status().exchanges_ok >= 1 and b.status().step == 150  # they went on
+    cause = stopped.value.__cause__
+    assert isinstance(cause, ConfigError) and "refused this node's exchanges" in str(cause)
+    assert "none accepted one" in str(cause) and "144 frozen" in str(cause)
