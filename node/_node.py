@@ -552,15 +552,12 @@ class Node:
             trainer.step_interval_s, client=not self.config.network.reachable,
             model_dtype=model_dtype(p.dtype for p in params.values()),
         )  # fmt: skip
-        numel = sum(p.numel() for p in params.values())
-        ours = f"{len(params)} tensors, {numel:,} parameters" + (
-            f" exchanged, {trainer.frozen_numel:,} frozen" if trainer.frozen_numel else "")
         ctx = AlgorithmContext(
             trainer=trainer,
             gossip=self.config.gossip,
             settings=self.config.gossip.settings,
             peers=peers,
-            network=MismatchWatch(transport, lambda: ours, self._model_refused),
+            network=MismatchWatch(transport, trainer.describe, self._model_refused),
             rng=self.rng,
             start_soon=nursery.start_soon,
             chunk_numel=self.config.network.chunk_numel,

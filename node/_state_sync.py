@@ -334,11 +334,8 @@ class StateSync:
         model's plan as another model's."""
         dialable = [p for p in peers if not is_client_address(self._membership.address_of(p) or "")]
         if self._differ and len(self._differ) >= min(MISMATCH_PEERS, len(dialable)):
-            plan = self._plan(self._chunk_numel)
             names = ", ".join(sorted(p[:12] for p in self._differ))
-            frozen = self._trainer.frozen_numel
-            ours = f"{len(plan.shapes)} tensors, {plan.numel:,} parameters" + (
-                f" exchanged, {frozen:,} frozen" if frozen else "")
+            ours = self._trainer.describe()
             raise ModelMismatch(
                 f"the model differs from the swarm's: {len(self._differ)} peer(s) ({names}) "
                 "train other parameter names or shapes, or froze other parameters or values "

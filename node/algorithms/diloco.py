@@ -196,9 +196,10 @@ class DilocoSettings:
         below that, a round ends before the partners have a newer round to give, and the fast
         peers' rounds are cut short too (more outer steps and bytes). The steps' weights keep a
         short round from counting for more than it did. "auto": AUTO_ROUND_MARGIN x the
-        swarm's usual time for inner_steps: the median over partners of the seconds per step
-        their latest update took (its offer or reply says its steps and their milliseconds),
-        so it is armed by the first update that reaches a node; off until then. Not with
+        swarm's usual time for inner_steps: the upper median over partners of the seconds per
+        step of their latest update we took (its offer or reply says its steps and their
+        milliseconds), each forgotten after PACE_ROUNDS of that partner's rounds, so it is
+        armed by the first update a node takes; off until then. Not with
         comm_fraction, which sets the rounds' length itself. Measured on geo3 in
         BENCHMARKS.md.
     """
@@ -395,7 +396,7 @@ class Diloco(Algorithm):
         # round_s "auto": peer -> (seconds per inner step of its latest update used, when)
         self._paces: dict[str, tuple[float, float]] = {}
         self._latest_round_ms = 0  # how long our latest update's inner steps took
-        self._timed = [0.0, 0]  # this round's steps' seconds (StepResult.seconds) and count
+        self._timed_s, self._timed_steps = 0.0, 0  # this round's steps' seconds, and count
         rule = ctx.gossip.robust
         self._consensus_radius = ClipRadius("none" if rule == "none" else "clip",
                                             cap=ctx.gossip.clip)  # fmt: skip
@@ -720,15 +721,15 @@ class Diloco(Algorithm):
 
     async def after_step(self, result: StepResult) -> None:
         ctx = self.ctx
-        timed = self._timed
-        timed[0], timed[1] = timed[0] + max(0.0, result.seconds), timed[1] + 1
+        self._timed_s += max(0.0, result.seconds)
+        self._timed_steps += 1
         if not self._round_ends(result):
             return
         # how long our update's inner steps took, from the seconds of the steps we saw (after
         # a restart mid-round, not all of them): it goes with the update (round_s "auto")
         steps = max(1, min(result.step - self._round_end_step, self.inner_steps))
-        self._latest_round_ms = int(1000 * steps * timed[0] / timed[1])
-        self._timed = [0.0, 0]
+        self._latest_round_ms = int(1000 * steps * self._timed_s / self._timed_steps)
+        self._timed_s, self._timed_steps = 0.0, 0
         started = ctx.now()
         round_ = self.round + 1
         # a client-mode peer offers, is not offered to; one that failed lately sits out some

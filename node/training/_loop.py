@@ -131,6 +131,7 @@ class LoopTrainer(OptimizerSync):
         self._trained_one = next(p for n, p in named if n in self._exchanged)
         frozen = [(n, p) for n, p in named if not p.requires_grad]
         self._frozen = [p for _, p in frozen]
+        self._frozen_ids = frozenset(id(p) for p in self._frozen)
         self.frozen_numel = sum(p.numel() for p in self._frozen)
         self.frozen_bytes = sum(p.numel() * p.element_size() for p in self._frozen)
         self.frozen_digest = frozen_digest(frozen)
@@ -168,6 +169,13 @@ class LoopTrainer(OptimizerSync):
         """The parameters exchanged, averaged and synced: those that trained at join."""
         kept = self._exchanged
         return {name: p.data for name, p in self.model.named_parameters() if name in kept}
+
+    def describe(self) -> str:
+        """What this node exchanges, for errors: "N tensors, M parameters[ exchanged, F frozen]"."""
+        params = self.params()
+        numel = sum(t.numel() for t in params.values())
+        return f"{len(params)} tensors, {numel:,} parameters" + (
+            f" exchanged, {self.frozen_numel:,} frozen" if self.frozen_numel else "")
 
     @property
     def task_device(self) -> torch.device:
@@ -318,12 +326,11 @@ class LoopTrainer(OptimizerSync):
         frozen at join are left out (a fine-tuned model's base is not rewritten at every
         checkpoint); their digest goes in the meta."""
         with self._lock:
-            frozen = {id(p) for p in self._frozen}
             tensors = {f"model/{k}": v.detach()
                        for k, v in self.model.state_dict(keep_vars=True).items()
-                       if id(v) not in frozen}  # fmt: skip
+                       if id(v) not in self._frozen_ids}  # fmt: skip
             meta: dict[str, Any] = {"step": self.step}
-            if frozen:
+            if self._frozen:
                 meta["frozen_digest"] = self.frozen_digest
             if self.optimizer is not None:
                 try:
@@ -350,9 +357,8 @@ class LoopTrainer(OptimizerSync):
         """Load a checkpoint: the model now; the optimizer's and scheduler's state now when
         they are attached (the daemon's), else at `wrap`."""
         device = self.task_device
-        ids = {id(p) for p in self._frozen}
         frozen = {name for name, p in self.model.state_dict(keep_vars=True).items()
-                  if id(p) in ids}  # fmt: skip
+                  if id(p) in self._frozen_ids}  # fmt: skip
         # the frozen parameters stay as loaded before join (an older checkpoint holds them too)
         model_sd = {k[6:]: v.to(device) for k, v in tensors.items()
                     if k.startswith("model/") and k[6:] not in frozen}  # fmt: skip
@@ -444,8 +450,7 @@ class LoopTrainer(OptimizerSync):
         if not theirs or any(id(p) not in mine for p in theirs):
             raise ValueError("the optimizer's parameters are not (all) the joined model's: wrap "
                              "the optimizer of the model given to geotrain.join")  # fmt: skip
-        frozen = {id(p) for p in self._frozen}
-        thawed = [p for p in theirs if id(p) in frozen and p.requires_grad]
+        thawed = [p for p in theirs if id(p) in self._frozen_ids and p.requires_grad]
         if thawed:
             raise ValueError(f"the optimizer trains {len(thawed)} parameter(s) that were frozen "
                              "(requires_grad False) when the swarm was joined: nothing would "
@@ -553,7 +558,8 @@ class LoopTrainer(OptimizerSync):
         thawed = [p for p in self._frozen if p.requires_grad]
         if thawed:
             self._said_unfrozen = True
-            names = [n for n, p in self.model.named_parameters() if any(p is t for t in thawed)]
+            ids = {id(p) for p in thawed}
+            names = [n for n, p in self.model.named_parameters() if id(p) in ids]
             log.warning("unfrozen_after_join", step=self.step, parameters=names[:5],
                         count=len(thawed), detail="these parameters were frozen when the swarm "
                         "was joined: they train now, but are neither averaged nor synced, so "
