@@ -506,6 +506,13 @@ class Node:
                 await self._train(membership, state_sync, checkpointer, algorithm, ckpt)
             except Diverged as exc:  # a clean stop (status, leave), then the node fails with it
                 diverged = exc
+            except Exception:  # refused at join (models differ), a task's error...: the swarm
+                # is told too, or its members keep choosing us until we are declared dead
+                self._running = False
+                with trio.move_on_after(STOP_GRACE_S):
+                    await self._reporter.write()
+                    await membership.leave(STOP_GRACE_S)
+                raise
             self._running = False  # from here on every status written says "stopped"
             await self._reporter.write()
             await membership.leave(STOP_GRACE_S)

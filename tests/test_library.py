@@ -498,6 +498,9 @@ def test_joining_with_another_model_than_the_swarms_is_a_clear_error(tmp_path):
         with pytest.raises(ConfigError, match=r"the model differs from the swarm's: 1 peer\(s\)"):
             joined(tmp_path, "b", other, f'network.bootstrap=["{first.address}"]',
                    "training.wait_for_peers=1")  # fmt: skip
+        # the refused node said it leaves: the swarm stops counting it at once, not after the
+        # failure detector's timeouts
+        assert [p.state for p in first.status().peers] == ["left"]
     finally:
         first.close()
 
