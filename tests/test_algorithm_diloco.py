@@ -982,17 +982,14 @@ async def test_a_slow_peer_ends_its_round_by_time_and_takes_a_partners_newest_ro
             fast.ctx.trainer.train_step()
         await fast.after_step(step(fast, 10))
         assert "p0" not in slow.inbox  # nobody offered it anything
-        slow.ctx.trainer.train_step()
-        await slow.after_step(step(slow, 1))
-        await trio.sleep(29)
-        slow.ctx.trainer.train_step()
-        await slow.after_step(step(slow, 2))
-        assert slow.statistics().outer_steps == 0  # not yet round_s
-        await trio.sleep(2)
+        await take_steps(slow, 1, 1, 1.0)
+        await trio.sleep(60)  # an evaluation or a checkpoint: not the round's time
+        await take_steps(slow, 2, 2, 28.0)
+        assert slow.statistics().outer_steps == 0  # its steps took 29 s: not yet round_s
         slow.ctx.trainer.train_step()
         delta_slow = pseudo_gradient(slow.start, slow.ctx.trainer.params())
         start = {k: v.clone() for k, v in slow.start.items()}
-        await slow.after_step(step(slow, 3))
+        await slow.after_step(paced(3, 2.0))
         stats = slow.statistics()
         if not round_s:  # rounds of inner_steps only
             assert stats.outer_steps == 0 and stats.timed_rounds == 0
@@ -1064,21 +1061,20 @@ async def test_round_s_auto_ends_a_slow_peers_round_after_its_partners_pace(auto
     settings = {**DILOCO, "algorithm_settings": {"diloco": DilocoSettings(**AUTO)}}
     async with runtimes(3, **settings) as (net, (fast, other, slow)):
         fast._skip["p1"] = slow._skip["p1"] = (99, 0)  # fast draws the slow peer, and back
-        await take_steps(slow, 1, 1, 8.0)
+        await take_steps(slow, 1, 1, 16.0)
         assert slow.statistics().round_budget_s == 0.0
-        await trio.sleep(40)
-        await take_steps(slow, 2, 2, 8.0)
-        assert slow.statistics().timed_rounds == 0  # 40 s in, but nothing says the pace yet
+        await take_steps(slow, 2, 2, 16.0)
+        assert slow.statistics().timed_rounds == 0  # 32 s in, but nothing says the pace yet
         await take_steps(fast, 1, 10, 2.0)  # its round: offered to the slow peer
         assert slow.statistics().round_budget_s == pytest.approx(30.0)
-        await take_steps(slow, 3, 3, 8.0)  # 40 s into its round: past the budget now
+        await take_steps(slow, 3, 3, 16.0)  # 48 s into its round: past the budget now
         stats = slow.statistics()
         assert (stats.outer_steps, stats.timed_rounds) == (1, 1)
-        await trio.sleep(29)
-        await take_steps(slow, 4, 4, 8.0)
-        assert slow.statistics().timed_rounds == 1  # 29 s into the next: not yet
-        await trio.sleep(2)
-        await take_steps(slow, 5, 5, 8.0)
+        await take_steps(slow, 4, 4, 16.0)
+        await trio.sleep(60)  # an evaluation: not counted
+        await take_steps(slow, 5, 5, 13.0)
+        assert slow.statistics().timed_rounds == 1  # 29 s of steps into the next: not yet
+        await take_steps(slow, 6, 6, 2.0)
         assert slow.statistics().timed_rounds == 2
 
 

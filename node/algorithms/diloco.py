@@ -188,20 +188,20 @@ class DilocoSettings:
         end, H of its slow steps later (a 4x straggler waited 4 rounds of the others). Every
         update is weighted by the inner steps it took (capped at a whole round of ours), so
         such a short round counts for what it did. False: rounds of inner_steps only.
-    round_s: 0: rounds count steps only. Above 0 a round also ends once it has lasted this many
-        seconds (with at least a tenth of inner_steps done): a slow peer then ends its rounds
-        about as often as the fast ones, each time taking a partner's newest whole round in the
-        reply to its offer, instead of waiting to be drawn by one (catch_up) or for its own H
-        slow steps. Set it a little above what inner_steps take a peer of the usual speed:
+    round_s: 0: rounds count steps only. Above 0 a round also ends once its inner steps have
+        taken this many seconds (the steps' own time: a daemon's evaluations and checkpoints are
+        not counted; with at least a tenth of inner_steps done): a slow peer then ends its
+        rounds about as often as the fast ones, each time taking a partner's newest whole round
+        in the reply to its offer, instead of waiting to be drawn by one (catch_up) or for its
+        own H slow steps. Set it a little above what inner_steps take a peer of the usual speed:
         below that, a round ends before the partners have a newer round to give, and the fast
         peers' rounds are cut short too (more outer steps and bytes). The steps' weights keep a
-        short round from counting for more than it did. "auto": AUTO_ROUND_MARGIN x the
-        swarm's usual time for inner_steps: the upper median over partners of the seconds per
-        step of their latest update we took (its offer or reply says its steps and their
-        milliseconds), each forgotten after PACE_ROUNDS of that partner's rounds, so it is
-        armed by the first update a node takes; off until then. Not with
-        comm_fraction, which sets the rounds' length itself. Measured on geo3 in
-        BENCHMARKS.md.
+        short round from counting for more than it did. "auto": AUTO_ROUND_MARGIN x the swarm's
+        usual time for inner_steps: the upper median over partners of the seconds per step of
+        their latest update we took (its offer or reply says its steps and their milliseconds),
+        each forgotten after PACE_ROUNDS of that partner's rounds, so it is armed by the first
+        update a node takes; off until then. Not with comm_fraction, which sets the rounds'
+        length itself. Measured on geo3 in BENCHMARKS.md.
     """
 
     inner_steps: int = 20
@@ -392,7 +392,6 @@ class Diloco(Algorithm):
         self._phase = 0  # fixed rounds end at steps = this modulo inner_steps (catch_up moves it)
         self.catch_ups = 0
         self.timed_rounds = 0
-        self._round_began: float | None = None  # when this round's inner steps began (round_s)
         # round_s "auto": peer -> (seconds per inner step of its latest update used, when)
         self._paces: dict[str, tuple[float, float]] = {}
         self._latest_round_ms = 0  # how long our latest update's inner steps took
@@ -665,13 +664,12 @@ class Diloco(Algorithm):
         return True
 
     def _timed_out(self, step: int) -> bool:
-        """round_s: whether this round has lasted round_s seconds, with a tenth of its inner
-        steps done."""
-        round_s, now = self.round_budget_s(), self.ctx.now()
-        if self._round_began is None:  # (the first step since the start or a restart)
-            self._round_began = now
+        """round_s: whether this round's inner steps have taken round_s seconds (their own
+        time, as partners' paces are timed: evaluations, checkpoints and waits between steps
+        left out), with a tenth of them done."""
+        round_s = self.round_budget_s()
         return (bool(round_s) and step - self._round_end_step >= max(1, self.inner_steps // 10)
-                and now - self._round_began >= round_s)  # fmt: skip
+                and self._timed_s >= round_s)  # fmt: skip
 
     def round_budget_s(self) -> float:
         """The seconds after which a round ends by time (0: never): round_s, or with "auto"
@@ -749,7 +747,6 @@ class Diloco(Algorithm):
             await self._end_round(round_, partners, spec)
         finally:  # (an in-place round end cut short: the round start back, the model as it was)
             self._restore_start()
-            self._round_began = ctx.now()  # (round_s counts the inner steps, not the end)
         if 4 * ctx.peers.numel > RELEASE_ABOVE_BYTES:  # the chunk buffers freed (below the
             # mmap threshold) back to the system, not kept through the inner steps
             await ctx.to_thread(release_free_memory)
