@@ -184,6 +184,25 @@ def test_a_signal_delivered_twice_at_once_still_stops_gracefully(tmp_path):
     assert "stop_forced" not in text and "checkpoint_written" in text and "node_stopped" in text
 
 
+def test_a_hangup_stops_the_daemon_gracefully(tmp_path):
+    """A node started in an ssh session without nohup got SIGHUP at logout and died at once: no
+    checkpoint, no leave, the steps since the last periodic checkpoint lost."""
+    import signal
+
+    proc = _node_with(tmp_path, "synthetic-linreg", "step_time_ms = 20\n")
+    lines: list[str] = []
+    try:
+        _wait_for(proc, "node_started", lines)
+        proc.send_signal(signal.SIGHUP)
+        rest = proc.communicate(timeout=60)[1]
+    finally:
+        proc.kill()
+        proc.wait()
+    text = "".join(lines) + rest
+    assert proc.returncode == 0, text[-3000:]
+    assert "SIGHUP" in text and "checkpoint_written" in text and "node_stopped" in text
+
+
 def test_a_daemon_whose_final_checkpoint_fails_exits_1_and_says_what_is_lost(
         tmp_path, monkeypatch, capsys):  # fmt: skip
     """A final checkpoint that could not be written (a full or read-only disk) was logged with

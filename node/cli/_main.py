@@ -108,7 +108,7 @@ def console() -> int:
     SIGTERM ignored for the interpreter's exit. That takes ~0.75 s with torch's threads, and a
     second SIGTERM there (a supervisor's, timeout's) killed a cleanly stopped node with 143."""
     code = main()
-    for signum in (signal.SIGINT, signal.SIGTERM):
+    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(signum, signal.SIG_IGN)
     return code
 

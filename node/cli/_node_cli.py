@@ -40,18 +40,21 @@ def load_node(config: NodeConfig) -> Node:
 # A second signal this soon after the first is the same one delivered twice (timeout(1) and
 # process-group kills send it to the process and to its group): it is not a second request.
 DUPLICATE_SIGNAL_S = 0.5
+# What stops a node gracefully. SIGHUP too: a node started in an ssh session without nohup got it
+# at logout and died at once, without its checkpoint or a leave.
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
 async def _run(node: Node) -> None:
-    """Run the node; the first SIGINT/SIGTERM stops it gracefully (checkpoint, leave), a second
-    cancels what it waits for, and a third exits at once: a step running in a worker thread
-    cannot be cancelled, and a node inside a very long step ignored every later signal."""
+    """Run the node; the first SIGINT/SIGTERM/SIGHUP stops it gracefully (checkpoint, leave), a
+    second cancels what it waits for, and a third exits at once: a step running in a worker
+    thread cannot be cancelled, and a node inside a very long step ignored every later signal."""
     async with trio.open_nursery() as nursery:
         run_scope = trio.CancelScope()
 
         async def watch_signals() -> None:
             requested_at, forced = None, False
-            with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+            with trio.open_signal_receiver(*STOP_SIGNALS) as signals:
                 async for signum in signals:
                     name, now = signal.Signals(signum).name, trio.current_time()
                     if requested_at is None:
@@ -92,7 +95,7 @@ def node_run(args: argparse.Namespace) -> int:
     # ignored outside _run's own signal receiver, which restores this when it closes: after
     # node_stopped a second SIGTERM (a supervisor's, timeout's) killed a cleanly stopped node
     # with 143 (restored below for a caller in-process; the console script ignores them again)
-    previous = {s: signal.signal(s, signal.SIG_IGN) for s in (signal.SIGINT, signal.SIGTERM)}
+    previous = {s: signal.signal(s, signal.SIG_IGN) for s in STOP_SIGNALS}
     try:
         trio.run(_run, node)
     except* Diverged as group:  # the model's fault, not ours: said without a traceback
