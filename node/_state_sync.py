@@ -220,6 +220,9 @@ class StateSync:
                 self._check_mismatch(peers)
             await trio.sleep(0.2)
             idle += 0.2
+        if stop.is_set():  # asked to stop while it waited: nothing will train from scratch
+            log.info("state_sync_stopped", tries=tries)
+            return False
         reason = "no peer answered" if tries == 0 else f"{tries} fetches failed"
         log.warning("state_sync_skipped", reason=f"{reason}; training from scratch")
         return False

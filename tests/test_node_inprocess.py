@@ -384,6 +384,23 @@ async def test_a_bootstrap_address_nobody_answers_at_is_named_in_a_warning(
     assert said["waited_s"] >= 1.5
 
 
+async def test_a_node_stopped_while_it_waits_for_its_bootstrap_does_not_say_it_trains(tmp_path):
+    """Stopped while it waited for a bootstrap peer, a node warned 'no peer answered; training
+    from scratch' on its way out."""
+    from structlog.testing import capture_logs
+
+    cfg = config(tmp_path, "w", 'network.bootstrap=["tcp://127.0.0.1:9"]',
+                 "training.wait_for_peers=1")  # fmt: skip
+    with capture_logs() as logs:
+        async with geotrain.open_node(cfg, identity=Identity.generate(),
+                                      admission=Admission.open_swarm("geotrain")):  # fmt: skip
+            with trio.fail_after(30):
+                while not [e for e in logs if e["event"] == "bootstrap_waiting"]:
+                    await trio.sleep(0.1)
+    events = [e["event"] for e in logs]
+    assert "state_sync_skipped" not in events and "node_stopped" in events
+
+
 async def test_a_bootstrap_peer_of_another_swarm_is_warned_about_at_once(tmp_path, monkeypatch):
     """A bootstrap peer that answers and refuses us (another swarm) will not come round: the
     warning does not wait, and it names the cause."""
