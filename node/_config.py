@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import tomllib
@@ -50,6 +51,63 @@ def check_field(ok: bool, name: str, value: Any, expected: str) -> None:
 _check = check_field
 
 
+@functools.cache
+def _field_hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def check_types(obj: Any, section: str) -> None:
+    """Check each field of a config dataclass against its type, as a TOML file's are: a config
+    built in Python (a constructor, dataclasses.replace) reached the checks below with a str
+    for a path (AttributeError far away), a str for a number (TypeError) or a str for a list
+    (taken letter by letter). A str path becomes a Path and a list a tuple, in place."""
+    hints = _field_hints(type(obj))
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        fixed = _python_value(f"{section}.{f.name}" if section else f.name, value,
+                              hints[f.name])  # fmt: skip
+        if fixed is not value:
+            object.__setattr__(obj, f.name, fixed)
+
+
+def _python_value(name: str, value: Any, hint: Any) -> Any:
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (types.UnionType, typing.Union):
+        if value is None and type(None) in args:
+            return None
+        if isinstance(value, str) and str in args:  # (seconds or "auto": checked by its class)
+            return value
+        inner = next(a for a in args if a not in (type(None), str))
+        return _python_value(name, value, inner)
+    if hint is Path:
+        _check(isinstance(value, Path) or (isinstance(value, str) and value != ""), name, value,
+               "a path")  # fmt: skip
+        return value if isinstance(value, Path) else Path(value).expanduser()
+    if origin is tuple:
+        _check(isinstance(value, tuple | list) and all(isinstance(v, str) for v in value), name,
+               value, "a list of strings")  # fmt: skip
+        return value if isinstance(value, tuple) else tuple(value)
+    if origin is dict:
+        _check(isinstance(value, dict), name, value, "a dict")
+        return value
+    if hint is float:
+        _check(isinstance(value, int | float) and not isinstance(value, bool)
+               and math.isfinite(value), name, value, "a finite number")  # fmt: skip
+        return value
+    if hint is int:
+        _check(isinstance(value, int) and not isinstance(value, bool), name, value, "an integer")
+        return value
+    if hint is bool:
+        _check(isinstance(value, bool), name, value, "true or false")
+        return value
+    if hint is str:
+        _check(isinstance(value, str), name, value, "a string")
+        return value
+    if isinstance(hint, type):  # a section of NodeConfig
+        _check(isinstance(value, hint), name, type(value).__name__, f"a {hint.__name__}")
+    return value
+
+
 @dataclass(frozen=True)
 class IdentityConfig:
     """Who this node is and who it lets in.
@@ -71,6 +129,7 @@ class IdentityConfig:
     swarm_id: str = "geotrain"
 
     def __post_init__(self) -> None:
+        check_types(self, "identity")
         modes = sum([self.swarm is not None, bool(self.allow), self.open_swarm])
         _check(
             modes == 1,
@@ -161,6 +220,7 @@ class NetworkConfig:
         return max(1, int(mb * 2**20) // 4)
 
     def __post_init__(self) -> None:
+        check_types(self, "network")
         if self.advertise is not None:  # first: `node init` makes listen's port from it
             _check_address("network.advertise", self.advertise, dialled=True)
         for addr in self.bootstrap:
@@ -281,6 +341,7 @@ class TrainingConfig:
     max_nonfinite_steps: int = 100
 
     def __post_init__(self) -> None:
+        check_types(self, "training")
         _check(
             self.optimizer in (None, "sgd", "adam", "adamw"),
             "training.optimizer",
@@ -408,6 +469,7 @@ class GossipConfig:
     algorithm_settings: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        check_types(self, "gossip")
         from .algorithms import algorithm_specs  # the registry imports this module
 
         specs = algorithm_specs()
@@ -499,6 +561,7 @@ class StateConfig:
     status_every_s: float = 1.0
 
     def __post_init__(self) -> None:
+        check_types(self, "state")
         _check(self.checkpoint_every >= 1, "state.checkpoint_every", self.checkpoint_every, ">= 1")
         _check(self.keep >= 1, "state.keep", self.keep, ">= 1")
         _check(self.status_every_s > 0, "state.status_every_s", self.status_every_s, "> 0")
@@ -517,6 +580,7 @@ class LimitsConfig:
     memory_gb: float | None = None
 
     def __post_init__(self) -> None:
+        check_types(self, "limits")
         _check(self.memory_gb is None or self.memory_gb > 0, "limits.memory_gb", self.memory_gb,
                "> 0 (GB)")  # fmt: skip
 
@@ -532,6 +596,7 @@ class MetricsConfig:
     listen: str | None = None
 
     def __post_init__(self) -> None:
+        check_types(self, "metrics")
         if self.listen is None:
             return
         host, sep, port = self.listen.rpartition(":")
@@ -566,6 +631,7 @@ class PrivacyConfig:
         return self.epsilon is not None
 
     def __post_init__(self) -> None:
+        check_types(self, "privacy")
         _check(self.epsilon is None or self.epsilon > 0, "privacy.epsilon", self.epsilon, "> 0")
         _check(0 < self.delta < 1, "privacy.delta", self.delta, "0 < delta < 1")
         _check(self.max_grad_norm > 0, "privacy.max_grad_norm", self.max_grad_norm, "> 0")
@@ -589,6 +655,7 @@ class NodeConfig:
     privacy: PrivacyConfig = field(default_factory=PrivacyConfig)
 
     def __post_init__(self) -> None:
+        check_types(self, "")
         p, t = self.privacy, self.training
         if not p.enabled:
             return

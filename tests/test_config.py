@@ -318,3 +318,31 @@ def test_an_allow_list_takes_peer_ids_only():
     for bad in ("nonsense", good[:-1], good[:-1] + "1"):
         with pytest.raises(ConfigError, match=rf"identity.allow = '{bad}': expected peer IDs"):
             config_from_toml(f'[identity]\nallow = ["{good}", "{bad}"]\n', base=Path("/x"))
+
+
+def test_a_config_built_in_python_is_checked_as_a_toml_file_is(tmp_path):
+    """geotrain.join takes a NodeConfig too: a str where a path goes failed far away with an
+    AttributeError, a str number with a TypeError, a str bootstrap was read letter by letter,
+    and a float step count or a bool cadence was taken."""
+    import dataclasses
+
+    from geotrain.node import NetworkConfig, StateConfig, TrainingConfig
+    from geotrain.node.algorithms.diloco import DilocoSettings
+
+    cfg = config_from_toml('[identity]\nopen_swarm = true\n', base=tmp_path)
+    state = dataclasses.replace(cfg.state, dir=str(tmp_path / "s"))
+    assert state.dir == tmp_path / "s"  # a str path: made a Path
+    net = NetworkConfig(bootstrap=["tcp://127.0.0.1:7000"])
+    assert net.bootstrap == ("tcp://127.0.0.1:7000",)  # a list: made a tuple
+    for make, field in [
+        (lambda: TrainingConfig(eval_every="10"), "training.eval_every"),
+        (lambda: TrainingConfig(lr="0.1"), "training.lr"),
+        (lambda: NetworkConfig(bootstrap="tcp://127.0.0.1:7000"), "network.bootstrap"),
+        (lambda: dataclasses.replace(cfg.gossip, exchange_every=4.5), "gossip.exchange_every"),
+        (lambda: StateConfig(checkpoint_every=True), "state.checkpoint_every"),
+        (lambda: dataclasses.replace(cfg.identity, open_swarm="yes"), "identity.open_swarm"),
+        (lambda: DilocoSettings(inner_steps="20"), "gossip.diloco.inner_steps"),
+        (lambda: dataclasses.replace(cfg, training={"lr": 0.1}), "training"),
+    ]:
+        with pytest.raises(ConfigError, match=rf"^{field} = "):
+            make()

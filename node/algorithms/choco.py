@@ -20,7 +20,7 @@ import trio
 from geotrain import compress
 from geotrain.gossip import ChocoLink, ChocoLinks, RejectedUpdate, params_norm
 
-from .._config import GossipConfig, check_field
+from .._config import GossipConfig, check_field, check_types
 from ..training import StepResult
 from ..transport import U63, CodecSpec, ErrorReply, Header, PeerInfo, TransportError
 from ._base import Algorithm, AlgorithmContext, AlgorithmSpec, Reply, Tensors
@@ -80,6 +80,7 @@ class ChocoSettings:
     max_peers: int = 16
 
     def __post_init__(self) -> None:
+        check_types(self, "gossip.choco")
         check_field(0 < self.gamma <= 1, "gossip.choco.gamma", self.gamma, "0 < gamma <= 1")
         check_field(self.max_peers >= 1, "gossip.choco.max_peers", self.max_peers, ">= 1")
 

@@ -37,7 +37,7 @@ from geotrain.gossip import (
 )
 
 from .._allocator import RELEASE_ABOVE_BYTES, release_free_memory
-from .._config import GossipConfig, check_field
+from .._config import GossipConfig, check_field, check_types
 from ..training import StepResult
 from ..transport import U63, CodecSpec, ErrorReply, Header, PeerInfo, TransportError
 from ._base import MODEL_CODECS, Algorithm, AlgorithmContext, AlgorithmSpec, Reply, Tensors
@@ -217,6 +217,7 @@ class DilocoSettings:
     round_s: float | str = 0.0
 
     def __post_init__(self) -> None:
+        check_types(self, "gossip.diloco")
         check_field(self.inner_steps >= 1, "gossip.diloco.inner_steps", self.inner_steps, ">= 1")
         check_field(self.outer_lr > 0, "gossip.diloco.outer_lr", self.outer_lr, "> 0")
         check_field(0 <= self.outer_momentum < 1, "gossip.diloco.outer_momentum",

@@ -29,7 +29,7 @@ from geotrain.gossip import (
     trimmed_mean_mix,
 )
 
-from .._config import check_field
+from .._config import check_field, check_types
 from ..training import StepResult
 from ..transport import U63, CodecSpec, ErrorReply, Header, Name, PeerInfo, TransportError
 from ._base import Algorithm, AlgorithmContext, AlgorithmSpec, Reply, Tensors
@@ -97,6 +97,7 @@ class DpsgdSettings:
     round_slack: float = 1.0
 
     def __post_init__(self) -> None:
+        check_types(self, "gossip.dpsgd")
         check_field(self.degree >= 1, "gossip.dpsgd.degree", self.degree, ">= 1")
         check_field(self.round_slack >= 0, "gossip.dpsgd.round_slack", self.round_slack, ">= 0")
 

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 from geotrain.gossip import ModelSample
 
-from .._config import check_field
+from .._config import check_field, check_types
 from ..training import StepResult
 from ..transport import Header, PeerInfo
 from ._base import Algorithm, AlgorithmContext, AlgorithmSpec, Reply, Tensors
@@ -46,6 +46,7 @@ class SelsyncSettings:
     reference_mb: float = 16.0
 
     def __post_init__(self) -> None:
+        check_types(self, "gossip.selsync")
         check_field(self.threshold > 0, "gossip.selsync.threshold", self.threshold, "> 0")
         check_field(self.reference_mb > 0, "gossip.selsync.reference_mb", self.reference_mb,
                     "> 0 (MB of float32)")  # fmt: skip
