@@ -205,7 +205,7 @@ def _sigterm_as_interrupt() -> None:
 
 
 def cmd_run(args: argparse.Namespace, command: tuple[str, ...] = ()) -> int:
-    from ._run import RunOptions, TestbedError, check_node_config, run_testbed
+    from ._run import RunOptions, TestbedError, check_memory_for, check_node_config, run_testbed
 
     out = (args.out or Path("testbed-runs") / time.strftime("%Y%m%d-%H%M%S")).resolve()
     try:
@@ -219,6 +219,7 @@ def cmd_run(args: argparse.Namespace, command: tuple[str, ...] = ()) -> int:
             command=command, cwd=os.getcwd(),
         )  # fmt: skip
         check_node_config(options)
+        check_memory_for(sc.n_peers)
         # refused here, before the header (they came after it, with status 1)
         if out.exists() and (not out.is_dir() or any(out.iterdir())):
             raise TestbedError(f"--out {str(out)!r}: exists and is not an empty folder")

@@ -126,6 +126,34 @@ class RunOptions:
                              "0..86400")  # fmt: skip
 
 
+# What one peer's process holds at least (the interpreter, torch, the node) beyond the pages
+# they share: a floor, so only a run that cannot fit is refused (a bigger task needs more).
+PEER_FLOOR_GB = 0.15
+
+
+def available_memory_gb() -> float | None:
+    """MemAvailable from /proc/meminfo, in GB (None where there is none)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024 / 1e9
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def check_memory_for(peers: int) -> None:
+    """Refuse a run whose peers cannot all fit this machine's memory (each a process of its
+    own), before anything is made: 200 peers started 200 processes and ran the box out."""
+    available = available_memory_gb()
+    if available is not None and peers * PEER_FLOOR_GB > available:
+        raise TestbedError(
+            f"{peers} peers need at least {peers * PEER_FLOOR_GB:.1f} GB ({PEER_FLOOR_GB} GB "
+            f"per node process, more for a bigger model); this machine has {available:.1f} GB "
+            f"available: --peers {max(2, int(available / PEER_FLOOR_GB))} at most")
+
+
 def run_testbed(options: RunOptions, echo: Echo = print) -> dict[str, Any]:
     """Run the scenario with geotrain (and the baseline), write the output directory.
 
@@ -140,6 +168,7 @@ def run_testbed(options: RunOptions, echo: Echo = print) -> dict[str, Any]:
     if out.exists() and any(out.iterdir()):
         raise TestbedError(f"--out {str(out)!r}: exists and is not empty")
     check_node_config(options)
+    check_memory_for(sc.n_peers)
     out.mkdir(parents=True, exist_ok=True)
     choice = choose_backend(options.emulation, access_links=bool(sc.matrix().access))
     if choice.user_namespace:

@@ -24,6 +24,9 @@ ATTACK_KINDS = ("sign_flip", "alie", "ipm", "label_flip", "noise", "nan", "repla
 LINK_FIELDS = ("delay_ms", "jitter_ms", "loss", "rate_mbit")
 AVAILABILITY_FIELDS = ("peer", "online_s", "offline_s", "offset_s")
 ACCESS_FIELDS = ("up_mbit", "down_mbit", "delay_ms")
+# peers of one run: each is a process, a network namespace and a veth pair on this machine, and
+# namespace names (gt-<run>-p<index>) must fit the kernel's 15 characters
+MAX_PEERS = 1000
 PARTITIONS = ("iid", "dirichlet")  # the node's training.partition values (node/training/_tasks.py)
 
 
@@ -213,6 +216,10 @@ class TestbedScenario:
         names = [r.name for r in self.regions]
         if not names or len(set(names)) != len(names):
             raise _fail("regions", names, "a non-empty list of distinct region names")
+        if self.n_peers > MAX_PEERS:
+            raise _fail("regions", {r.name: r.peers for r in self.regions},
+                        f"at most {MAX_PEERS} peers in all (each is a process and a network "
+                        "namespace on this machine)")  # fmt: skip
         for name in names:
             if name not in self.inside:
                 raise _fail(f"links.inside.{name}", None, "a link spec for every region")
@@ -374,8 +381,8 @@ class TestbedScenario:
 
     def with_peers(self, n: int) -> TestbedScenario:
         """The same scenario with `n` peers spread over its regions round robin."""
-        if not isinstance(n, int) or n < 2:
-            raise _fail("peers", n, "an integer >= 2")
+        if not isinstance(n, int) or isinstance(n, bool) or not 2 <= n <= MAX_PEERS:
+            raise _fail("peers", n, f"an integer in 2..{MAX_PEERS}")
         counts = [0] * len(self.regions)
         for i in range(n):
             counts[i % len(counts)] += 1

@@ -55,6 +55,19 @@ def test_bad_input_exits_2_naming_it_before_anything_starts(argv, needle, capsys
     assert not out.exists()
 
 
+def test_more_peers_than_memory_holds_are_refused_before_anything_starts(
+        tmp_path, capsys, monkeypatch):  # fmt: skip
+    """200 peers would start 200 node processes of at least 0.15 GB each."""
+    from geotrain.testbed import _run
+
+    monkeypatch.setattr(_run, "available_memory_gb", lambda: 20.0)
+    out = tmp_path / "out"
+    assert main(["testbed", "run", "--out", str(out), "--peers", "200"]) == 2
+    said = capsys.readouterr()
+    assert "200 peers need at least 30.0 GB" in said.err and "--peers 133 at most" in said.err
+    assert said.out == "" and not out.exists()
+
+
 def test_an_out_folder_in_use_is_refused_before_the_header(tmp_path, capsys):
     """It came after the scenario's header and fault lines, with exit status 1."""
     out = tmp_path / "out"

@@ -92,6 +92,9 @@ def test_with_peers_spreads_round_robin_and_drops_what_no_longer_fits():
     assert len(load_scenario("geo3").with_peers(2).regions) == 2
     with pytest.raises(ScenarioError, match="peers"):
         load_scenario("demo").with_peers(1)
+    # 100,000 peers passed, ran the link check, then failed on a namespace name of 16 letters
+    with pytest.raises(ScenarioError, match=r"scenario.peers = 100000: expected an integer in "):
+        load_scenario("demo").with_peers(100_000)
 
 
 def _base() -> dict:
@@ -102,6 +105,7 @@ def _base() -> dict:
     ("change", "field"),
     [
         (lambda d: d["regions"][0].update(peers=0), "regions[virginia].peers"),
+        (lambda d: d["regions"][0].update(peers=100_000), "regions"),
         (lambda d: d["links"].update(between=[]), "links.between"),
         (lambda d: d["links"]["between"][0].update(delay_ms=-1), "links.between[0]"),
         (lambda d: d["links"]["between"][0].update(speed=1), "links.between[0]"),
