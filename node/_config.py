@@ -872,4 +872,13 @@ def load_config(path: Path, overrides: typing.Sequence[str] = ()) -> NodeConfig:
         text = path.read_text()
     except OSError as exc:
         raise ConfigError(f"config file {str(path)!r}: {exc.strerror}") from exc
-    return config_from_toml(text, base=path.resolve().parent, overrides=overrides)
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"config file {str(path)!r}: not UTF-8 text ({exc.reason} at byte "
+                          f"{exc.start})") from None  # fmt: skip
+    try:
+        return config_from_toml(text, base=path.resolve().parent, overrides=overrides)
+    except ConfigError as exc:
+        if str(exc).startswith("config is not valid TOML"):  # which file, with its line
+            raise ConfigError(f"config file {str(path)!r} is not valid TOML: "
+                              f"{exc.__cause__}") from exc.__cause__  # fmt: skip
+        raise

@@ -117,6 +117,13 @@ def test_broken_toml_and_missing_file(tmp_path):
         config_from_toml("[training\n", base=tmp_path)
     with pytest.raises(ConfigError, match="No such file"):
         load_config(tmp_path / "missing.toml")
+    broken = tmp_path / "node.toml"
+    broken.write_text("[training]\nlr = 0.1\n\n[network\n")
+    with pytest.raises(ConfigError, match=r"file '.*/node.toml' is not valid TOML: .*line 4"):
+        load_config(broken)  # (it named neither file nor field: a daemon has several configs)
+    broken.write_bytes(b"[training]\nlr = \xff\n")
+    with pytest.raises(ConfigError, match=r"node.toml': not UTF-8 text"):
+        load_config(broken)
 
 
 OPEN = "[identity]\nopen_swarm = true\n"
