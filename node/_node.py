@@ -30,7 +30,7 @@ from geotrain.gossip import LinkTable, PartnerSelector, client_address
 from ._allocator import tune_allocator
 from ._certificate_watch import CertificateWatch, renew_hint, utc
 from ._checkpointer import Checkpointer, load_checkpoint
-from ._config import ConfigError, NodeConfig, preset_overrides
+from ._config import ConfigError, NodeConfig, TrainingConfig, preset_overrides
 from ._credentials import load_identity
 from ._driver import LoopDriver, TrainingDriver
 from ._membership_service import MembershipService
@@ -64,6 +64,12 @@ from .transport import (
 )
 
 STOP_GRACE_S = 5.0
+# [training] settings the daemon's trainer reads and a loop of the user's own does not
+LOOP_UNUSED_TRAINING = (
+    "device", "optimizer", "lr", "shard_index", "num_shards", "partition", "alpha", "max_steps",
+    "slowdown", "step_time_ms", "threads", "precision", "weight_decay", "warmup_steps",
+    "schedule", "total_steps", "min_lr_ratio", "clip_grad_norm", "accumulate",
+)  # fmt: skip
 log = structlog.get_logger()
 
 Handler = Callable[[PeerInfo, Header, memoryview], Awaitable[tuple[Header, bytes]]]
@@ -289,6 +295,7 @@ class Node:
         if self._prepared is None:
             self._check_certificate()
             self._warn_unused_settings()
+            self._warn_loop_unused_training()
             self._warn_preset_overridden()
             self._warn_codec_for_models()
             tune_allocator()
@@ -313,6 +320,23 @@ class Node:
                         algorithm=gossip.algorithm,
                         hint=f"gossip.algorithm is {gossip.algorithm!r}: these tables do "
                         "nothing")  # fmt: skip
+
+    def _warn_loop_unused_training(self) -> None:
+        """[training] settings that only the daemon's trainer reads, set (not at their defaults)
+        for a loop of the user's own, are said: precision = "bf16", accumulate or lr there did
+        nothing under geotrain.join, silently (the task and its params are documented as unused:
+        a node.toml shared with daemons has them)."""
+        if self.loop is None:
+            return
+        training, defaults = self.config.training, TrainingConfig()
+        unused = [f for f in LOOP_UNUSED_TRAINING
+                  if getattr(training, f) != getattr(defaults, f)]  # fmt: skip
+        if unused:
+            log.warning("training_settings_unused", settings=[f"training.{f}" for f in unused],
+                        hint="your own loop does these itself (optimizer, schedule, autocast, "
+                        "clipping, accumulation, device); geotrain.join reads only "
+                        "wait_for_peers, eval_every, eval_every_s, seed and "
+                        "max_nonfinite_steps from [training]")  # fmt: skip
 
     def _warn_preset_overridden(self) -> None:
         """A gossip preset whose settings the [gossip] table sets otherwise is said: `geotrain

@@ -805,3 +805,18 @@ def test_a_model_with_lazy_parameters_is_refused_before_anything_starts():
         LoopTrainer(model)
     model(torch.randn(2, 8))  # one forward pass: shapes known, it joins
     assert sorted(LoopTrainer(model).params()) == ["0.bias", "0.weight", "2.bias", "2.weight"]
+
+
+def test_training_settings_a_loop_of_ones_own_does_not_read_are_warned_about(tmp_path):
+    """precision = "bf16", accumulate or lr in [training] did nothing under geotrain.join, and
+    nothing said so; the task (documented as unused) is not warned about."""
+    from structlog.testing import capture_logs
+
+    with capture_logs() as logs:
+        swarm = joined(tmp_path, "a", make_model(), "training.wait_for_peers=0",
+                       'training.precision="bf16"', "training.accumulate=4",
+                       'training.task="charlm"')  # fmt: skip
+        swarm.close()
+    said = [e for e in logs if e["event"] == "training_settings_unused"]
+    assert len(said) == 1 and said[0]["log_level"] == "warning"
+    assert said[0]["settings"] == ["training.precision", "training.accumulate"]
