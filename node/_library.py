@@ -299,6 +299,9 @@ def join(
     if not isinstance(model, torch.nn.Module) or not any(True for _ in model.parameters()):
         raise ValueError(f"model {type(model).__name__}: expected a torch.nn.Module with "
                          "parameters (there is nothing to train or average)")  # fmt: skip
+    inner = getattr(model, "_orig_mod", None)  # torch.compile's wrapper: its names would all
+    if isinstance(inner, torch.nn.Module):  # begin '_orig_mod.', unlike an uncompiled peer's or
+        model = inner  # checkpoint's; it trains the same parameters
     loop = LoopTrainer(model, evaluate, metric=metric, higher_is_better=higher_is_better)
     if identity is None or admission is None:
         identity, admission = load_identity(config)

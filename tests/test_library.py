@@ -820,3 +820,17 @@ def test_training_settings_a_loop_of_ones_own_does_not_read_are_warned_about(tmp
     said = [e for e in logs if e["event"] == "training_settings_unused"]
     assert len(said) == 1 and said[0]["log_level"] == "warning"
     assert said[0]["settings"] == ["training.precision", "training.accumulate"]
+
+
+def test_a_compiled_model_joins_under_its_own_names(tmp_path):
+    """torch.compile's wrapper names every parameter '_orig_mod.<name>': a compiled peer and
+    an uncompiled one refused each other, and a checkpoint written by one did not resume the
+    other."""
+    first = joined(tmp_path, "a", torch.compile(make_model()), "training.wait_for_peers=0")
+    try:
+        assert set(first.node.trainer.params()) == {"0.weight", "0.bias", "2.weight", "2.bias"}
+        second = joined(tmp_path, "b", make_model(1), f'network.bootstrap=["{first.address}"]',
+                        "training.wait_for_peers=1")  # fmt: skip
+        second.close()
+    finally:
+        first.close()
