@@ -93,6 +93,11 @@ class StateDir:
             f.seek(0)
             holder = f.read(32).decode("ascii", "replace").strip() or "unknown"
             f.close()
+            if holder == str(os.getpid()):  # a notebook's cell run again, a second join
+                raise StateDirInUse(
+                    f"state.dir = {str(self.root)!r} is in use by a node of this process: "
+                    "close() the swarm that joined with it first (or give this one a state "
+                    "directory of its own)") from None  # fmt: skip
             raise StateDirInUse(
                 f"state.dir = {str(self.root)!r} is in use by another node (pid {holder}): "
                 "each node needs a state directory of its own"
