@@ -81,3 +81,14 @@ def __getattr__(name: str):
 
 def __dir__() -> list[str]:
     return sorted({*globals(), *__all__})
+
+
+def _console() -> int:
+    """The `geotrain` console script: the command line's own entry, imported from here so that
+    a Ctrl-C in the seconds torch takes to import exits 130 quietly (a KeyboardInterrupt
+    traceback of import machinery, before)."""
+    try:
+        from geotrain.node.cli import console
+    except KeyboardInterrupt:
+        return 130
+    return console()

@@ -36,7 +36,7 @@ def test_console_script_is_installed():
     from importlib import metadata
 
     scripts = {ep.name: ep.value for ep in metadata.entry_points(group="console_scripts")}
-    assert scripts.get("geotrain") == "geotrain.node.cli:console"
+    assert scripts.get("geotrain") == "geotrain:_console"
 
 
 def test_unknown_log_level_is_a_usage_error():
@@ -246,3 +246,22 @@ def test_a_signal_after_a_clean_stop_does_not_kill_the_exiting_node(tmp_path):
     finally:
         proc.kill()
         proc.wait()
+
+
+def test_ctrl_c_while_the_command_line_imports_exits_130_without_a_traceback(monkeypatch):
+    """Ctrl-C in the seconds torch takes to import printed a KeyboardInterrupt traceback of
+    import machinery: the console script's entry catches it."""
+    import importlib.abc
+    import sys
+
+    import geotrain
+
+    class Interrupted(importlib.abc.MetaPathFinder):
+        def find_spec(self, name, path=None, target=None):
+            if name == "geotrain.node.cli":
+                raise KeyboardInterrupt
+            return None
+
+    monkeypatch.delitem(sys.modules, "geotrain.node.cli")
+    monkeypatch.setattr(sys, "meta_path", [Interrupted(), *sys.meta_path])
+    assert geotrain._console() == 130
