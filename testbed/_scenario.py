@@ -231,7 +231,7 @@ class TestbedScenario:
             if not 0 <= peer < self.n_peers:
                 raise _fail("stragglers.peer", peer, f"a peer index in 0..{self.n_peers - 1}")
             if not isinstance(factor, int | float) or not factor >= 1.0:
-                raise _fail(f"stragglers[{peer}].slowdown", factor, "a number >= 1.0")
+                raise _fail("stragglers.slowdown", factor, f"a number >= 1.0 (peer {peer})")
         for fault in self.faults:
             self._check_fault(fault, names)
         object.__setattr__(self, "faults", tuple(sorted(self.faults, key=lambda f: f.at_s)))
@@ -587,7 +587,7 @@ def _straggler_from(item: Any, i: int) -> tuple[int, float]:
     peer, slowdown = item["peer"], item["slowdown"]
     if not isinstance(peer, int) or isinstance(peer, bool):
         raise _fail(f"stragglers[{i}].peer", peer, "a peer index (an integer)")
-    if not isinstance(slowdown, int | float) or isinstance(slowdown, bool):
+    if not isinstance(slowdown, int | float) or isinstance(slowdown, bool) or not slowdown >= 1:
         raise _fail(f"stragglers[{i}].slowdown", slowdown, "a number >= 1.0")
     return peer, float(slowdown)
 
@@ -662,13 +662,17 @@ def _fault_from(item: Any, i: int) -> Fault:
     regions = item.get("regions")
     if regions is not None and not isinstance(regions, list):
         raise _fail(f"faults[{i}].regions", regions, "a list of two region names")
-    return Fault(
-        at_s=item.get("at_s", -1),
-        action=item.get("action", ""),
-        peer=item.get("peer"),
-        regions=tuple(regions) if regions is not None else None,  # type: ignore[arg-type]
-        link=_link(link_part, f"faults[{i}]") if link_part else None,
-    )
+    try:
+        return Fault(
+            at_s=item.get("at_s", -1),
+            action=item.get("action", ""),
+            peer=item.get("peer"),
+            regions=tuple(regions) if regions is not None else None,  # type: ignore[arg-type]
+            link=_link(link_part, f"faults[{i}]") if link_part else None,
+        )
+    except ScenarioError as exc:  # which of the file's faults: scenario.faults[i].<field>
+        raise ScenarioError(str(exc).replace("scenario.faults.", f"scenario.faults[{i}].", 1)
+                            ) from None  # fmt: skip
 
 
 def _spec(profile: LinkProfile) -> LinkSpec:
