@@ -47,6 +47,7 @@ class Swarm:
         self._box = box  # "error": what ended the node's thread, if anything did
         self._closed = False
         self._pid = os.getpid()  # a forked child has no node thread: it leaves this one alone
+        self._joined_digest = loop.sample_digest()  # the model as join left it (never_wrapped)
 
     def check_alive(self) -> None:
         """Raise if the node stopped by itself (an error in it): the user's loop would otherwise
@@ -146,6 +147,11 @@ class Swarm:
         if os.getpid() != self._pid:  # a forked child: the node runs in the parent, not here
             return
         self._loop.close()
+        if self._loop.optimizer is None and self._loop.sample_digest() != self._joined_digest:
+            structlog.get_logger().warning(
+                "never_wrapped", detail="the model trained, but no optimizer was passed to "
+                "swarm.wrap(): its steps were not shared with the swarm, and it took nothing "
+                "from it (opt = swarm.wrap(optimizer), then opt.step())")  # fmt: skip
         interrupted = _stop_and_wait(self._token, self._stop, self._box, timeout_s)
         error = self._box.pop("error", None)
         if interrupted is not None:  # (after the node stopped: see _stop_and_wait)

@@ -834,3 +834,20 @@ def test_a_compiled_model_joins_under_its_own_names(tmp_path):
         second.close()
     finally:
         first.close()
+
+
+def test_a_loop_that_trains_without_wrap_is_told_at_close(tmp_path):
+    """Stepping the optimizer itself instead of what wrap() returned trained alone, and
+    nothing said so; joining and closing without training says nothing."""
+    from structlog.testing import capture_logs
+
+    model = make_model()
+    with capture_logs() as logs:
+        joined(tmp_path, "a", model, "training.wait_for_peers=0").close()
+        swarm = joined(tmp_path, "b", model, "training.wait_for_peers=0")
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)  # never wrapped
+        model(torch.randn(4, 8)).pow(2).mean().backward()
+        opt.step()
+        swarm.close()
+    said = [e for e in logs if e["event"] == "never_wrapped"]
+    assert len(said) == 1 and said[0]["log_level"] == "warning"
