@@ -105,6 +105,10 @@ class OptimizerLayout(msgspec.Struct, frozen=True):
     # how many steps the peer's learning-rate scheduler took (None: it has none): a joiner's
     # schedule goes on from there instead of starting over (older peers send nothing)
     schedule_steps: Annotated[int, msgspec.Meta(ge=0, le=1 << 40)] | None = None
+    # the names of the optimizer's parameters in its order: a joiner whose optimizer lists them
+    # in another order takes each state by name (older peers send none: by position)
+    params: Annotated[list[Annotated[str, msgspec.Meta(max_length=1000)]],
+                      msgspec.Meta(max_length=MAX_STATE_TENSORS)] | None = None  # fmt: skip
 
 
 MAX_PROBE_BYTES = 1 << 20

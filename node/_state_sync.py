@@ -285,7 +285,8 @@ class StateSync:
 
             await in_window(range(len(plan)), one, catch=FETCH_ERRORS)
             now = await self._to_thread(self._trainer.adopt_optimizer_state, layout.cls, staged,
-                                        layout.scalars, layout.schedule_steps)  # fmt: skip
+                                        layout.scalars, layout.schedule_steps,
+                                        layout.params)  # fmt: skip
         except (*FETCH_ERRORS, ValueError) as exc:
             # (a peer that has not stepped yet is the usual start of a swarm, not a problem)
             say = log.info if isinstance(exc, _NothingYet) else log.warning
@@ -329,7 +330,7 @@ class StateSync:
             t.numel() for t in params.values())  # fmt: skip
         if total > MAX_STATE_COPIES * model + len(shapes):
             raise _Failed(f"an optimizer state of {total:,} values for a model of {model:,}")
-        self._trainer.optimizer_fits(layout.cls, shapes, layout.scalars)
+        self._trainer.optimizer_fits(layout.cls, shapes, layout.scalars, layout.params)
         return layout
 
     def _check_mismatch(self, peers: list[str]) -> None:

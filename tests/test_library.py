@@ -851,3 +851,44 @@ def test_a_loop_that_trains_without_wrap_is_told_at_close(tmp_path):
         swarm.close()
     said = [e for e in logs if e["event"] == "never_wrapped"]
     assert len(said) == 1 and said[0]["log_level"] == "warning"
+
+
+def _moments_by_name(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+    names = {id(p): n for n, p in model.named_parameters()}
+    return {names[id(p)]: s["exp_avg"].clone() for p, s in optimizer.state.items()}
+
+
+def test_optimizer_state_follows_parameter_names_not_positions(tmp_path):
+    """Optimizer state was kept by position: a resume, or a joiner, whose optimizer lists the
+    same parameters in another order (param groups built from a set: ordered by id, so by
+    process) took one layer's moments for another of the same shape, silently."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))  # two weights and biases alike
+    first = joined(tmp_path, "a", model, "training.wait_for_peers=0")
+    try:
+        opt = first.wrap(torch.optim.AdamW(model.parameters(), lr=0.01))
+        for _ in range(3):
+            model(torch.randn(4, 8)).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+        saved = _moments_by_name(model, opt.optimizer)
+        # a late joiner whose optimizer lists the layers the other way round (every shape at
+        # its place: nothing refused it): the state by name (state sync)
+        other = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
+        second = joined(tmp_path, "b", other, f'network.bootstrap=["{first.address}"]',
+                        "training.wait_for_peers=1")  # fmt: skip
+        swapped = torch.optim.AdamW([*other[1].parameters(), *other[0].parameters()], lr=0.01)
+        second.wrap(swapped)
+        second.close()
+        synced = _moments_by_name(other, swapped)
+        assert set(synced) == set(saved)
+        assert all(torch.equal(synced[n], saved[n]) for n in saved)
+    finally:
+        first.close()
+    # the resume of the first, its optimizer listing the layers the other way: by name
+    again = joined(tmp_path, "a", model, "training.wait_for_peers=0")  # (its checkpoint)
+    swapped = torch.optim.AdamW([*model[1].parameters(), *model[0].parameters()], lr=0.01)
+    again.wrap(swapped)
+    again.close()
+    resumed = _moments_by_name(model, swapped)
+    assert set(resumed) == set(saved) and all(torch.equal(resumed[n], saved[n]) for n in saved)

@@ -209,8 +209,10 @@ class CheckpointStore:
         return None, skipped
 
 
-def optimizer_to_checkpoint(opt: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor], dict]:
-    """Split an optimizer's state dict into tensors ("optim/<param>/<key>") and JSON scalars."""
+def optimizer_to_checkpoint(opt: torch.optim.Optimizer, names: list[str] | None = None
+                            ) -> tuple[dict[str, torch.Tensor], dict]:  # fmt: skip
+    """Split an optimizer's state dict into tensors ("optim/<param>/<key>") and JSON scalars;
+    `names`: its parameters' names in that order (see renumber_by_name), kept in the meta."""
     sd = opt.state_dict()
     tensors: dict[str, torch.Tensor] = {}
     scalars: dict[str, dict[str, Any]] = {}
@@ -232,7 +234,48 @@ def optimizer_to_checkpoint(opt: torch.optim.Optimizer) -> tuple[dict[str, torch
                 _check_json(value, f"param_groups[{i}][{key!r}]")
             kept[key] = value
         groups.append(kept)
-    return tensors, {"param_groups": groups, "scalars": scalars, "cls": type(opt).__name__}
+    meta = {"param_groups": groups, "scalars": scalars, "cls": type(opt).__name__}
+    if names is not None:
+        meta["params"] = list(names)
+    return tensors, meta
+
+
+def renumber_by_name(theirs: list[str] | None, ours: list[str] | None) -> dict[str, str] | None:
+    """Optimizer state is kept by parameter position ("optim/<position>/<key>", as torch's own
+    state_dict does). Positions differ between two processes whose optimizers list the same
+    parameters in another order (param groups built from a set of parameters: ordered by id,
+    so by process), and moments of one [d, d] weight went to another, silently. Given the
+    parameter names of both orders, the map from their positions to ours (str: str); None when
+    there is nothing to renumber (the same order, or a side that did not say its names).
+
+    Raises:
+        ValueError: the two optimizers hold other parameters (names differ).
+    """
+    if theirs is None or ours is None or list(theirs) == list(ours):
+        return None
+    if sorted(theirs) != sorted(ours) or len(set(ours)) != len(ours):
+        extra, missing = sorted(set(theirs) - set(ours)), sorted(set(ours) - set(theirs))
+        raise ValueError(f"the saved optimizer state is of other parameters (not ours: "
+                         f"{extra[:3]}, not there: {missing[:3]})")  # fmt: skip
+    where = {name: i for i, name in enumerate(ours)}
+    return {str(i): str(where[name]) for i, name in enumerate(theirs)}
+
+
+def _renumbered(moves: dict[str, str] | None, by_name: dict[str, Any], scalars: dict
+                ) -> tuple[dict[str, Any], dict]:  # fmt: skip
+    """`by_name` ("optim/<position>/<key>" -> anything) and `scalars` (position -> ...) with
+    their positions moved by `moves` (renumber_by_name)."""
+    if moves is None:
+        return by_name, scalars
+    moved = {}
+    for name, value in by_name.items():
+        head, index, key = name.split("/", 2)
+        if index not in moves:
+            raise ValueError(f"state tensor {name!r}: no such parameter position")
+        moved[f"{head}/{moves[index]}/{key}"] = value
+    if any(i not in moves for i in scalars):
+        raise ValueError(f"scalars of parameter positions {sorted(set(scalars) - set(moves))}")
+    return moved, {moves[i]: v for i, v in scalars.items()}
 
 
 _TENSOR = "__tensor__"  # marks a param group's tensor value in a checkpoint's JSON
@@ -261,9 +304,11 @@ class OptimizerStateError(ValueError):
 
 
 def optimizer_from_checkpoint(
-    opt: torch.optim.Optimizer, tensors: dict[str, torch.Tensor], meta: dict
+    opt: torch.optim.Optimizer, tensors: dict[str, torch.Tensor], meta: dict,
+    names: list[str] | None = None,
 ) -> None:
-    """Restore what `optimizer_to_checkpoint` split, onto the optimizer's own device.
+    """Restore what `optimizer_to_checkpoint` split, onto the optimizer's own device; with
+    `names` (our parameters' names in the optimizer's order) and the checkpoint's, by name.
 
     Raises:
         ValueError: it was written by another optimizer class (checkpoints since 2026-12-03
@@ -274,36 +319,48 @@ def optimizer_from_checkpoint(
     if saved is not None and saved != type(opt).__name__:
         raise ValueError(f"the checkpoint holds the state of optimizer {saved}, this one is "
                          f"{type(opt).__name__}")  # fmt: skip
+    moves = renumber_by_name(meta.get("params"), names)
+    tensors, saved_scalars = _renumbered(moves, tensors, meta.get("scalars", {}))
     state: dict[int, dict[str, Any]] = {}
     for name, value in tensors.items():
         _, index, key = name.split("/", 2)
         state.setdefault(int(index), {})[key] = value
-    for index, scalars in meta.get("scalars", {}).items():
+    for index, scalars in saved_scalars.items():
         state.setdefault(int(index), {}).update(scalars)
     groups = [{key: _group_tensor(v) if isinstance(v, dict) and _TENSOR in v else v
                for key, v in group.items()} for group in meta["param_groups"]]  # fmt: skip
+    if moves is not None:  # state now at our positions: each group lists its own (the saved
+        # groups' settings apply to ours in order; torch checks their sizes)
+        ours = opt.state_dict()["param_groups"]
+        if len(ours) != len(groups):
+            raise ValueError(f"the checkpoint's optimizer has {len(groups)} parameter groups, "
+                             f"this one {len(ours)}")  # fmt: skip
+        groups = [{**g, "params": o["params"]} for g, o in zip(groups, ours, strict=True)]
     try:
         opt.load_state_dict({"state": state, "param_groups": groups})
     except (KeyError, TypeError, ValueError) as exc:  # (torch checks before it changes)
         raise ValueError(f"{type(opt).__name__} refused the checkpoint's state: {exc}") from None
 
 
-def optimizer_layout(opt: torch.optim.Optimizer) -> dict[str, Any]:
+def optimizer_layout(opt: torch.optim.Optimizer, names: list[str] | None = None) -> dict[str, Any]:
     """What a joiner needs to fetch `opt`'s state from us (state sync): the optimizer's class,
-    its state tensors ("optim/<param>/<key>": shape, dtype) and their scalars. No copies."""
+    its state tensors ("optim/<param>/<key>": shape, dtype), their scalars and (`names`) its
+    parameters' names in order. No copies."""
     tensors, meta = optimizer_to_checkpoint(opt)
     return {
         "cls": type(opt).__name__,
         "tensors": [[name, list(t.shape), str(t.dtype).removeprefix("torch.")]
                     for name, t in sorted(tensors.items())],
         "scalars": meta["scalars"],
+        **({"params": list(names)} if names is not None else {}),
     }  # fmt: skip
 
 
 def check_optimizer_state(opt: torch.optim.Optimizer, cls: str, shapes: dict[str, tuple[int, ...]],
-                          scalars: dict[str, dict[str, Any]]) -> None:  # fmt: skip
+                          scalars: dict[str, dict[str, Any]], theirs: list[str] | None = None,
+                          ours: list[str] | None = None) -> None:  # fmt: skip
     """Whether a peer's optimizer state (its class, state tensors' shapes, per-parameter
-    scalars) fits `opt`.
+    scalars; by name when both sides' parameter names are given) fits `opt`.
 
     Raises:
         ValueError: another optimizer class, a parameter index `opt` does not have, a state
@@ -312,6 +369,7 @@ def check_optimizer_state(opt: torch.optim.Optimizer, cls: str, shapes: dict[str
     """
     if cls != type(opt).__name__:
         raise ValueError(f"the peer's optimizer is {cls}, ours {type(opt).__name__}")
+    shapes, scalars = _renumbered(renumber_by_name(theirs, ours), shapes, scalars)
     params = [p for group in opt.param_groups for p in group["params"]]
     for name, shape in shapes.items():
         parts = name.split("/")
@@ -333,13 +391,16 @@ def check_optimizer_state(opt: torch.optim.Optimizer, cls: str, shapes: dict[str
 
 
 def adopt_optimizer_state(opt: torch.optim.Optimizer, cls: str, tensors: dict[str, torch.Tensor],
-                          scalars: dict[str, dict[str, Any]]) -> None:  # fmt: skip
+                          scalars: dict[str, dict[str, Any]], theirs: list[str] | None = None,
+                          ours: list[str] | None = None) -> None:  # fmt: skip
     """Load a peer's optimizer state (of class `cls`) into `opt`, keeping `opt`'s own
-    hyperparameters (learning rate, weight decay, ...: the param groups are ours).
+    hyperparameters (learning rate, weight decay, ...: the param groups are ours); by name
+    when both sides' parameter names (`theirs`, `ours`) are given.
 
     Raises:
         ValueError: it does not fit `opt` (see check_optimizer_state), or torch refused it.
     """
+    tensors, scalars = _renumbered(renumber_by_name(theirs, ours), tensors, scalars)
     check_optimizer_state(opt, cls, {n: tuple(t.shape) for n, t in tensors.items()}, scalars)
     try:
         optimizer_from_checkpoint(opt, tensors, {

@@ -339,7 +339,8 @@ class LoopTrainer(OptimizerSync):
                 meta["frozen_digest"] = self.frozen_digest
             if self.optimizer is not None:
                 try:
-                    opt_tensors, meta["optimizer"] = optimizer_to_checkpoint(self.optimizer)
+                    opt_tensors, meta["optimizer"] = optimizer_to_checkpoint(
+                        self.optimizer, self.optimizer_names(self.optimizer))
                 except OptimizerStateError as exc:  # the model is saved; the optimizer cannot be
                     if not self._said_optimizer_unsaved:
                         self._said_optimizer_unsaved = True
@@ -402,7 +403,8 @@ class LoopTrainer(OptimizerSync):
 
     # -- optimizer state for a joiner (state sync) ------------------------------------------
     def adopt_optimizer_state(self, cls: str, tensors: dict[str, torch.Tensor], scalars: dict,
-                              schedule_steps: int | None = None) -> bool:  # fmt: skip
+                              schedule_steps: int | None = None,
+                              params: list[str] | None = None) -> bool:  # fmt: skip
         """A peer's optimizer state (state sync), and how many steps its scheduler took: loaded
         into the optimizer (with its own hyperparameters) and the scheduler moved on there at
         `wrap`, or now if it is wrapped already. Returns whether it is in the optimizer now.
@@ -412,12 +414,13 @@ class LoopTrainer(OptimizerSync):
         """
         with self._lock:
             if self.optimizer is not None:
-                adopt_optimizer_state(self.optimizer, cls, tensors, scalars)
+                adopt_optimizer_state(self.optimizer, cls, tensors, scalars, params,
+                                      self.optimizer_names(self.optimizer))  # fmt: skip
                 self._move_schedule(self.scheduler, schedule_steps)
                 return True
             # (param_groups None: the user's own, at wrap)
             self._optimizer_state = (tensors, {"cls": cls, "scalars": scalars,
-                                               "param_groups": None,
+                                               "param_groups": None, "params": params,
                                                "schedule_steps": schedule_steps})  # fmt: skip
             return False
 
@@ -495,7 +498,8 @@ class LoopTrainer(OptimizerSync):
             tensors, meta = self._optimizer_state
             if meta.get("param_groups") is None:  # a peer's (state sync): must fit
                 try:
-                    adopt_optimizer_state(optimizer, meta["cls"], tensors, meta["scalars"])
+                    adopt_optimizer_state(optimizer, meta["cls"], tensors, meta["scalars"],
+                                          meta.get("params"), self.optimizer_names(optimizer))
                     log.info("optimizer_state_synced", tensors=len(tensors),
                              detail="a peer's optimizer state, loaded at wrap")  # fmt: skip
                 except ValueError as exc:
@@ -504,7 +508,8 @@ class LoopTrainer(OptimizerSync):
                 else:
                     self._move_schedule(scheduler, meta.get("schedule_steps"))
             else:  # (a ValueError keeps it: a wrap of the right optimizer still gets it)
-                optimizer_from_checkpoint(optimizer, tensors, meta)
+                optimizer_from_checkpoint(optimizer, tensors, meta,
+                                          self.optimizer_names(optimizer))  # fmt: skip
             self._optimizer_state = None
         state = self._scheduler_state
         if scheduler is not None and isinstance(state, dict):

@@ -27,7 +27,17 @@ class OptimizerSync:
 
     optimizer: torch.optim.Optimizer | None
     scheduler: Any
+    model: torch.nn.Module
     _lock: threading.Lock | threading.RLock
+
+    def optimizer_names(self, optimizer: torch.optim.Optimizer | None) -> list[str] | None:
+        """The model's names of `optimizer`'s parameters, in its order (None: it holds one the
+        model does not name): what optimizer state is matched by (renumber_by_name)."""
+        if optimizer is None:
+            return None
+        names = {id(p): n for n, p in self.model.named_parameters()}
+        listed = [names.get(id(p)) for group in optimizer.param_groups for p in group["params"]]
+        return None if None in listed else listed  # type: ignore[return-value]
 
     def optimizer_layout(self) -> dict | None:
         """The optimizer's class and state tensors, and how far its scheduler went, for a
@@ -38,7 +48,7 @@ class OptimizerSync:
             steps = getattr(self.scheduler, "last_epoch", None)
             schedule = steps if isinstance(steps, int) and steps >= 0 else None
             try:
-                layout = optimizer_layout(self.optimizer)
+                layout = optimizer_layout(self.optimizer, self.optimizer_names(self.optimizer))
             except OptimizerStateError:  # state no checkpoint holds (LBFGS): none to hand over
                 return None
             return {**layout, "schedule_steps": schedule}
@@ -53,16 +63,19 @@ class OptimizerSync:
                 tensors = {}
             return fn(tensors)
 
-    def optimizer_fits(self, cls: str, shapes: dict[str, tuple[int, ...]], scalars: dict) -> None:
-        """Whether a peer's optimizer state (class, tensor shapes, scalars) fits ours (with no
-        optimizer yet there is nothing to check: `adopt_optimizer_state` checks it later).
+    def optimizer_fits(self, cls: str, shapes: dict[str, tuple[int, ...]], scalars: dict,
+                       params: list[str] | None = None) -> None:  # fmt: skip
+        """Whether a peer's optimizer state (class, tensor shapes, scalars; by name with the
+        names of its parameters, `params`) fits ours (with no optimizer yet there is nothing to
+        check: `adopt_optimizer_state` checks it later).
 
         Raises:
             ValueError: it does not; the message says why.
         """
         with self._lock:
             if self.optimizer is not None:
-                check_optimizer_state(self.optimizer, cls, shapes, scalars)
+                check_optimizer_state(self.optimizer, cls, shapes, scalars, params,
+                                      self.optimizer_names(self.optimizer))  # fmt: skip
 
 
 MAX_SCHEDULE_STEPS = 1_000_000  # a scheduler without a closed form is stepped at most this often
