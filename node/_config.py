@@ -8,6 +8,8 @@ import dataclasses
 import functools
 import json
 import math
+import numbers
+import os
 import tomllib
 import types
 import typing
@@ -75,14 +77,15 @@ def _python_value(name: str, value: Any, hint: Any) -> Any:
     if origin in (types.UnionType, typing.Union):
         if value is None and type(None) in args:
             return None
+        if value == "" and type(None) in args:  # (as a TOML file's "" is: unset)
+            return None
         if isinstance(value, str) and str in args:  # (seconds or "auto": checked by its class)
             return value
-        inner = next(a for a in args if a not in (type(None), str))
+        inner = next((a for a in args if a not in (type(None), str)), str)
         return _python_value(name, value, inner)
     if hint is Path:
-        _check(isinstance(value, Path) or (isinstance(value, str) and value != ""), name, value,
-               "a path")  # fmt: skip
-        return value if isinstance(value, Path) else Path(value).expanduser()
+        _check(isinstance(value, os.PathLike | str) and str(value) != "", name, value, "a path")
+        return value if type(value) is type(Path()) else Path(value).expanduser()
     if origin is tuple:
         _check(isinstance(value, tuple | list) and all(isinstance(v, str) for v in value), name,
                value, "a list of strings")  # fmt: skip
@@ -90,13 +93,14 @@ def _python_value(name: str, value: Any, hint: Any) -> Any:
     if origin is dict:
         _check(isinstance(value, dict), name, value, "a dict")
         return value
-    if hint is float:
-        _check(isinstance(value, int | float) and not isinstance(value, bool)
+    if hint is float:  # (numpy's numbers too: made Python's)
+        _check(isinstance(value, numbers.Real) and not isinstance(value, bool)
                and math.isfinite(value), name, value, "a finite number")  # fmt: skip
-        return value
+        return value if type(value) in (int, float) else float(value)
     if hint is int:
-        _check(isinstance(value, int) and not isinstance(value, bool), name, value, "an integer")
-        return value
+        _check(isinstance(value, numbers.Integral) and not isinstance(value, bool), name, value,
+               "an integer")  # fmt: skip
+        return value if type(value) is int else int(value)
     if hint is bool:
         _check(isinstance(value, bool), name, value, "true or false")
         return value
@@ -869,7 +873,7 @@ def config_to_toml(doc: typing.Mapping[str, typing.Mapping[str, Any]]) -> str:
 def load_config(path: Path, overrides: typing.Sequence[str] = ()) -> NodeConfig:
     """Read a TOML config file (see config_from_toml)."""
     try:
-        text = path.read_text()
+        text = path.read_text(encoding="utf-8")
     except OSError as exc:
         raise ConfigError(f"config file {str(path)!r}: {exc.strerror}") from exc
     except UnicodeDecodeError as exc:

@@ -341,6 +341,10 @@ def test_a_config_built_in_python_is_checked_as_a_toml_file_is(tmp_path):
     assert state.dir == tmp_path / "s"  # a str path: made a Path
     net = NetworkConfig(bootstrap=["tcp://127.0.0.1:7000"])
     assert net.bootstrap == ("tcp://127.0.0.1:7000",)  # a list: made a tuple
+    import numpy as np
+
+    training = TrainingConfig(eval_every=np.int64(5), lr=np.float32(0.5))  # numpy's numbers
+    assert type(training.eval_every) is int and training.lr == 0.5
     for make, field in [
         (lambda: TrainingConfig(eval_every="10"), "training.eval_every"),
         (lambda: TrainingConfig(lr="0.1"), "training.lr"),
@@ -350,6 +354,7 @@ def test_a_config_built_in_python_is_checked_as_a_toml_file_is(tmp_path):
         (lambda: dataclasses.replace(cfg.identity, open_swarm="yes"), "identity.open_swarm"),
         (lambda: DilocoSettings(inner_steps="20"), "gossip.diloco.inner_steps"),
         (lambda: dataclasses.replace(cfg, training={"lr": 0.1}), "training"),
+        (lambda: dataclasses.replace(cfg.network, advertise=7000), "network.advertise"),
     ]:
         with pytest.raises(ConfigError, match=rf"^{field} = "):
             make()
