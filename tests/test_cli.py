@@ -110,7 +110,7 @@ def stuck(ctx):
 '''
 
 
-def _node_with(tmp_path, task: str, extra: str = "") -> subprocess.Popen:
+def _node_with(tmp_path, task: str, extra: str = "", **popen) -> subprocess.Popen:
     (tmp_path / "stucktask.py").write_text(STUCK_TASK)
     assert main(["keygen", "--out", str(tmp_path / "identity.key")]) == 0
     (tmp_path / "node.toml").write_text(
@@ -119,9 +119,10 @@ def _node_with(tmp_path, task: str, extra: str = "") -> subprocess.Popen:
         'listen = "tcp://127.0.0.1:0"\n'
     )
     env = {**__import__("os").environ, "PYTHONPATH": str(tmp_path)}
+    popen = {"stderr": subprocess.PIPE, "text": True, **popen}
     return subprocess.Popen([sys.executable, "-m", "geotrain.node", "node", "run", "--config",
-                             str(tmp_path / "node.toml")], stderr=subprocess.PIPE, text=True,
-                            env=env, cwd=tmp_path)  # fmt: skip
+                             str(tmp_path / "node.toml")], env=env, cwd=tmp_path,
+                            **popen)  # fmt: skip
 
 
 def _wait_for(proc, needle: str, lines: list[str], timeout_s: float = 120) -> None:
@@ -201,6 +202,60 @@ def test_a_hangup_stops_the_daemon_gracefully(tmp_path):
     text = "".join(lines) + rest
     assert proc.returncode == 0, text[-3000:]
     assert "SIGHUP" in text and "checkpoint_written" in text and "node_stopped" in text
+
+
+def test_a_node_under_nohup_outlives_the_hangup(tmp_path):
+    """nohup starts a node with SIGHUP ignored, to outlive the terminal: it must stay so."""
+    import signal
+    import time
+
+    proc = _node_with(tmp_path, "synthetic-linreg", "step_time_ms = 20\n",
+                      preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN))
+    lines: list[str] = []
+    try:
+        _wait_for(proc, "node_started", lines)
+        proc.send_signal(signal.SIGHUP)
+        time.sleep(2.0)
+        assert proc.poll() is None, "".join(lines)[-3000:]
+        proc.send_signal(signal.SIGTERM)
+        rest = proc.communicate(timeout=60)[1]
+    finally:
+        proc.kill()
+        proc.wait()
+    assert proc.returncode == 0 and "signal=SIGHUP" not in "".join(lines) + rest
+
+
+def test_a_node_whose_terminal_hung_up_stops_with_its_checkpoint(tmp_path):
+    """After a hangup every write to the terminal fails (EIO): the node's first log line on its
+    way out failed it, with no checkpoint and no leave."""
+    import os
+    import pty
+    import select
+    import signal
+    import time
+
+    master, slave = pty.openpty()
+    proc = _node_with(tmp_path, "synthetic-linreg",  # (its only checkpoint: the final one)
+                      "step_time_ms = 20\n[state]\ncheckpoint_every = 100000\n", stdout=slave,
+                      stderr=slave)  # fmt: skip
+    os.close(slave)
+    seen, deadline = b"", time.monotonic() + 120
+    try:
+        while b"node_started" not in seen and time.monotonic() < deadline:
+            if select.select([master], [], [], 1.0)[0]:
+                seen += os.read(master, 65536)
+        assert b"node_started" in seen, seen[-3000:]
+        os.close(master)  # the terminal is gone: writes to it fail from here on
+        master = -1
+        time.sleep(0.3)
+        proc.send_signal(signal.SIGHUP)
+        assert proc.wait(60) == 0
+    finally:
+        if master >= 0:
+            os.close(master)
+        proc.kill()
+        proc.wait()
+    assert list((tmp_path / "state" / "checkpoints").glob("ckpt-*.safetensors"))
 
 
 def test_a_daemon_whose_final_checkpoint_fails_exits_1_and_says_what_is_lost(

@@ -3,6 +3,7 @@
 # otherwise only calls structlog.get_logger() and never configures anything.
 from __future__ import annotations
 
+import contextlib
 import logging
 import sys
 from typing import Literal, TextIO
@@ -12,6 +13,19 @@ import structlog
 LogFormat = Literal["auto", "console", "json"]
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 LOG_FORMATS: tuple[LogFormat, ...] = ("auto", "console", "json")
+
+
+class _LineLogger(structlog.PrintLogger):
+    """structlog's PrintLogger, but a line that cannot be written is dropped: after a hangup a
+    terminal fails every write (EIO), and a node's log line then failed the node itself on its
+    way out (no checkpoint, no leave); a full disk under a redirected log did the same."""
+
+    def msg(self, message: str) -> None:
+        with contextlib.suppress(OSError):
+            super().msg(message)
+
+    log = debug = info = warn = warning = msg
+    fatal = failure = err = error = critical = exception = msg
 
 
 def configure_logging(level: str | None, fmt: LogFormat, stream: TextIO | None = None) -> str:
@@ -55,7 +69,7 @@ def configure_logging(level: str | None, fmt: LogFormat, stream: TextIO | None =
             renderer,
         ],
         wrapper_class=structlog.make_filtering_bound_logger(getattr(logging, level.upper())),
-        logger_factory=structlog.PrintLoggerFactory(file=out),
+        logger_factory=lambda *_: _LineLogger(out),
         cache_logger_on_first_use=False,
     )
     return chosen

@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -40,27 +41,58 @@ def load_node(config: NodeConfig) -> Node:
 # A second signal this soon after the first is the same one delivered twice (timeout(1) and
 # process-group kills send it to the process and to its group): it is not a second request.
 DUPLICATE_SIGNAL_S = 0.5
-# What stops a node gracefully. SIGHUP too: a node started in an ssh session without nohup got it
-# at logout and died at once, without its checkpoint or a leave.
-STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+def stop_signals() -> tuple[int, ...]:
+    """What stops a node gracefully: SIGINT, SIGTERM, and SIGHUP (a node started in an ssh
+    session without nohup got it at logout and died at once, without its checkpoint or a leave)
+    unless it was ignored when the process started: under nohup the node is meant to outlive
+    the terminal. Read before the node ignores them itself."""
+    hup_ignored = signal.getsignal(signal.SIGHUP) is signal.SIG_IGN
+    return (signal.SIGINT, signal.SIGTERM) + (() if hup_ignored else (signal.SIGHUP,))
 
 
-async def _run(node: Node) -> None:
-    """Run the node; the first SIGINT/SIGTERM/SIGHUP stops it gracefully (checkpoint, leave), a
-    second cancels what it waits for, and a third exits at once: a step running in a worker
-    thread cannot be cancelled, and a node inside a very long step ignored every later signal."""
+def _terminals() -> tuple[int, ...]:
+    """Which of stdout and stderr are a terminal (asked at start: a hung-up one cannot say)."""
+    ttys = []
+    for fd in (1, 2):
+        with contextlib.suppress(OSError, ValueError):
+            if os.isatty(fd):
+                ttys.append(fd)
+    return tuple(ttys)
+
+
+def _detach(ttys: tuple[int, ...]) -> None:
+    """After a hangup, writes to the terminal fail (EIO), and the node's first log line on its
+    way out failed it, checkpoint and leave unwritten: what went there goes nowhere now."""
+    if not ttys:
+        return
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        for fd in ttys:
+            os.dup2(devnull, fd)
+    finally:
+        os.close(devnull)
+
+
+async def _run(node: Node, signals: tuple[int, ...] = (signal.SIGINT, signal.SIGTERM),
+               ttys: tuple[int, ...] = ()) -> None:  # fmt: skip
+    """Run the node; the first of `signals` stops it gracefully (checkpoint, leave), a second
+    cancels what it waits for, and a third exits at once: a step running in a worker thread
+    cannot be cancelled, and a node inside a very long step ignored every later signal. A
+    SIGHUP also points `ttys` (the fds that were a terminal) at /dev/null."""
     async with trio.open_nursery() as nursery:
         run_scope = trio.CancelScope()
 
         async def watch_signals() -> None:
             requested_at, forced = None, False
-            with trio.open_signal_receiver(*STOP_SIGNALS) as signals:
-                async for signum in signals:
+            with trio.open_signal_receiver(*signals) as received:
+                async for signum in received:
                     name, now = signal.Signals(signum).name, trio.current_time()
+                    if signum == signal.SIGHUP:
+                        _detach(ttys)
                     if requested_at is None:
-                        log.info("stop_requested", signal=name)
                         requested_at = now
-                        node.request_stop()
+                        node.request_stop()  # (first: nothing below may keep it from happening)
+                        log.info("stop_requested", signal=name)
                     elif now - requested_at < DUPLICATE_SIGNAL_S:
                         continue
                     elif not forced:
@@ -95,9 +127,10 @@ def node_run(args: argparse.Namespace) -> int:
     # ignored outside _run's own signal receiver, which restores this when it closes: after
     # node_stopped a second SIGTERM (a supervisor's, timeout's) killed a cleanly stopped node
     # with 143 (restored below for a caller in-process; the console script ignores them again)
-    previous = {s: signal.signal(s, signal.SIG_IGN) for s in STOP_SIGNALS}
+    signals, ttys = stop_signals(), _terminals()
+    previous = {s: signal.signal(s, signal.SIG_IGN) for s in signals}
     try:
-        trio.run(_run, node)
+        trio.run(_run, node, signals, ttys)
     except* Diverged as group:  # the model's fault, not ours: said without a traceback
         diverged = leaf_errors(group)
     except* (ResumeError, ValueError) as group:  # raised inside the nursery: grouped by trio
