@@ -146,18 +146,27 @@ class Swarm:
         _open_swarms.discard(self)
         if os.getpid() != self._pid:  # a forked child: the node runs in the parent, not here
             return
+        self._warn_never_wrapped()  # (first: the loop's close applies the mixes that came)
         self._loop.close()
-        if self._loop.optimizer is None and self._loop.sample_digest() != self._joined_digest:
-            structlog.get_logger().warning(
-                "never_wrapped", detail="the model trained, but no optimizer was passed to "
-                "swarm.wrap(): its steps were not shared with the swarm, and it took nothing "
-                "from it (opt = swarm.wrap(optimizer), then opt.step())")  # fmt: skip
         interrupted = _stop_and_wait(self._token, self._stop, self._box, timeout_s)
         error = self._box.pop("error", None)
         if interrupted is not None:  # (after the node stopped: see _stop_and_wait)
             raise interrupted
         if error is not None:
             raise LoopClosed(f"the geotrain node had failed: {_leaf(error)!r}") from _leaf(error)
+
+    def _warn_never_wrapped(self) -> None:
+        """The model changed since join with no optimizer wrapped: the loop trained alone."""
+        try:
+            changed = (self._loop.optimizer is None
+                       and self._loop.sample_digest() != self._joined_digest)  # fmt: skip
+        except Exception:  # (a device in an error state: the stop below matters more)
+            return
+        if changed:
+            structlog.get_logger().warning(
+                "never_wrapped", detail="the model trained, but no optimizer was passed to "
+                "swarm.wrap(): its steps were not shared with the swarm, and it took nothing "
+                "from it (opt = swarm.wrap(optimizer), then opt.step())")  # fmt: skip
 
     def _stop(self) -> None:
         if self.node.steps is not None:

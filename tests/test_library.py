@@ -892,3 +892,29 @@ def test_optimizer_state_follows_parameter_names_not_positions(tmp_path):
     again.close()
     resumed = _moments_by_name(model, swapped)
     assert set(resumed) == set(saved) and all(torch.equal(resumed[n], saved[n]) for n in saved)
+
+
+def test_a_checkpoint_written_through_torch_compiles_wrapper_resumes(tmp_path):
+    """Before join took a compiled model's inner module, its checkpoints named everything
+    '_orig_mod.<name>'; such a state.dir resumes."""
+    import dataclasses
+
+    from geotrain.node.state import CheckpointStore
+
+    model = make_model()
+    swarm = joined(tmp_path, "a", model, "training.wait_for_peers=0")
+    train(swarm, model, 3, seed=1)
+    swarm.close()
+    trained = [p.detach().clone() for p in model.parameters()]
+    store = CheckpointStore(tmp_path / "a" / "checkpoints", keep=5)
+    ckpt, _ = store.load_latest()
+    assert ckpt is not None and ckpt.step == 3
+    renamed = {k.replace("model/", "model/_orig_mod.", 1): v for k, v in ckpt.tensors.items()}
+    store.save(dataclasses.replace(ckpt, tensors=renamed))  # as the compiled wrapper wrote it
+    again = make_model(seed=9)
+    swarm = joined(tmp_path, "a", again, "training.wait_for_peers=0")
+    try:
+        assert swarm.step == 3
+        assert all(torch.equal(a, b) for a, b in zip(again.parameters(), trained, strict=True))
+    finally:
+        swarm.close()
