@@ -54,6 +54,7 @@ from .transport import (
 # (and after several probe periods) says it probably cannot be dialled: behind NAT or a firewall
 # that drops inbound connections, it never becomes anyone's member and waits or trains alone.
 NOT_DIALLED_AFTER_S = 15.0
+LEAVE_FLOOR_S = 1.0  # a leave gets at least this long to be delivered
 NOT_DIALLED_PROBE_PERIODS = 5
 # A bootstrap peer that does not answer is warned about once it has not for this long (at once
 # when it answered and refused us): swarms start in any order, and a peer not up yet was warned
@@ -286,7 +287,8 @@ class MembershipService:
     async def leave(self, grace_s: float) -> None:
         """Tell the swarm we leave (best effort, at most `grace_s`)."""
         sends = self.membership.leave(trio.current_time())
-        with trio.move_on_after(min(grace_s, 2 * self.config.probe_interval_s)):
+        # (at least a second: a busy machine's round trip can take longer than two fast probes)
+        with trio.move_on_after(min(grace_s, max(LEAVE_FLOOR_S, 2 * self.config.probe_interval_s))):
             async with trio.open_nursery() as n:
                 for send in sends:
                     n.start_soon(self._deliver, send)

@@ -8,6 +8,7 @@
 # a checkpoint and tells the swarm it leaves.
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -65,8 +66,8 @@ from .transport import (
 
 STOP_GRACE_S = 5.0
 # [training] settings the daemon's trainer reads and a loop of the user's own does not
-LOOP_UNUSED_TRAINING = (
-    "device", "optimizer", "lr", "shard_index", "num_shards", "partition", "alpha", "max_steps",
+LOOP_UNUSED_TRAINING = (  # (shard_index and num_shards not: `node init --shard` writes them)
+    "device", "optimizer", "lr", "partition", "alpha", "max_steps",
     "slowdown", "step_time_ms", "threads", "precision", "weight_decay", "warmup_steps",
     "schedule", "total_steps", "min_lr_ratio", "clip_grad_norm", "accumulate",
 )  # fmt: skip
@@ -335,7 +336,7 @@ class Node:
             log.warning("training_settings_unused", settings=[f"training.{f}" for f in unused],
                         hint="your own loop does these itself (optimizer, schedule, autocast, "
                         "clipping, accumulation, device); geotrain.join reads only "
-                        "wait_for_peers, eval_every, eval_every_s, seed and "
+                        "wait_for_peers, wait_for_peers_s, eval_every, eval_every_s, seed and "
                         "max_nonfinite_steps from [training]")  # fmt: skip
 
     def _warn_preset_overridden(self) -> None:
@@ -531,11 +532,17 @@ class Node:
             except Diverged as exc:  # a clean stop (status, leave), then the node fails with it
                 diverged = exc
             except Exception:  # refused at join (models differ), a task's error...: the swarm
-                # is told too, or its members keep choosing us until we are declared dead
+                # is told too, or its members keep choosing us until we are declared dead; then
+                # the error goes on as it was (a forced stop's cancellation does not replace it)
                 self._running = False
                 with trio.move_on_after(STOP_GRACE_S):
-                    await self._reporter.write()
-                    await membership.leave(STOP_GRACE_S)
+                    try:
+                        with contextlib.suppress(Exception):
+                            await membership.leave(STOP_GRACE_S)
+                        with contextlib.suppress(Exception):
+                            await self._reporter.write()
+                    except trio.Cancelled:
+                        pass
                 raise
             self._running = False  # from here on every status written says "stopped"
             await self._reporter.write()
