@@ -85,8 +85,8 @@ def __dir__() -> list[str]:
 
 def _console() -> int:
     """The `geotrain` console script: the command line's own entry, imported from here so that
-    a Ctrl-C in the seconds torch takes to import exits 130 quietly (a KeyboardInterrupt
-    traceback of import machinery, before)."""
+    a Ctrl-C while its modules import (about a second on a busy machine) exits 130 quietly (a
+    KeyboardInterrupt traceback of import machinery, before)."""
     try:
         from geotrain.node.cli import console
     except KeyboardInterrupt:

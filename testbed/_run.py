@@ -132,15 +132,23 @@ PEER_FLOOR_GB = 0.15
 
 
 def available_memory_gb() -> float | None:
-    """MemAvailable from /proc/meminfo, in GB (None where there is none)."""
+    """MemAvailable from /proc/meminfo, or what this cgroup's memory.max leaves if less (a
+    container's limit), in GB (None where neither says)."""
+    found: list[float] = []
     try:
         with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024 / 1e9
+            found += [int(line.split()[1]) * 1024 / 1e9 for line in f
+                      if line.startswith("MemAvailable:")]  # fmt: skip
     except (OSError, ValueError, IndexError):
-        return None
-    return None
+        pass
+    try:
+        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+        if limit != "max":
+            used = int(Path("/sys/fs/cgroup/memory.current").read_text())
+            found.append(max(0, int(limit) - used) / 1e9)
+    except (OSError, ValueError):
+        pass
+    return min(found) if found else None
 
 
 def check_memory_for(peers: int) -> None:
@@ -148,10 +156,11 @@ def check_memory_for(peers: int) -> None:
     own), before anything is made: 200 peers started 200 processes and ran the box out."""
     available = available_memory_gb()
     if available is not None and peers * PEER_FLOOR_GB > available:
+        fits = int(available / PEER_FLOOR_GB)
         raise TestbedError(
             f"{peers} peers need at least {peers * PEER_FLOOR_GB:.1f} GB ({PEER_FLOOR_GB} GB "
             f"per node process, more for a bigger model); this machine has {available:.1f} GB "
-            f"available: --peers {max(2, int(available / PEER_FLOOR_GB))} at most")
+            "available: " + (f"--peers {fits} at most" if fits >= 2 else "not even 2 fit"))
 
 
 def run_testbed(options: RunOptions, echo: Echo = print) -> dict[str, Any]:

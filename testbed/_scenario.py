@@ -232,8 +232,8 @@ class TestbedScenario:
                 raise _fail("stragglers.peer", peer, f"a peer index in 0..{self.n_peers - 1}")
             if not isinstance(factor, int | float) or not factor >= 1.0:
                 raise _fail("stragglers.slowdown", factor, f"a number >= 1.0 (peer {peer})")
-        for fault in self.faults:
-            self._check_fault(fault, names)
+        for i, fault in enumerate(self.faults):  # (in the file's order: its [[faults]] index)
+            self._check_fault(fault, names, f"faults[{i}]")
         object.__setattr__(self, "faults", tuple(sorted(self.faults, key=lambda f: f.at_s)))
         if (not isinstance(self.duration_s, int | float) or isinstance(self.duration_s, bool)
                 or not 0 < self.duration_s < math.inf):  # fmt: skip
@@ -328,14 +328,14 @@ class TestbedScenario:
                                 "before it (a running peer cannot be restarted)")  # fmt: skip
                 del down[fault.peer]
 
-    def _check_fault(self, fault: Fault, names: list[str]) -> None:
+    def _check_fault(self, fault: Fault, names: list[str], where: str) -> None:
         if fault.peer is not None and not 0 <= fault.peer < self.n_peers:
-            raise _fail("faults.peer", fault.peer, f"a peer index in 0..{self.n_peers - 1}")
+            raise _fail(f"{where}.peer", fault.peer, f"a peer index in 0..{self.n_peers - 1}")
         if fault.peer == 0 and fault.action == "kill":
-            raise _fail("faults.peer", 0, "a peer other than 0 (peer 0 is the bootstrap peer)")
+            raise _fail(f"{where}.peer", 0, "a peer other than 0 (peer 0 is the bootstrap peer)")
         for region in fault.regions or ():
             if region not in names:
-                raise _fail("faults.regions", region, f"one of {names}")
+                raise _fail(f"{where}.regions", region, f"one of {names}")
 
     @property
     def n_peers(self) -> int:

@@ -114,11 +114,11 @@ def _base() -> dict:
         (lambda d: d.update(faults=[{"at_s": 1, "action": "explode"}]), "faults[0].action"),
         (lambda d: d.update(faults=[{"at_s": 1, "action": "heal"},
                                     {"at_s": 2, "action": "kill"}]), "faults[1].peer"),
-        (lambda d: d.update(faults=[{"at_s": 1, "action": "kill", "peer": 0}]), "faults.peer"),
+        (lambda d: d.update(faults=[{"at_s": 1, "action": "kill", "peer": 0}]), "faults[0].peer"),
         (lambda d: d.update(faults=[{"at_s": -1, "action": "heal"}]), "faults[0].at_s"),
         (
             lambda d: d.update(faults=[{"at_s": 1, "action": "partition", "regions": ["x", "y"]}]),
-            "faults.regions",
+            "faults[0].regions",
         ),
         (lambda d: d.update(faults=[{"at_s": 1, "action": "degrade", "regions": ["virginia",
                                                                              "oregon"]}]),
