@@ -131,9 +131,11 @@ class MembershipConfig:
         return shortest, shortest * self.suspicion_max_mult
 
     def suspicion_timeout(self, n_members: int, confirmations: int) -> float:
-        """Suspicion length after `confirmations` independent suspicions beyond the first."""
+        """Suspicion length after `confirmations` independent suspicions beyond the first. At
+        most n - 2 members can confirm (not the suspect, not the first suspecter): a small
+        swarm's confirmations reach the shortest suspicion too."""
         shortest, longest = self.suspicion_timeouts(n_members)
-        expected = max(1, self.indirect_probes)
+        expected = max(1, min(self.indirect_probes, n_members - 2))
         frac = math.log(confirmations + 1) / math.log(expected + 1)
         return max(shortest, longest - (longest - shortest) * frac)
 

@@ -264,10 +264,22 @@ class MembershipTable:
         return True
 
     def suspect(self, peer_id: str, now: float) -> None:
-        """Our own probe of `peer_id` failed: suspect it at its current incarnation."""
+        """Our own probe of `peer_id` failed: suspect it at its current incarnation. Suspected
+        already on another member's word, ours is an independent confirmation (Lifeguard): it
+        shortens the suspicion here and is gossiped to shorten it elsewhere. (It was dropped: in
+        a 3-node swarm where both survivors suspected a crashed peer, each heard the other's
+        suspicion first and neither counted a confirmation: 48 s to dead instead of 8 s.)"""
         r = self._records.get(peer_id)
-        if r is not None and r.state is MemberState.ALIVE:
+        if r is None:
+            return
+        if r.state is MemberState.ALIVE:
             self._set(r, MemberState.SUSPECT, r.incarnation, now, "suspected")
+        elif (r.state is MemberState.SUSPECT and self.self_id not in r.suspecters
+              and len(r.suspecters) <= self._config.indirect_probes):  # fmt: skip
+            r.suspecters.append(self.self_id)
+            r.vouchers.append(self.self_id)
+            self._queue(MemberUpdate(r.peer_id, r.address, str(MemberState.SUSPECT),
+                                     r.incarnation, self.self_id))  # fmt: skip
 
     def heard_from(self, peer_id: str, address: str, now: float) -> bool:
         """An authenticated message came from `peer_id`: learn it if unknown, mark it verified.

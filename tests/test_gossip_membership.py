@@ -531,3 +531,34 @@ def test_a_settled_swarm_swaps_often_again_once_a_member_dies():
     start = len(swaps)
     net.run_until(net.now + 30.0)  # backed off, the next swaps would be 80-160 s away
     assert len({p for _, p in swaps[start:]} & set(survivors)) >= 6, swaps[start:]
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_in_a_three_node_swarm_the_survivors_confirm_each_other(seed):
+    """Both survivors of a crash suspect it on their own; each heard the other's suspicion
+    first, dropped its own, and waited the longest suspicion (48 s at the defaults, seen with
+    real nodes) instead of the shortest (8 s)."""
+    net = _swarm(3, seed=seed)
+    peers = list(net.nodes)
+    net.run_until(40.0, stop=lambda: _all_see_alive(net, peers))
+    crash_at = net.now
+    net.crashed.add("p2")
+    rest = ["p0", "p1"]
+    shortest, longest = CONFIG.suspicion_timeouts(3)
+    net.run_until(crash_at + 2 * longest,
+                  stop=lambda: all(_view(net, p)["p2"] is MemberState.DEAD for p in rest))
+    assert all(_view(net, p)["p2"] is MemberState.DEAD for p in rest)
+    # a probe round of both (2 periods each), the failed probe, the shortest suspicion and the
+    # confirmation's trip: far below the longest
+    assert net.now - crash_at <= 4 * CONFIG.probe_interval_s + shortest + 2.0 < longest
+
+
+def test_our_own_failed_probe_confirms_a_suspicion_heard_first():
+    peers = ["p1", "p2", "p3"]
+    node = _node_knowing(peers)
+    rumour = MemberUpdate("p2", "addr-p2", "suspect", 0, origin="p1")
+    node.receive(Ping(4, "addr-p1", (rumour,)), "p1", 1.0)
+    node._table.suspect("p2", 2.0)  # our own probe of it failed too
+    assert "me" in node._table._records["p2"].suspecters
+    said = [u for u in node._table.piggyback(10) if u.peer_id == "p2"]
+    assert said == [MemberUpdate("p2", "addr-p2", "suspect", 0, origin="me")]
