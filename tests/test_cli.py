@@ -138,6 +138,19 @@ def _wait_for(proc, needle: str, lines: list[str], timeout_s: float = 120) -> No
     raise AssertionError(f"no {needle!r}: " + "".join(lines)[-3000:])
 
 
+def _signalled(proc: subprocess.Popen, send) -> str:
+    """Once `proc` has started its node, `send(proc)`; then wait for its end: all it said."""
+    lines: list[str] = []
+    try:
+        _wait_for(proc, "node_started", lines)
+        send(proc)
+        rest = proc.communicate(timeout=60)[1]
+    finally:
+        proc.kill()
+        proc.wait()
+    return "".join(lines) + rest
+
+
 @pytest.mark.slow
 def test_a_third_signal_ends_a_node_stuck_inside_a_step(tmp_path):
     """A node inside a step that never ends logged stop_requested, then stop_forced, and ran on
@@ -167,19 +180,14 @@ def test_a_signal_delivered_twice_at_once_still_stops_gracefully(tmp_path):
     import signal
     import time
 
-    proc = _node_with(tmp_path, "synthetic-linreg", "step_time_ms = 300\n")  # (a slow stop)
-    lines: list[str] = []
-    try:
-        _wait_for(proc, "node_started", lines)
+    def twice(proc):
         time.sleep(0.5)
         proc.send_signal(signal.SIGTERM)
         time.sleep(0.05)  # (sent at once, the kernel merges the two into one)
         proc.send_signal(signal.SIGTERM)
-        rest = proc.communicate(timeout=60)[1]
-    finally:
-        proc.kill()
-        proc.wait()
-    text = "".join(lines) + rest
+
+    proc = _node_with(tmp_path, "synthetic-linreg", "step_time_ms = 300\n")  # (a slow stop)
+    text = _signalled(proc, twice)
     # (a node that had stopped before the second copy came may be ended by it: -SIGTERM)
     assert proc.returncode in (0, -signal.SIGTERM), text[-3000:]
     assert "stop_forced" not in text and "checkpoint_written" in text and "node_stopped" in text
@@ -191,15 +199,7 @@ def test_a_hangup_stops_the_daemon_gracefully(tmp_path):
     import signal
 
     proc = _node_with(tmp_path, "synthetic-linreg", "step_time_ms = 20\n")
-    lines: list[str] = []
-    try:
-        _wait_for(proc, "node_started", lines)
-        proc.send_signal(signal.SIGHUP)
-        rest = proc.communicate(timeout=60)[1]
-    finally:
-        proc.kill()
-        proc.wait()
-    text = "".join(lines) + rest
+    text = _signalled(proc, lambda proc: proc.send_signal(signal.SIGHUP))
     assert proc.returncode == 0, text[-3000:]
     assert "SIGHUP" in text and "checkpoint_written" in text and "node_stopped" in text
 

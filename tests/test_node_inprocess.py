@@ -356,15 +356,15 @@ async def test_a_state_dir_that_cannot_be_used_is_one_config_error(tmp_path):
             pass
 
 
-async def _logs_until_bootstrap_warning(cfg) -> list:
-    """A node of `cfg` in swarm "geotrain", run until it warns bootstrap_unanswered; its logs."""
+async def _logs_until_bootstrap_warning(cfg, event: str = "bootstrap_unanswered") -> list:
+    """A node of `cfg` in swarm "geotrain", run until it logs `event`, then stopped; its logs."""
     from structlog.testing import capture_logs
 
     with capture_logs() as logs:
         async with geotrain.open_node(cfg, identity=Identity.generate(),
                                       admission=Admission.open_swarm("geotrain")):  # fmt: skip
             with trio.fail_after(30):
-                while not [e for e in logs if e["event"] == "bootstrap_unanswered"]:
+                while not [e for e in logs if e["event"] == event]:
                     await trio.sleep(0.1)
     return logs
 
@@ -393,16 +393,9 @@ async def test_a_bootstrap_address_nobody_answers_at_is_named_in_a_warning(
 async def test_a_node_stopped_while_it_waits_for_its_bootstrap_does_not_say_it_trains(tmp_path):
     """Stopped while it waited for a bootstrap peer, a node warned 'no peer answered; training
     from scratch' on its way out."""
-    from structlog.testing import capture_logs
-
     cfg = config(tmp_path, "w", 'network.bootstrap=["tcp://127.0.0.1:9"]',
                  "training.wait_for_peers=1")  # fmt: skip
-    with capture_logs() as logs:
-        async with geotrain.open_node(cfg, identity=Identity.generate(),
-                                      admission=Admission.open_swarm("geotrain")):  # fmt: skip
-            with trio.fail_after(30):
-                while not [e for e in logs if e["event"] == "bootstrap_waiting"]:
-                    await trio.sleep(0.1)
+    logs = await _logs_until_bootstrap_warning(cfg, "bootstrap_waiting")
     events = [e["event"] for e in logs]
     assert "state_sync_skipped" not in events and "node_stopped" in events
 
