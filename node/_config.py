@@ -91,11 +91,14 @@ def _python_value(name: str, value: Any, hint: Any) -> Any:
                value, "a list of strings")  # fmt: skip
         return value if isinstance(value, tuple) else tuple(value)
     if origin is dict:
-        _check(isinstance(value, dict), name, value, "a dict")
+        _check(isinstance(value, dict), name, value, "a table")
         return value
     if hint is float:  # (numpy's numbers too: made Python's)
-        _check(isinstance(value, numbers.Real) and not isinstance(value, bool)
-               and math.isfinite(value), name, value, "a finite number")  # fmt: skip
+        _check(isinstance(value, numbers.Real) and not isinstance(value, bool), name, value,
+               "a number")  # fmt: skip
+        # inf and nan are TOML numbers, but no setting means them: lr = inf ran to a NaN loss,
+        # and a timer of inf failed far from the setting that made it
+        _check(math.isfinite(value), name, value, "a finite number")
         return value if type(value) in (int, float) else float(value)
     if hint is int:
         _check(isinstance(value, numbers.Integral) and not isinstance(value, bool), name, value,
@@ -671,46 +674,23 @@ class NodeConfig:
 
 
 def _coerce(name: str, value: Any, hint: Any, base: Path) -> Any:
-    """Check one TOML value against a field's type hint and convert it (paths, tuples)."""
+    """Check one TOML value against a field's type hint and convert it (paths, tuples): what
+    a TOML file means beyond a value built in Python (check_types) is a path relative to the
+    config's folder, "" for unset, and a float written as an integer."""
     origin, args = typing.get_origin(hint), typing.get_args(hint)
     if origin in (types.UnionType, typing.Union):
-        if value is None or (isinstance(value, str) and value == "" and type(None) in args):
+        if value is None or (value == "" and type(None) in args):
             return None
-        inner = [a for a in args if a is not type(None)]
-        if len(inner) > 1 and isinstance(value, str) and str in inner:  # (e.g. seconds or
-            return value  # "auto": the dataclass checks which words it takes)
-        return _coerce(name, value, next((a for a in inner if a is not str), str), base)
+        if isinstance(value, str) and str in args:  # (e.g. seconds or "auto": the dataclass
+            return value  # checks which words it takes)
+        return _coerce(name, value, next((a for a in args if a not in (type(None), str)), str),
+                       base)  # fmt: skip
     if hint is Path:
         _check(isinstance(value, str) and value != "", name, value, "a path")
         path = Path(value).expanduser()
         return path if path.is_absolute() else base / path
-    if origin is tuple:
-        _check(
-            isinstance(value, list) and all(isinstance(v, str) for v in value),
-            name,
-            value,
-            "a list of strings",
-        )
-        return tuple(value)
-    if origin is dict:
-        _check(isinstance(value, dict), name, value, "a table")
-        return dict(value)
-    if hint is float:
-        _check(
-            isinstance(value, int | float) and not isinstance(value, bool), name, value, "a number"
-        )
-        # inf and nan are TOML numbers, but no setting means them: lr = inf ran to a NaN loss,
-        # and a timer of inf failed far from the setting that made it
-        _check(math.isfinite(value), name, value, "a finite number")
-        return float(value)
-    if hint is int:
-        _check(isinstance(value, int) and not isinstance(value, bool), name, value, "an integer")
-        return value
-    if hint is bool:
-        _check(isinstance(value, bool), name, value, "true or false")
-        return value
-    _check(isinstance(value, str), name, value, "a string")
-    return value
+    value = _python_value(name, value, hint)
+    return float(value) if hint is float else dict(value) if origin is dict else value
 
 
 def _section(cls: type, table: Any, section: str, base: Path) -> Any:

@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import math
 import os
@@ -65,12 +66,12 @@ from .transport import (
 )
 
 STOP_GRACE_S = 5.0
-# [training] settings the daemon's trainer reads and a loop of the user's own does not
-LOOP_UNUSED_TRAINING = (  # (shard_index and num_shards not: `node init --shard` writes them)
-    "device", "optimizer", "lr", "partition", "alpha", "max_steps",
-    "slowdown", "step_time_ms", "threads", "precision", "weight_decay", "warmup_steps",
-    "schedule", "total_steps", "min_lr_ratio", "clip_grad_norm", "accumulate",
-)  # fmt: skip
+# [training] settings a loop of the user's own reads; every other one is the daemon trainer's
+LOOP_READS_TRAINING = ("wait_for_peers", "wait_for_peers_s", "eval_every", "eval_every_s",
+                       "seed", "max_nonfinite_steps")  # fmt: skip
+# ... and those left alone though unread: documented as unused (task, params), or written by
+# `node init --shard` into the node.toml a library node shares (shard_index, num_shards)
+LOOP_IGNORES_TRAINING = ("task", "params", "shard_index", "num_shards")
 log = structlog.get_logger()
 
 Handler = Callable[[PeerInfo, Header, memoryview], Awaitable[tuple[Header, bytes]]]
@@ -330,14 +331,14 @@ class Node:
         if self.loop is None:
             return
         training, defaults = self.config.training, TrainingConfig()
-        unused = [f for f in LOOP_UNUSED_TRAINING
-                  if getattr(training, f) != getattr(defaults, f)]  # fmt: skip
+        unused = [f.name for f in dataclasses.fields(training)
+                  if f.name not in LOOP_READS_TRAINING + LOOP_IGNORES_TRAINING
+                  and getattr(training, f.name) != getattr(defaults, f.name)]  # fmt: skip
         if unused:
             log.warning("training_settings_unused", settings=[f"training.{f}" for f in unused],
                         hint="your own loop does these itself (optimizer, schedule, autocast, "
                         "clipping, accumulation, device); geotrain.join reads only "
-                        "wait_for_peers, wait_for_peers_s, eval_every, eval_every_s, seed and "
-                        "max_nonfinite_steps from [training]")  # fmt: skip
+                        f"{', '.join(LOOP_READS_TRAINING)} from [training]")  # fmt: skip
 
     def _warn_preset_overridden(self) -> None:
         """A gossip preset whose settings the [gossip] table sets otherwise is said: `geotrain
