@@ -26,6 +26,15 @@ class NatUnavailable(RuntimeError):
     """NAT cannot be emulated here (no iptables, or the kernel refused the rules)."""
 
 
+def check_nat_possible(peers: Sequence[int]) -> None:
+    """Raise NatUnavailable now, before any namespace is made, when NAT cannot be emulated."""
+    if peers and shutil.which(IPTABLES) is None:
+        raise NatUnavailable(
+            "scenario.nat needs iptables in the peers' namespaces (Debian: apt-get install "
+            "iptables)"
+        )
+
+
 class NatFirewall:
     """The NAT rules of the peers `peers` of `namespaces`. Use as a context manager.
 
@@ -43,11 +52,7 @@ class NatFirewall:
         self._active: list[int] = []
 
     def __enter__(self) -> NatFirewall:
-        if self.peers and shutil.which(IPTABLES) is None:
-            raise NatUnavailable(
-                "scenario.nat needs iptables in the peers' namespaces (Debian: apt-get install "
-                "iptables)"
-            )
+        check_nat_possible(self.peers)
         try:
             for peer in self.peers:
                 self._apply(peer)

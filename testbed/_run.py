@@ -27,7 +27,7 @@ from ._faults import FaultRunner
 from ._linkcheck import bulk_bytes_for, measure_link
 from ._meter import BytesMeter
 from ._namespaces import NamespaceSet
-from ._nat import NatFirewall, NatUnavailable
+from ._nat import NatFirewall, NatUnavailable, check_nat_possible
 from ._netem import BackendChoice, NetemLinks, choose_backend
 from ._peers import (
     DDP_PORT,
@@ -178,13 +178,18 @@ def run_testbed(options: RunOptions, echo: Echo = print) -> dict[str, Any]:
         raise TestbedError(f"--out {str(out)!r}: exists and is not empty")
     check_node_config(options)
     check_memory_for(sc.n_peers)
-    out.mkdir(parents=True, exist_ok=True)
     choice = choose_backend(options.emulation, access_links=bool(sc.matrix().access))
     if choice.user_namespace:
         why = "not root, and running peers in an unprivileged user namespace is not built yet"
         if options.emulation != "auto":
             raise TestbedError(f"--emulation {options.emulation}: {why}; run as root")
         choice = BackendChoice("none", f"NO LINK EMULATION: {why}; peers talk over plain loopback")
+    if choice.backend != "none":
+        try:  # (before the namespaces and the output directory: it took 4 s to be told)
+            check_nat_possible(sc.nat)
+        except NatUnavailable as exc:
+            raise TestbedError(str(exc)) from None
+    out.mkdir(parents=True, exist_ok=True)
     echo(f"emulation: {choice.backend} ({choice.reason})")
     if sc.rate_scale != 1.0:
         echo(f"NOTE: link rates scaled to {sc.rate_scale:g}x the published figures")

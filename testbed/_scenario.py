@@ -96,6 +96,10 @@ class Fault:
             self.regions is None or len(self.regions) != 2
         ):
             raise _fail("faults.regions", self.regions, f"two regions for {self.action!r}")
+        if self.regions is not None and self.regions[0] == self.regions[1]:
+            raise _fail("faults.regions", list(self.regions),
+                        f"two different regions ({self.action!r} acts on the links between "
+                        "two regions, not inside one)")  # fmt: skip
         if self.action == "degrade" and self.link is None:
             raise _fail("faults.link", None, "a link spec (delay_ms, rate_mbit, ...) for degrade")
 
@@ -658,7 +662,9 @@ def _fault_from(item: Any, i: int) -> Fault:
     link_part = {k: v for k, v in item.items() if k in LINK_FIELDS}
     rest = set(item) - set(LINK_FIELDS) - {"at_s", "action", "peer", "regions"}
     if rest:
-        raise _fail(f"faults[{i}]", sorted(rest), "only at_s, action, peer, regions, link fields")
+        raise _fail(f"faults[{i}]", sorted(rest),
+                    "only at_s, action, peer, regions and, for degrade, the new link's own "
+                    f"fields written in the fault's table ({', '.join(LINK_FIELDS)})")
     regions = item.get("regions")
     if regions is not None and not isinstance(regions, list):
         raise _fail(f"faults[{i}].regions", regions, "a list of two region names")

@@ -17,7 +17,12 @@ import pytest
 from geotrain.testbed._linkspec import LinkMatrix, LinkSpec
 from geotrain.testbed._namespaces import NamespaceSet, list_namespaces
 from geotrain.testbed._nat import NatFirewall
-from geotrain.testbed._netem import apply_commands, choose_backend, topology_commands
+from geotrain.testbed._netem import (
+    BackendChoice,
+    apply_commands,
+    choose_backend,
+    topology_commands,
+)
 from geotrain.testbed._run import RunOptions, run_testbed
 from geotrain.testbed._scenario import ScenarioError, load_scenario, scenario_from_dict
 from geotrain.testbed._userspace import UserspaceLinks
@@ -48,6 +53,27 @@ def test_nat_is_kept_sorted_written_out_and_cut_with_the_peer_count():
     assert scenario_from_dict(sc.to_json()).nat == (2, 3)
     assert sc.with_peers(3).nat == (2,)
     assert load_scenario("geo3").nat == ()
+
+
+def test_nat_without_iptables_is_refused_before_anything_is_made(tmp_path: Path, monkeypatch):
+    # it was refused only after every namespace and link had been made (about 4 s)
+    import geotrain.testbed._nat as nat
+    import geotrain.testbed._run as run
+
+    monkeypatch.setattr(nat, "IPTABLES", "iptables-that-is-not-installed")
+    monkeypatch.setattr(run, "choose_backend", lambda *a, **k: BackendChoice("userspace", "test"))
+
+    def made(*args, **kwargs):
+        raise AssertionError("namespaces were made")
+
+    monkeypatch.setattr(run, "NamespaceSet", made)
+    options = RunOptions(
+        scenario=scenario_from_dict(SMALL_NAT), out=tmp_path / "run", target=0.9,
+        emulation="auto", baseline="none", link_check=False,
+    )  # fmt: skip
+    with pytest.raises(run.TestbedError, match="scenario.nat needs iptables"):
+        run_testbed(options, echo=lambda line: None)
+    assert not (tmp_path / "run").exists()
 
 
 def _namespaces_or_skip() -> None:

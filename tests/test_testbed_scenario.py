@@ -381,6 +381,14 @@ def test_partition_flags_reach_every_system_and_the_run_files(tmp_path: Path, mo
     (lambda d: d.update(faults=[{"at_s": 1, "action": "heal", "regions": "ab"}]),
      "faults[0].regions"),
     (lambda d: d["links"].pop("inside"), "links.inside"),
+    # a partition or degrade of a region with itself was accepted and did nothing
+    (lambda d: d.update(faults=[{"at_s": 1, "action": "partition", "regions": ["a", "a"]}]),
+     "faults[0].regions"),
+    (lambda d: d.update(faults=[{"at_s": 1, "action": "degrade", "regions": ["b", "b"],
+                                 "delay_ms": 5}]), "faults[0].regions"),
+    # a degrade's spec written as a table was refused as "expected only ... link fields"
+    (lambda d: d.update(faults=[{"at_s": 1, "action": "degrade", "regions": ["a", "b"],
+                                 "link": {"delay_ms": 5}}]), "faults[0]"),
 ])  # fmt: skip
 def test_scenario_mistakes_a_stranger_made_are_refused_naming_the_field(change, field):
     # each of these was accepted silently (an unshaped 0 ms inside link, a link to nowhere) or
