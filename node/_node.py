@@ -302,10 +302,13 @@ class Node:
             self._warn_codec_for_models()
             tune_allocator()
             self._start_metrics()  # first: a port in use stops the node before it writes a file
+            made = not self.state.root.exists()
             try:
                 self._take_state_dir()
                 self._prepared = await trio.to_thread.run_sync(self._build_training)
             except BaseException:
+                if made and self._state_lock is not None:  # (refused: leave no state dir)
+                    self.state.remove_unused()
                 self._release_state()
                 self._close_metrics()
                 self.metrics = None  # (a prepare() tried again starts it again)

@@ -463,6 +463,14 @@ async def test_a_config_that_cannot_fit_its_memory_limit_is_refused_with_the_fig
     # flight (0.27 GB) + 0.5 GB runtime = 0.95 GB
     assert "limits.memory_gb = 0.6" in str(info.value)
     assert "0.04 GB x (3 plain training loop + 1.5 adpsgd) + 0.27 GB chunks" in str(info.value)
+    assert not (tmp_path / "big").exists()  # refused: it left no state dir (a lock was there)
+    (tmp_path / "big" / "checkpoints").mkdir(parents=True)  # one there before is left as it was
+    (tmp_path / "big" / "notes.txt").write_text("mine")
+    with pytest.raises(geotrain.MemoryBudgetError):
+        async with geotrain.open_node(cfg, identity=Identity.generate(), admission=admission):
+            pass
+    assert sorted(p.name for p in (tmp_path / "big").iterdir()) == [
+        "checkpoints", "lock", "notes.txt"]
     fits = config(tmp_path, "fits", 'training.task="wide-linear"',
                   "training.params.millions=10.0", "limits.memory_gb=1.0", "training.max_steps=2")
     async with geotrain.open_node(fits, identity=Identity.generate(), admission=admission) as node:

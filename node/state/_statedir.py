@@ -2,6 +2,7 @@
 # under its state directory is named here, nowhere else.
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import os
@@ -126,6 +127,15 @@ class StateDir:
         self.root.mkdir(parents=True, exist_ok=True)
         self.checkpoints.mkdir(exist_ok=True)
         return self
+
+    def remove_unused(self) -> None:
+        """Remove what `create` and `lock` made, for a node refused before it wrote anything
+        (a config that does not fit its memory budget left a state/ with a lock and an empty
+        checkpoints/). Call it holding the lock; whatever else lies there is kept."""
+        with contextlib.suppress(OSError):
+            self.lock_path.unlink(missing_ok=True)
+            self.checkpoints.rmdir()  # (only when empty)
+            self.root.rmdir()
 
 
 class StateDirInUse(ValueError):
