@@ -66,6 +66,19 @@ def test_a_different_prologue_fails_the_handshake():
         _run(i, r)
 
 
+def test_a_recorded_handshake_replayed_to_a_responder_fails_and_says_it_may_be_a_replay():
+    i, r = _pair()
+    first = i.write_message(b"")
+    r.read_message(first)
+    i.read_message(r.write_message(b""))
+    third = i.write_message(b"proof")
+    again = NoiseHandshake(False, r._s, b"swarm-a")  # the same responder, a new handshake
+    again.read_message(first)  # (the first message has nothing to authenticate)
+    again.write_message(b"")  # a new ephemeral key: the recorded third message cannot fit it
+    with pytest.raises(HandshakeFailed, match="or replayed from another handshake"):
+        again.read_message(third)
+
+
 @pytest.mark.parametrize("which", [1, 2])
 def test_any_tampered_byte_of_an_encrypted_message_fails(which):
     rng = random.Random(which)

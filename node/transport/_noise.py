@@ -105,11 +105,12 @@ class _SymmetricState:
                 out = self.key.decrypt(_nonce(self.n), data, self.h)
             except InvalidTag:
                 # the swarm ID is the prologue: a peer of another swarm fails here, as does a
-                # message altered on the way (the two cannot be told apart by design)
+                # message altered on the way or recorded from another handshake and replayed
+                # (they cannot be told apart by design)
                 raise HandshakeFailed(
                     "handshake message failed authentication: the peer is of another swarm "
                     "(its swarm ID differs from identity.swarm_id / the swarm file's), or the "
-                    "message was altered on the way") from None
+                    "message was altered on the way, or replayed from another handshake") from None
             self.n += 1
         self.mix_hash(data)
         return out
