@@ -305,7 +305,8 @@ def join(
         ConfigError: a bad config or identity files (before anything starts), or a model that
             does not fit limits.memory_gb. ResumeError: the state directory holds another
             algorithm's checkpoint. TimeoutError: not ready in `ready_timeout_s`. ValueError: a
-            model without parameters, or with every one frozen (requires_grad False).
+            model without parameters, or with every one frozen (requires_grad False), or one
+            an open swarm of this process trains already.
     """
     if not isinstance(config, NodeConfig):
         config = load_config(Path(config), overrides)
@@ -317,6 +318,7 @@ def join(
     inner = getattr(model, "_orig_mod", None)  # torch.compile's wrapper: its names would all
     if isinstance(inner, torch.nn.Module):  # begin '_orig_mod.', unlike an uncompiled peer's or
         model = inner  # checkpoint's; it trains the same parameters
+    _refuse_joined_twice(model)
     loop = LoopTrainer(model, evaluate, metric=metric, higher_is_better=higher_is_better)
     if identity is None or admission is None:
         identity, admission = load_identity(config)
@@ -358,6 +360,20 @@ def join(
     swarm = Swarm(node, loop, thread, box["token"], box)
     _open_swarms.add(swarm)
     return swarm
+
+
+def _refuse_joined_twice(model: torch.nn.Module) -> None:
+    """A model whose parameters an open swarm of this process trains already is refused: two
+    nodes mixed peers' values into the same tensors from two threads, each checkpointing and
+    counting steps of its own, and nothing said so."""
+    mine = {id(p) for p in model.parameters()}
+    for swarm in _open_swarms:
+        if swarm._pid == os.getpid() and not swarm._closed and any(
+                id(p) in mine for p in swarm._loop.model.parameters()):  # fmt: skip
+            raise ValueError(
+                f"model {type(model).__name__}: its parameters are already joined to a swarm "
+                f"in this process (state dir {str(swarm.node.state.root)!r}): close() that "
+                "swarm first; a model trains in one swarm at a time")
 
 
 def _stop_unready(node: Node, box: dict[str, Any]) -> None:

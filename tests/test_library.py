@@ -195,6 +195,12 @@ def test_bad_use_gets_a_clear_error(tmp_path):
         geotrain.join(good, nn.ReLU())  # was a bare StopIteration
     swarm = joined(tmp_path, "y", model)
     try:
+        # the same model (or a model holding its layers) in a second swarm: two nodes mixed
+        # into the same tensors from two threads, silently
+        with pytest.raises(ValueError, match=r"already joined to a swarm in this process "
+                           r"\(state dir '.*/y'\): close\(\) that swarm first"):  # fmt: skip
+            joined(tmp_path, "y2", nn.Sequential(model, nn.Linear(1, 1)))
+        assert not (tmp_path / "y2").exists()  # refused before anything started
         stranger = torch.optim.SGD(make_model().parameters(), lr=0.1)
         with pytest.raises(ValueError, match="not .all. the joined model's"):
             swarm.wrap(stranger)
@@ -215,6 +221,7 @@ def test_bad_use_gets_a_clear_error(tmp_path):
         opt.step()
     with pytest.raises(geotrain.LoopClosed, match=r"status\(\) after the swarm was closed"):
         swarm.status()  # was trio's RunFinishedError
+    joined(tmp_path, "y3", model).close()  # once closed, the model may join again
 
 
 @pytest.mark.parametrize(
