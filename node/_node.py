@@ -47,6 +47,7 @@ from .algorithms import MODEL_CODECS, Algorithm, AlgorithmContext, get_algorithm
 from .identity import Admission, Identity
 from .state import Checkpoint, CheckpointStore, NodeStatus, StateDir, write_atomically
 from .training import (
+    LEDGER_AHEAD_STEPS,
     Diverged,
     LoopTrainer,
     Task,
@@ -151,6 +152,7 @@ class Node:
         self._prepared: tuple[Task, Trainer, Checkpoint | None, CheckpointStore] | None = None
         self._state_lock: BinaryIO | None = None  # held while this node runs on its state.dir
         self._mismatch: ModelMismatch | None = None  # the swarm refused our model: stop, fail
+        self._ledger: dict | None = None  # [privacy]: privacy.json as it was at start
 
     def request_stop(self) -> None:
         """Ask the node to stop (idempotent); `run()` returns after a clean shutdown. A loop of
@@ -212,6 +214,7 @@ class Node:
             clip_grad_norm=clip, accumulate=t.accumulate, step_time_s=t.step_time_ms / 1000,
         )  # fmt: skip
         self._make_private(trainer)
+        self._ledger = self._read_privacy_ledger(trainer)
         self._fit_memory(trainer, trainer.recipe.optimizer)
         ckpt = load_checkpoint(store, self.config.gossip.algorithm)
         return task, trainer, ckpt, store
@@ -262,6 +265,54 @@ class Node:
         log.info("privacy_on", epsilon=p.epsilon, delta=p.delta, max_grad_norm=p.max_grad_norm,
                  noise_multiplier=round(private.noise_multiplier, 4),
                  sample_rate=round(private.sample_rate, 5), accountant=p.accountant)  # fmt: skip
+
+    def _read_privacy_ledger(self, trainer: Trainer) -> dict | None:
+        """[privacy]: the budget this node recorded as spent (state.dir/privacy.json), or None.
+
+        Raises:
+            ConfigError: the file is there but unreadable: the node does not start afresh on a
+                budget it may have spent (remove the file only with every model it sent).
+        """
+        path = self.state.privacy_ledger
+        if trainer.private is None:
+            return None
+        try:
+            state = json.loads(path.read_bytes())
+            trainer.private.steps_in(state)
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError) as exc:
+            raise ConfigError(
+                f"state.dir: the privacy ledger {str(path)!r} cannot be read ({exc}): it records "
+                "the budget this node's data has spent, so the node does not start without it; "
+                "restore it, or remove it only if every model this node ever sent is gone too"
+            ) from None
+        return state
+
+    def _open_privacy_ledger(self, trainer: Trainer) -> None:
+        """After the checkpoint's restore: take the ledger's spend where it counts more steps
+        than the checkpoint (the node was killed after it), then record every private step in it
+        before it is taken."""
+        private = trainer.private
+        if private is None:
+            return
+        ledger, path = self._ledger, self.state.privacy_ledger
+        if ledger is not None and private.steps_in(ledger) > private.steps_in(private.state()):
+            before = private.epsilon()
+            private.load_state(ledger)
+            log.warning("privacy_ledger_ahead", epsilon_checkpoint=round(before, 4),
+                        epsilon_spent=round(private.epsilon(), 4), ledger=str(path),
+                        detail="the node stopped without a final checkpoint: the steps it took "
+                        "after its last one (counted ahead, up to "
+                        f"{LEDGER_AHEAD_STEPS} more) stay spent")  # fmt: skip
+
+        def write(state: dict) -> None:
+            try:
+                write_atomically(path, json.dumps(state).encode())
+            except OSError as exc:  # no step is taken that the ledger does not count
+                raise self._state_dir_error(exc) from None
+
+        private.ledger = write
 
     def _transport_config(self) -> TransportConfig:
         net = self.config.network
@@ -495,6 +546,8 @@ class Node:
             if ckpt is not None:
                 checkpointer.restore(ckpt)
                 log.info("resumed", step=ckpt.step)
+            if isinstance(trainer, Trainer):
+                self._open_privacy_ledger(trainer)
             state_sync = StateSync(
                 trainer, algorithm, cfg.gossip.algorithm, transport, membership, self.links,
                 self.rng, chunk_numel=cfg.network.chunk_numel,
@@ -631,6 +684,9 @@ class Node:
             self._on_ready()
         await driver.run()
         await driver.finish(STOP_GRACE_S)
+        private = getattr(self.trainer, "private", None)
+        if private is not None:  # a clean stop: the steps counted ahead are given back
+            await trio.to_thread.run_sync(private.settle)
 
     def _write_node_info(self) -> None:
         info = {"peer_id": self.identity.peer_id, "address": self.address, "pid": os.getpid()}

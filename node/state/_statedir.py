@@ -39,6 +39,9 @@ class StateDir:
         metrics.jsonl                         one JSON object per line, appended while running
         status.json                           the latest status snapshot, replaced atomically
         node.json                             who is running here: peer ID, address, pid
+        privacy.json                          [privacy]: the budget spent, recorded before each
+                                              block of private steps is taken (a killed node's
+                                              checkpoint forgot the steps after it)
         lock                                  held (flock) by the node running here, if any
     """
 
@@ -59,6 +62,10 @@ class StateDir:
     @property
     def node_info(self) -> Path:
         return self.root / "node.json"
+
+    @property
+    def privacy_ledger(self) -> Path:
+        return self.root / "privacy.json"
 
     @property
     def lock_path(self) -> Path:

@@ -7,6 +7,7 @@ from ._gpt import SIZES as GPT_SIZES  # noqa: F401 (re-exported: the gpt task's 
 from ._loop import Diverged as Diverged
 from ._loop import LoopClosed as LoopClosed
 from ._loop import LoopTrainer as LoopTrainer
+from ._privacy import LEDGER_AHEAD_STEPS as LEDGER_AHEAD_STEPS
 from ._privacy import PrivacyError as PrivacyError
 from ._privacy import PrivacyStatistics as PrivacyStatistics
 from ._privacy import make_private as make_private

@@ -121,6 +121,8 @@ class Trainer(LoopTrainer):
             _, result = self.stepped(lambda: None, None)
             return dataclasses.replace(result, seconds=time.perf_counter() - started)
         optimizer = self.optimizer if self.private is None else self.private.optimizer
+        if self.private is not None:
+            self.private.record_ahead()  # (durably counted before any gradient is taken)
 
         def optimizer_step() -> None:
             optimizer.step()
