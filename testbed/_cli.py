@@ -142,16 +142,32 @@ def _scenario_from_args(args: argparse.Namespace) -> TestbedScenario:
     changes = {k: v for k, v in changes.items() if v is not None}
     for item in getattr(args, "node_set", ()):
         key = item.partition("=")[0].strip()
-        if key in ("training.partition", "training.alpha"):
-            option = "--" + key.split(".")[1]
-            raise ScenarioError(f"--node-set {item!r}: would split the data for geotrain's nodes "
-                                f"only; use {option}, which every system of the run gets")
+        shared = SHARED_TRAINING.get(key) or SHARED_TRAINING.get(key.rpartition(".")[0])
+        if shared is not None:  # (the table compared geotrain on another job with the rest)
+            raise ScenarioError(f"--node-set {item!r}: every system of the run gets this from the "
+                                f"scenario, and this would change it for geotrain's nodes only; "
+                                f"use {shared}")  # fmt: skip
         if key == "gossip.preset" and args.algorithm is None:  # the preset's algorithm is the
             changes.update(_preset_algorithm(item.partition("=")[2].strip()))  # run's too
     if changes:
         params = {} if args.task and args.task != sc.task else sc.params
         sc = replace(sc, params=params, **changes)
     return sc
+
+
+# [training] settings the testbed gives every system alike, and what sets them for all
+SHARED_TRAINING = {
+    "training.task": "--task (or the scenario's task)",
+    "training.params": "the scenario's [params]",
+    "training.partition": "--partition",
+    "training.alpha": "--alpha",
+    "training.step_time_ms": "--step-ms (or the scenario's step_ms)",
+    "training.slowdown": "the scenario's [[stragglers]]",
+    "training.seed": "nothing: every system starts from the same seeded model",
+    "training.shard_index": "nothing: peer i trains shard i in every system",
+    "training.num_shards": "--peers",
+    "training.threads": "nothing: every peer of every system trains on one thread",
+}
 
 
 def _preset_algorithm(name: str) -> dict[str, str]:
@@ -167,7 +183,12 @@ def _task_target(sc: TestbedScenario, target: float | None) -> tuple[float, str,
     """(target, metric name, higher is better) from the task itself (imports torch)."""
     from geotrain.node import TaskContext, resolve_task
 
-    task = resolve_task(sc.task)(TaskContext(params=dict(sc.params)))
+    ctx = TaskContext(params=dict(sc.params))
+    task = resolve_task(sc.task)(ctx)
+    if ctx.unasked() and ":" not in sc.task:  # (as a node refuses it, but before anything runs)
+        known = ", ".join(sorted(ctx.asked)) or "none"
+        raise ScenarioError(f"scenario.params.{ctx.unasked()[0]}: task {sc.task!r} has no such "
+                            f"parameter (its parameters: {known})")  # fmt: skip
     if target is not None and not math.isfinite(target):
         raise ScenarioError(f"--target {target}: expected a finite number (the metric to reach)")
     value = target if target is not None else sc.target

@@ -22,6 +22,7 @@ FAULT_ACTIONS = ("kill", "restart", "partition", "heal", "degrade")
 # Byzantine behaviours a testbed peer can be given ([[attackers]]); testbed/_attacks.py forges them
 ATTACK_KINDS = ("sign_flip", "alie", "ipm", "label_flip", "noise", "nan", "replay")
 LINK_FIELDS = ("delay_ms", "jitter_ms", "loss", "rate_mbit")
+MAX_SLOWDOWN = 10_000  # a straggler's slowdown at most (training.slowdown's range)
 AVAILABILITY_FIELDS = ("peer", "online_s", "offline_s", "offset_s")
 ACCESS_FIELDS = ("up_mbit", "down_mbit", "delay_ms")
 # peers of one run: each is a process, a network namespace and a veth pair on this machine, and
@@ -77,7 +78,8 @@ class Fault:
     link: LinkSpec | None = None
 
     def __post_init__(self) -> None:
-        if not isinstance(self.at_s, int | float) or not math.isfinite(self.at_s) or self.at_s < 0:
+        if (not isinstance(self.at_s, int | float) or isinstance(self.at_s, bool)
+                or not math.isfinite(self.at_s) or self.at_s < 0):  # fmt: skip
             raise _fail("faults.at_s", self.at_s, "a finite number of seconds >= 0")
         if self.action not in FAULT_ACTIONS:
             raise _fail("faults.action", self.action, f"one of {FAULT_ACTIONS}")
@@ -102,6 +104,12 @@ class Fault:
                         "two regions, not inside one)")  # fmt: skip
         if self.action == "degrade" and self.link is None:
             raise _fail("faults.link", None, "a link spec (delay_ms, rate_mbit, ...) for degrade")
+        if self.action != "degrade" and self.link is not None:  # (taken and ignored)
+            raise _fail("faults.link", str(self.link), f"no link fields: {self.action!r} sets no "
+                        "link (only degrade does)")  # fmt: skip
+        if self.action == "heal" and self.regions is not None:  # heal restores every link: a
+            raise _fail("faults.regions", list(self.regions), "nothing: heal brings every link "
+                        "back to the scenario's spec, not one pair")  # pair named was misread
 
     def describe(self) -> str:
         what = {"kill": f"kill peer {self.peer}", "restart": f"restart peer {self.peer}"}
@@ -234,8 +242,9 @@ class TestbedScenario:
         for peer, factor in self.slowdowns.items():
             if not 0 <= peer < self.n_peers:
                 raise _fail("stragglers.peer", peer, f"a peer index in 0..{self.n_peers - 1}")
-            if not isinstance(factor, int | float) or not factor >= 1.0:
-                raise _fail("stragglers.slowdown", factor, f"a number >= 1.0 (peer {peer})")
+            if not isinstance(factor, int | float) or not 1.0 <= factor <= MAX_SLOWDOWN:
+                raise _fail("stragglers.slowdown", factor,
+                            f"a number in 1.0..{MAX_SLOWDOWN} (peer {peer})")
         for i, fault in enumerate(self.faults):  # (in the file's order: its [[faults]] index)
             self._check_fault(fault, names, f"faults[{i}]")
         object.__setattr__(self, "faults", tuple(sorted(self.faults, key=lambda f: f.at_s)))
@@ -249,7 +258,8 @@ class TestbedScenario:
             raise _fail("target", self.target, "a finite number (the metric to reach)")
         if not isinstance(self.description, str):
             raise _fail("description", self.description, "a string")
-        if not isinstance(self.rate_scale, int | float) or not 0 < self.rate_scale <= 1:
+        if (not isinstance(self.rate_scale, int | float) or isinstance(self.rate_scale, bool)
+                or not 0 < self.rate_scale <= 1):  # fmt: skip
             raise _fail("rate_scale", self.rate_scale, "a factor in (0, 1]")
         if (not isinstance(self.step_ms, int | float) or isinstance(self.step_ms, bool)
                 or not 0 <= self.step_ms < 3_600_000):  # fmt: skip
@@ -515,6 +525,9 @@ def scenario_from_dict(data: Mapping[str, Any], name: str = "custom") -> Testbed
         odd = sorted(set(links) - {"inside", "between"}) if isinstance(links, Mapping) else links
         raise _fail("links", odd, "only the tables links.inside and [[links.between]]")
     names = [r.name for r in regions]
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:  # (it was said of the first link between them: "two different regions of ...")
+        raise _fail("regions", twice, "each region name once")
     if "inside" not in links and any(r.peers > 1 for r in regions):  # (it was taken as
         # unshaped 0 ms links, silently)
         raise _fail("links.inside", None, f"a link spec for every region (fields "
@@ -591,8 +604,10 @@ def _straggler_from(item: Any, i: int) -> tuple[int, float]:
     peer, slowdown = item["peer"], item["slowdown"]
     if not isinstance(peer, int) or isinstance(peer, bool):
         raise _fail(f"stragglers[{i}].peer", peer, "a peer index (an integer)")
-    if not isinstance(slowdown, int | float) or isinstance(slowdown, bool) or not slowdown >= 1:
-        raise _fail(f"stragglers[{i}].slowdown", slowdown, "a number >= 1.0")
+    if (not isinstance(slowdown, int | float) or isinstance(slowdown, bool)
+            or not 1 <= slowdown <= MAX_SLOWDOWN):  # (the node's own range: one beyond it was
+        raise _fail(f"stragglers[{i}].slowdown", slowdown,  # refused once peers had started)
+                    f"a number in 1.0..{MAX_SLOWDOWN}")  # fmt: skip
     return peer, float(slowdown)
 
 
@@ -616,6 +631,8 @@ def _access_from(items: Any) -> dict[int, AccessLink]:
         if not isinstance(item, Mapping) or "peer" not in item:
             raise _fail(f"access[{i}]", item, f"a table with peer and {ACCESS_FIELDS}")
         peer = item["peer"]
+        if not isinstance(peer, int) or isinstance(peer, bool):  # ([1]: "unhashable type")
+            raise _fail(f"access[{i}].peer", peer, "a peer index (an integer)")
         if peer in out:
             raise _fail(f"access[{i}].peer", peer, "each peer at most once")
         out[peer] = _access_link({k: v for k, v in item.items() if k != "peer"}, f"access[{i}]")
@@ -630,6 +647,8 @@ def _attackers_from(items: Any) -> dict[int, str]:
     for i, item in enumerate(items):
         if not isinstance(item, Mapping) or set(item) != {"peer", "kind"}:
             raise _fail(f"attackers[{i}]", item, "a table with exactly peer and kind")
+        if not isinstance(item["peer"], int) or isinstance(item["peer"], bool):
+            raise _fail(f"attackers[{i}].peer", item["peer"], "a peer index (an integer)")
         if item["peer"] in out:
             raise _fail(f"attackers[{i}].peer", item["peer"], "each peer at most once")
         out[item["peer"]] = item["kind"]
