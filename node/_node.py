@@ -552,6 +552,7 @@ class Node:
                 trainer, algorithm, cfg.gossip.algorithm, transport, membership, self.links,
                 self.rng, chunk_numel=cfg.network.chunk_numel,
                 max_chunk_numel=cfg.network.max_chunk_numel,
+                untrusted=cfg.gossip.robust != "none",
             )  # fmt: skip
             self._reporter = StatusReporter(
                 StatusSources(

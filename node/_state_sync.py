@@ -106,8 +106,13 @@ class StateSync:
         chunk_numel: int,
         max_chunk_numel: int,
         to_thread: ToThread = trio.to_thread.run_sync,
+        untrusted: bool = False,
     ) -> None:
         self._trainer = trainer
+        # gossip.robust set (peers may be malicious): no optimizer state is taken from a donor.
+        # (Its model is taken with the finite-value checks only: a norm check against our own
+        # freshly made model refused honest donors whose norm had grown 12x in 5 steps.)
+        self._untrusted = untrusted
         self._algorithm = algorithm
         self._name = algorithm_name
         self._network = network
@@ -215,7 +220,13 @@ class StateSync:
                     log.info("state_synced", peer=peer[:12], peer_step=step)
                     await self._to_thread(self._algorithm.model_replaced)
                     await self.fetch_buffers(peer, address)
-                    await self.fetch_optimizer(peer, address)
+                    if self._untrusted:  # (1e30 momentum from one admitted attacker left a
+                        # joiner at chance accuracy for good: it cannot be checked against ours)
+                        log.info("optimizer_state_not_taken", peer=peer[:12],
+                                 reason="gossip.robust is set: a peer's optimizer state is not "
+                                 "trusted", detail="the optimizer starts fresh")  # fmt: skip
+                    else:
+                        await self.fetch_optimizer(peer, address)
                     return True
                 self._check_mismatch(peers)
             await trio.sleep(0.2)

@@ -324,7 +324,36 @@ def _system(run: dict[str, Any], system: str, peers, samples) -> dict[str, Any]:
         # peers whose process failed by itself (a baseline's rank that crashed): its figures
         # end there (absent from runs written before it)
         "failed_peers": run["systems"][system].get("failed_peers") or [],
+        # peers restarted by a fault that never reported again: their final figure is from
+        # before their kill (a node slow to start on a loaded machine, one that failed at once)
+        "silent_after_restart": _silent_after_restart(run, system, peers),
+        # seconds trained past the run's duration (a baseline's stop checks come every few
+        # steps, and a fault that slows its steps between two lets it run on); counted in its
+        # figures, so said (None: within a tenth of the duration)
+        "overran_s": _overran_s(run, t0, peers),
     }  # fmt: skip
+
+
+def _silent_after_restart(run: dict[str, Any], system: str, peers) -> list[int]:
+    """Peers of `system` a restart fault brought back that wrote no record after it."""
+    silent = set()
+    for fault in run.get("faults", []):
+        if (fault.get("system") == system and fault.get("action") == "restart"
+                and fault.get("applied") and fault.get("t") is not None):  # fmt: skip
+            p = fault.get("peer")
+            if isinstance(p, int) and 0 <= p < len(peers) and not any(
+                    r["t"] > fault["t"] for r in peers[p]):  # fmt: skip
+                silent.add(p)
+    return sorted(silent)
+
+
+def _overran_s(run: dict[str, Any], t0: float | None, peers) -> float | None:
+    """How long past run["duration_s"] a system's last record came, when beyond a tenth of it."""
+    duration = run.get("duration_s")
+    if t0 is None or not duration:
+        return None
+    past = max((rs[-1]["t"] for rs in peers if rs), default=t0) - t0 - duration
+    return round(past, 1) if past > 0.1 * duration else None
 
 
 def build_summary(out: Path) -> dict[str, Any]:
@@ -346,6 +375,7 @@ def build_summary(out: Path) -> dict[str, Any]:
         "links": run["links"],
         "faults": run["faults"],
         "rate_scale": run["rate_scale"],
+        "duration_s": run.get("duration_s"),
         "consensus_distance_final": run["consensus_distance_final"],
         "time_origin": "each system's first step; time_to_target_s counts from there",
         "partition": _partition(run),
@@ -451,10 +481,22 @@ def comparison_notes(summary: dict[str, Any]) -> list[str]:
 
 
 def _failure_lines(summary: dict[str, Any]) -> list[str]:
-    """A system some of whose peers failed by themselves: said first, its figures are partial."""
-    return [f"FAILED: {s['system']} peers {s['failed_peers']} exited with an error (see their "
-            "logs): its figures end where they failed" for s in summary["systems"]
-            if s.get("failed_peers")]  # fmt: skip
+    """A system some of whose peers failed by themselves, or never came back from a restart, or
+    that trained well past the duration: said first, its figures are partial or longer."""
+    lines = [f"FAILED: {s['system']} peers {s['failed_peers']} exited with an error (see their "
+             "logs): its figures end where they failed" for s in summary["systems"]
+             if s.get("failed_peers")]  # fmt: skip
+    for s in summary["systems"]:
+        if s.get("silent_after_restart"):
+            lines.append(f"NOT BACK: {s['system']} peers {s['silent_after_restart']} were "
+                         "restarted by a fault and never reported again (see their logs): their "
+                         "final figures are from before their kill")  # fmt: skip
+        if s.get("overran_s"):
+            lines.append(f"OVERRAN: {s['system']} trained {s['overran_s']:g} s past the run's "
+                         f"{summary.get('duration_s', 0):g} s (its stop checks come every few "
+                         "steps, and its steps slowed between two): those seconds are in its "
+                         "figures")  # fmt: skip
+    return lines
 
 
 def _utilization_lines(summary: dict[str, Any]) -> list[str]:
