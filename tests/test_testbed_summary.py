@@ -317,3 +317,28 @@ def test_a_level_touched_once_and_left_is_not_said_to_be_held(tmp_path: Path):
     table = render_table(summary)
     assert "ddp 2.0 s" in table and "there for good from 5.0 s" in table
     assert "then left it: not there at the end" in table
+
+
+def test_a_peer_never_back_from_its_restart_and_a_system_past_its_duration_are_said(
+        tmp_path: Path):  # fmt: skip
+    # a restarted peer that never reported again was shown with its final metric from before
+    # its kill, and a baseline that trained 23 s past a 40 s run was counted without a word
+    _kill_peer_1(tmp_path, restart_at=3.0)
+    lines = [{"t": T0 + s, "step": 10 * s, "steps_per_s": 10.0, "metric": 0.5,
+              "bytes_out": 100 * s} for s in (1, 2)]  # fmt: skip
+    _write_lines(tmp_path / "geotrain" / "peer-01" / "metrics.jsonl", lines)
+    for i in range(2):  # ddp's last line 13 s after its first step, in a 10 s run
+        _write_lines(tmp_path / "ddp" / f"peer-0{i}.jsonl", [
+            {"t": T0 + s, "step": s, "steps_per_s": 1.0, "metric": 0.6} for s in range(1, 14)
+        ])  # fmt: skip
+    summary = build_summary(tmp_path)
+    geotrain, ddp = summary["systems"]
+    assert geotrain["silent_after_restart"] == [1] and ddp["silent_after_restart"] == []
+    assert ddp["overran_s"] == 3.0 and geotrain["overran_s"] is None
+    table = render_table(summary)
+    assert "NOT BACK: geotrain peers [1] were restarted by a fault and never reported" in table
+    assert "OVERRAN: ddp trained 3 s past the run's 10 s" in table
+    _kill_peer_1(tmp_path, restart_at=6.0)  # it reported after its restart: nothing said
+    summary = build_summary(tmp_path)
+    assert summary["systems"][0]["silent_after_restart"] == []
+    assert "NOT BACK" not in render_table(summary) and "OVERRAN" not in render_table(summary)
