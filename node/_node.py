@@ -561,6 +561,7 @@ class Node:
                     task.metric if task is not None else trainer.metric, trainer, transport,
                     membership, self.links,
                     algorithm, self.progress, self.memory.total_gb * 1000,
+                    reachable=cfg.network.reachable,
                 ),
                 self.state, cfg.state.status_every_s, lambda: self._running,
             )  # fmt: skip

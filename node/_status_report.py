@@ -67,6 +67,7 @@ class StatusSources:
     algorithm: Algorithm
     progress: Progress
     memory_estimate_mb: float | None = None
+    reachable: bool = True  # network.reachable (False: client mode)
 
 
 class StatusReporter:
@@ -147,6 +148,7 @@ class StatusReporter:
             memory_estimate_mb=s.memory_estimate_mb,
             certificate_expires_at=s.transport.certificate_expires_at,
             not_dialled=s.membership.not_dialled_back(),
+            reachable=s.reachable,
         )
 
     async def write(self) -> None:

@@ -77,6 +77,18 @@ async def test_every_algorithm_exchanges_with_a_client_that_nobody_dials(tmp_pat
                 assert c.address not in dialled(reachable)
                 assert not any(x.startswith("client://") for x in dialled(reachable))
             assert dialled(c) >= {a.address, b.address}
+            if algorithm == "adpsgd":  # what `geotrain status` shows of a client, and of it
+                from geotrain.node.state import render_status
+
+                mine = render_status(c.status().to_json()).splitlines()
+                assert "client mode (dials out; nobody dials it)" in mine[0]
+                assert c.status().to_json()["reachable"] is False
+                theirs = render_status(a.status().to_json()).splitlines()
+                header = next(x for x in theirs if x.startswith("peer "))
+                row = next(x for x in theirs if x.startswith(client[:12]))
+                # its address cut to its column (the whole client://<ID> shifted the row)
+                assert "client://" in row and "…" in row and len(row) == len(header), row
+                assert "client mode" not in theirs[0]
 
 
 async def test_late_joiners_sync_their_model_from_a_reachable_peer_never_from_a_client(

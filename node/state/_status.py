@@ -75,6 +75,9 @@ class NodeStatus:
     # peers accepted this node's connections but none dialled it back (behind NAT, configured
     # reachable): the node warned `not_dialled`
     not_dialled: bool = False
+    # network.reachable: False for a node in client mode (behind NAT: it dials, nobody dials
+    # it; its address is its loopback listener for local status only)
+    reachable: bool = True
     steps_over_step_time: int = 0  # compute emulation: steps whose compute overran the pinned time
     # steps in a row whose loss was NaN or inf (the loss field is null then: JSON has no NaN)
     nonfinite_losses: int = 0
@@ -213,11 +216,19 @@ def format_number(v: Any) -> str:
     return f"{v:g}" if isinstance(v, int | float) and not isinstance(v, bool) else str(v)
 
 
+def _address_cell(peer: dict[str, Any]) -> str:
+    """A peer's address in 27 characters: a client's (client://<its whole peer ID>) is cut, as
+    it pushed the row's other columns out of line."""
+    text = _fmt(peer.get("address"))
+    return text if len(text) <= 27 else text[:26] + "…"
+
+
 def render_status(data: dict[str, Any]) -> str:
     """A human-readable status: the node's numbers, then one row per known peer."""
     get = data.get
     lines = [
         f"node      {data['peer_id']}  {data['address']}  pid {_fmt(get('pid'))}"
+        + ("" if get("reachable", True) else "  client mode (dials out; nobody dials it)")
         + ("" if get("running", True) else "  (stopped)"),
         f"training  {data['task']} / {data['algorithm']}  step {_fmt(data['step'])}"
         f"  {_fmt(get('steps_per_s'), '.2f')} steps/s  loss {_loss_cell(data)}"
@@ -234,11 +245,11 @@ def render_status(data: dict[str, Any]) -> str:
         f"{'ok':>5}{'failed':>7}",
     ]
     peers = data.get("peers")
-    for p in peers if isinstance(peers, list) else []:
+    for p in peers if isinstance(peers, list | tuple) else []:
         if not isinstance(p, dict):
             continue
         lines.append(
-            f"{_fmt(p.get('peer')):<14}{_fmt(p.get('state')):<9}{_fmt(p.get('address')):<28}"
+            f"{_fmt(p.get('peer')):<14}{_fmt(p.get('state')):<9}{_address_cell(p):<28}"
             f"{_fmt(p.get('rtt_ms'), '.1f'):>8}{_fmt(p.get('goodput_mbit'), '.1f'):>9}  "
             f"{_fmt(p.get('codec')):<16}{_fmt(p.get('exchanges_ok')):>5}"
             f"{_fmt(p.get('exchanges_failed')):>7}"
