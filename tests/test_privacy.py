@@ -192,6 +192,13 @@ def test_a_model_opacus_cannot_handle_is_refused_in_its_words(tmp_path):
         trio.run(start)
 
 
+def test_a_budget_no_noise_can_keep_names_epsilon():
+    # it was Opacus' bare "The privacy budget is too low.", naming no setting
+    with pytest.raises(PrivacyError, match=r"epsilon = 1e-09: no noise multiplier spends it in "
+                       r"100 steps .* set privacy.noise_multiplier"):  # fmt: skip
+        make_private(_digits(), epsilon=1e-9, planned_steps=100)
+
+
 def test_privacy_settings_are_checked_and_name_the_field():
     base, ident = Path("."), "[identity]\nopen_swarm = true\n"
     assert not config_from_toml(ident, base=base).privacy.enabled

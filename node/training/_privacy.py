@@ -90,10 +90,16 @@ class PrivateTraining:
         if noise_multiplier is None:
             if planned_steps < 1:
                 raise PrivacyError("no noise multiplier and no planned steps to derive it from")
-            noise_multiplier = get_noise_multiplier(
-                target_epsilon=epsilon, target_delta=delta, sample_rate=sample_rate,
-                steps=planned_steps, accountant=accountant,
-            )  # fmt: skip
+            try:
+                noise_multiplier = get_noise_multiplier(
+                    target_epsilon=epsilon, target_delta=delta, sample_rate=sample_rate,
+                    steps=planned_steps, accountant=accountant,
+                )  # fmt: skip
+            except ValueError as exc:  # ("The privacy budget is too low.", naming nothing)
+                raise PrivacyError(
+                    f"epsilon = {epsilon:g}: no noise multiplier spends it in {planned_steps} "
+                    f"steps at delta {delta:g} (Opacus: {exc}); raise privacy.epsilon, or set "
+                    "privacy.noise_multiplier") from None
         self.epsilon_budget, self.delta = epsilon, delta
         self.noise_multiplier, self.sample_rate = float(noise_multiplier), sample_rate
         self.hooks = GradSampleModule(model)  # per-sample gradients of the module's own layers
