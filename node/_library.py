@@ -367,7 +367,7 @@ def _refuse_joined_twice(model: torch.nn.Module) -> None:
     nodes mixed peers' values into the same tensors from two threads, each checkpointing and
     counting steps of its own, and nothing said so."""
     mine = {id(p) for p in model.parameters()}
-    for swarm in _open_swarms:
+    for swarm in list(_open_swarms):  # (a close() in another thread changes the set)
         if swarm._pid == os.getpid() and not swarm._closed and any(
                 id(p) in mine for p in swarm._loop.model.parameters()):  # fmt: skip
             raise ValueError(

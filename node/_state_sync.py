@@ -109,7 +109,8 @@ class StateSync:
         untrusted: bool = False,
     ) -> None:
         self._trainer = trainer
-        # gossip.robust set (peers may be malicious): no optimizer state is taken from a donor.
+        # gossip.robust set (peers may be malicious): no optimizer state or buffers are taken
+        # from a donor.
         # (Its model is taken with the finite-value checks only: a norm check against our own
         # freshly made model refused honest donors whose norm had grown 12x in 5 steps.)
         self._untrusted = untrusted
@@ -219,13 +220,15 @@ class StateSync:
                 if step is not None:
                     log.info("state_synced", peer=peer[:12], peer_step=step)
                     await self._to_thread(self._algorithm.model_replaced)
-                    await self.fetch_buffers(peer, address)
                     if self._untrusted:  # (1e30 momentum from one admitted attacker left a
-                        # joiner at chance accuracy for good: it cannot be checked against ours)
+                        # joiner at chance accuracy for good: it cannot be checked against ours;
+                        # nor can buffers, which gossip never mixes back toward the swarm)
                         log.info("optimizer_state_not_taken", peer=peer[:12],
-                                 reason="gossip.robust is set: a peer's optimizer state is not "
-                                 "trusted", detail="the optimizer starts fresh")  # fmt: skip
+                                 reason="gossip.robust is set: a peer's optimizer state and "
+                                 "buffers are not trusted", detail="the optimizer starts fresh "
+                                 "and the model keeps its own buffers")  # fmt: skip
                     else:
+                        await self.fetch_buffers(peer, address)
                         await self.fetch_optimizer(peer, address)
                     return True
                 self._check_mismatch(peers)

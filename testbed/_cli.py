@@ -142,8 +142,10 @@ def _scenario_from_args(args: argparse.Namespace) -> TestbedScenario:
     changes = {k: v for k, v in changes.items() if v is not None}
     for item in getattr(args, "node_set", ()):
         key = item.partition("=")[0].strip()
-        shared = SHARED_TRAINING.get(key) or SHARED_TRAINING.get(key.rpartition(".")[0])
-        if shared is not None:  # (the table compared geotrain on another job with the rest)
+        shared = SHARED_TRAINING.get(
+            "training.params" if key.startswith("training.params.") else key)
+        if shared is not None and args.baseline != "none":  # (the table compared geotrain on
+            # another job with the baselines; with none, a geotrain-only sweep is fine)
             raise ScenarioError(f"--node-set {item!r}: every system of the run gets this from the "
                                 f"scenario, and this would change it for geotrain's nodes only; "
                                 f"use {shared}")  # fmt: skip
@@ -167,7 +169,7 @@ SHARED_TRAINING = {
     "training.shard_index": "nothing: peer i trains shard i in every system",
     "training.num_shards": "--peers",
     "training.threads": "nothing: every peer of every system trains on one thread",
-}
+}  # (not the recipe's lr, optimizer, ...: each system may be run at its own best settings)
 
 
 def _preset_algorithm(name: str) -> dict[str, str]:

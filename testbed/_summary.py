@@ -330,7 +330,7 @@ def _system(run: dict[str, Any], system: str, peers, samples) -> dict[str, Any]:
         # seconds trained past the run's duration (a baseline's stop checks come every few
         # steps, and a fault that slows its steps between two lets it run on); counted in its
         # figures, so said (None: within a tenth of the duration)
-        "overran_s": _overran_s(run, t0, peers),
+        "overran_s": _overran_s(run, system, t0, peers),
     }  # fmt: skip
 
 
@@ -347,13 +347,25 @@ def _silent_after_restart(run: dict[str, Any], system: str, peers) -> list[int]:
     return sorted(silent)
 
 
-def _overran_s(run: dict[str, Any], t0: float | None, peers) -> float | None:
-    """How long past run["duration_s"] a system's last record came, when beyond a tenth of it."""
+def _overran_s(run: dict[str, Any], system: str, t0: float | None, peers) -> float | None:
+    """How long past run["duration_s"] a baseline's last step came, when beyond a tenth of the
+    duration plus one of its units (a step; local SGD's period), the most its stop rule lets it
+    run on in the normal way. geotrain's nodes are stopped by the testbed's own clock (their
+    lines after it are their stop: the step they were in, an evaluation, the checkpoint)."""
     duration = run.get("duration_s")
-    if t0 is None or not duration:
+    if system == "geotrain" or t0 is None or not duration:
         return None
-    past = max((rs[-1]["t"] for rs in peers if rs), default=t0) - t0 - duration
-    return round(past, 1) if past > 0.1 * duration else None
+    last, rates = t0, []
+    for rs in peers:
+        stepped = [r for r in rs if r.get("step")]
+        if stepped:
+            last = max(last, stepped[-1]["t"])
+            if stepped[-1].get("steps_per_s"):
+                rates.append(stepped[-1]["steps_per_s"])
+    settings = run["systems"][system].get("settings") or {}
+    unit_s = (settings.get("period") or 1) / min(rates) if rates else 0.0
+    past = last - t0 - duration
+    return round(past, 1) if past > 0.1 * duration + unit_s else None
 
 
 def build_summary(out: Path) -> dict[str, Any]:
@@ -492,10 +504,11 @@ def _failure_lines(summary: dict[str, Any]) -> list[str]:
                          "restarted by a fault and never reported again (see their logs): their "
                          "final figures are from before their kill")  # fmt: skip
         if s.get("overran_s"):
-            lines.append(f"OVERRAN: {s['system']} trained {s['overran_s']:g} s past the run's "
-                         f"{summary.get('duration_s', 0):g} s (its stop checks come every few "
-                         "steps, and its steps slowed between two): those seconds are in its "
-                         "figures")  # fmt: skip
+            lines.append(f"OVERRAN: {s['system']} stepped {s['overran_s']:g} s past the run's "
+                         f"{summary.get('duration_s', 0):g} s, more than a tenth of it and a "
+                         "step (or local SGD period) beyond (its stop checks come every few "
+                         "steps; steps that slowed between two let it run on): those seconds "
+                         "are in its figures")  # fmt: skip
     return lines
 
 

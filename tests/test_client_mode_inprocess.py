@@ -87,7 +87,7 @@ async def test_every_algorithm_exchanges_with_a_client_that_nobody_dials(tmp_pat
                 header = next(x for x in theirs if x.startswith("peer "))
                 row = next(x for x in theirs if x.startswith(client[:12]))
                 # its address cut to its column (the whole client://<ID> shifted the row)
-                assert "client://" in row and "…" in row and len(row) == len(header), row
+                assert "client://" in row and "..." in row and len(row) == len(header), row
                 assert "client mode" not in theirs[0]
 
 

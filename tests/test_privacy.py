@@ -263,6 +263,8 @@ def test_the_ledger_records_private_steps_before_they_are_taken_and_a_clean_stop
         private.steps_in({"history": [[2.0, 0.5, "many"]]})
     with pytest.raises(ValueError, match="expected"):
         private.steps_in({"history": {"abc": 1}})
+    with pytest.raises(ValueError, match="steps 'x'"):
+        private.steps_in({"history": [], "steps": "x"})
 
 
 def test_epsilon_is_the_rdp_accountants_own_figure():
@@ -272,6 +274,7 @@ def test_epsilon_is_the_rdp_accountants_own_figure():
     private = make_private(trainer, epsilon=8.0, noise_multiplier=2.0)
     for _ in range(7):
         trainer.train_step()
+    private.accountant.history.insert(0, (0.7, 0.01, 30))  # (a mechanism of an earlier run)
     for more in (0, 1, 50, 400):
         probe = type(private.accountant)()
         probe.history = [*private.accountant.history]

@@ -338,6 +338,11 @@ async def test_a_joiner_takes_its_donors_buffers_and_a_bad_answer_leaves_its_own
     assert sorted(theirs) == ["1.running_mean", "1.running_var"]  # (not num_batches_tracked)
     async with open_memory_network() as net:
         sync(donor, net, "donor", ["joiner"])
+        wary = LoopTrainer(_bn_model(0))
+        own = {n: t.clone() for n, t in wary.buffers().items()}
+        s, _ = sync(wary, net, "wary", ["donor"], untrusted=True)
+        assert await s.fetch(trio.Event())  # gossip.robust set: the model, not the buffers
+        assert same(wary.buffers(), own)
         s, _ = sync(joiner, net, "joiner", ["donor"])
         assert await s.fetch(trio.Event())
         assert same(joiner.buffers(), theirs)

@@ -61,6 +61,18 @@ def test_bad_input_exits_2_naming_it_before_anything_starts(argv, needle, capsys
     assert not out.exists()
 
 
+def test_a_shared_training_setting_is_geotrains_own_when_no_baseline_runs():
+    from geotrain.node.cli._main import build_parser
+    from geotrain.testbed._cli import _scenario_from_args
+
+    args = build_parser().parse_args(["testbed", "run", "--baseline", "none", "--node-set",
+                                      "training.seed=3"])  # fmt: skip
+    _scenario_from_args(args)  # (refused with a baseline: the systems would differ)
+    args = build_parser().parse_args(["testbed", "run", "--node-set", "training.params.a.b=1"])
+    with pytest.raises(Exception, match=r"use the scenario's \[params\]"):
+        _scenario_from_args(args)
+
+
 def test_a_task_parameter_the_task_does_not_have_is_refused_before_anything_starts(
         tmp_path, capsys):  # fmt: skip
     # it was refused by peer 0's node, after the namespaces and the nodes had started

@@ -337,7 +337,19 @@ def test_a_peer_never_back_from_its_restart_and_a_system_past_its_duration_are_s
     assert ddp["overran_s"] == 3.0 and geotrain["overran_s"] is None
     table = render_table(summary)
     assert "NOT BACK: geotrain peers [1] were restarted by a fault and never reported" in table
-    assert "OVERRAN: ddp trained 3 s past the run's 10 s" in table
+    assert "OVERRAN: ddp stepped 3 s past the run's 10 s" in table
+    # geotrain's lines after the testbed stopped it (its stop: an evaluation, the checkpoint,
+    # status lines) are no overrun; nor is a baseline's last step within a step and a tenth
+    for i in range(2):
+        _write_lines(tmp_path / "geotrain" / f"peer-0{i}" / "metrics.jsonl", [
+            {"t": T0 + s, "step": 10 * min(s, 4), "steps_per_s": 10.0, "metric": 0.5,
+             "bytes_out": 100 * s} for s in range(1, 16)])  # fmt: skip
+    for i in range(2):
+        _write_lines(tmp_path / "ddp" / f"peer-0{i}.jsonl", [
+            {"t": T0 + s, "step": s, "steps_per_s": 1.0, "metric": 0.6} for s in range(1, 13)
+        ])  # fmt: skip
+    summary = build_summary(tmp_path)
+    assert [s["overran_s"] for s in summary["systems"]] == [None, None]
     _kill_peer_1(tmp_path, restart_at=6.0)  # it reported after its restart: nothing said
     summary = build_summary(tmp_path)
     assert summary["systems"][0]["silent_after_restart"] == []

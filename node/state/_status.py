@@ -217,10 +217,11 @@ def format_number(v: Any) -> str:
 
 
 def _address_cell(peer: dict[str, Any]) -> str:
-    """A peer's address in 27 characters: a client's (client://<its whole peer ID>) is cut, as
-    it pushed the row's other columns out of line."""
+    """A peer's address; a client's (client://<its whole peer ID>, which pushed the row's other
+    columns out of line) cut to 27 characters. Other addresses are shown whole (the port is
+    their end)."""
     text = _fmt(peer.get("address"))
-    return text if len(text) <= 27 else text[:26] + "…"
+    return text[:24] + "..." if text.startswith("client://") and len(text) > 27 else text
 
 
 def render_status(data: dict[str, Any]) -> str:

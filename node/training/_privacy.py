@@ -258,6 +258,11 @@ def _history(state: Any) -> list[tuple[float, float, int]]:
     history = state.get("history") if isinstance(state, dict) else None
     if not isinstance(history, list):
         raise ValueError("expected {'history': [[noise_multiplier, sample_rate, steps], ...]}")
+    steps, exhausted = state.get("steps", 0), state.get("exhausted", False)
+    if not isinstance(steps, int) or isinstance(steps, bool) or steps < 0:
+        raise ValueError(f"steps {steps!r}: expected a whole number >= 0")
+    if not isinstance(exhausted, bool):
+        raise ValueError(f"exhausted {exhausted!r}: expected true or false")
     out = []
     for entry in history:
         if not (isinstance(entry, list | tuple) and len(entry) == 3
