@@ -144,8 +144,8 @@ def _scenario_from_args(args: argparse.Namespace) -> TestbedScenario:
         key = item.partition("=")[0].strip()
         shared = SHARED_TRAINING.get(
             "training.params" if key.startswith("training.params.") else key)
-        if shared is not None and args.baseline != "none":  # (the table compared geotrain on
-            # another job with the baselines; with none, a geotrain-only sweep is fine)
+        compared = getattr(args, "baseline", "ddp") != "none"  # (a geotrain-only sweep: fine)
+        if shared is not None and compared:  # (the table compared geotrain on another job)
             raise ScenarioError(f"--node-set {item!r}: every system of the run gets this from the "
                                 f"scenario, and this would change it for geotrain's nodes only; "
                                 f"use {shared}")  # fmt: skip
