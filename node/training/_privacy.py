@@ -113,10 +113,7 @@ class PrivateTraining:
             from opacus.accountants.analysis import rdp as rdp_analysis
 
             self._rdp, self._orders = rdp_analysis, list(self.accountant.DEFAULT_ALPHAS)
-            self._rdp_one = np.asarray(rdp_analysis.compute_rdp(
-                q=sample_rate, noise_multiplier=self.noise_multiplier, steps=1,
-                orders=self._orders))  # fmt: skip
-            self._rdp_cache: tuple[tuple, Any] = ((None,), None)
+        self._rdp_steps: dict[tuple[float, float], np.ndarray] = {}
         self.steps = 0
         self.exhausted = False
         # the node's ledger (a durable write of state(), or None): steps are recorded in it
@@ -142,17 +139,22 @@ class PrivateTraining:
         microseconds instead of 20-250 ms a query: a step's Renyi divergence at each order is
         computed once (opacus' compute_rdp is that times the steps), so the binary search over
         the steps allowed no longer took seconds at every start and restore."""
-        analysis = self._rdp
-        history = tuple(self.accountant.history)
-        if self._rdp_cache[0] != history:
-            base = sum((analysis.compute_rdp(q=q, noise_multiplier=n, steps=k, orders=self._orders)
-                        for n, q, k in history), np.zeros(len(self._orders)))  # fmt: skip
-            self._rdp_cache = (history, base)
+        analysis, history = self._rdp, self.accountant.history
         if not history and not more:
             return 0.0
-        rdp = self._rdp_cache[1] + more * self._rdp_one
+        rdp = sum((k * self._rdp_of(n, q) for n, q, k in history), np.zeros(len(self._orders)))
+        rdp = rdp + more * self._rdp_of(self.noise_multiplier, self.sample_rate)
         eps, _ = analysis.get_privacy_spent(orders=self._orders, rdp=rdp, delta=self.delta)
         return float(eps)
+
+    def _rdp_of(self, noise_multiplier: float, sample_rate: float) -> np.ndarray:
+        """One step's Renyi divergence at each order for this mechanism (computed once each:
+        0.1-0.5 s for the fractional orders)."""
+        key = (noise_multiplier, sample_rate)
+        if key not in self._rdp_steps:
+            self._rdp_steps[key] = np.asarray(self._rdp.compute_rdp(
+                q=sample_rate, noise_multiplier=noise_multiplier, steps=1, orders=self._orders))
+        return self._rdp_steps[key]
 
     def _steps_allowed(self) -> int:
         """The most further steps whose epsilon stays within the budget: epsilon only grows
