@@ -302,9 +302,10 @@ class Node:
             private.load_state(ledger)
             log.warning("privacy_ledger_ahead", epsilon_checkpoint=round(before, 4),
                         epsilon_spent=round(private.epsilon(), 4), ledger=str(path),
-                        detail="the node stopped without a final checkpoint: the steps it took "
-                        "after its last one (counted ahead, up to "
-                        f"{LEDGER_AHEAD_STEPS} more) stay spent")  # fmt: skip
+                        detail="the ledger counts more private steps than the checkpoint "
+                        "(the node stopped without writing one after them): they stay spent; "
+                        f"after a kill it counts up to {LEDGER_AHEAD_STEPS} steps more than were "
+                        "taken")  # fmt: skip
 
         def write(state: dict) -> None:
             try:

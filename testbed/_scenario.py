@@ -107,6 +107,9 @@ class Fault:
         if self.action != "degrade" and self.link is not None:  # (taken and ignored)
             raise _fail("faults.link", str(self.link), f"no link fields: {self.action!r} sets no "
                         "link (only degrade does)")  # fmt: skip
+        if self.action in ("kill", "restart") and self.regions is not None:  # (ignored)
+            raise _fail("faults.regions", list(self.regions), f"nothing: {self.action!r} acts "
+                        "on a peer (peer = i), not on regions")  # fmt: skip
         if self.action == "heal" and self.regions is not None:  # heal restores every link: a
             raise _fail("faults.regions", list(self.regions), "nothing: heal brings every link "
                         "back to the scenario's spec, not one pair")  # pair named was misread

@@ -389,6 +389,8 @@ def test_partition_flags_reach_every_system_and_the_run_files(tmp_path: Path, mo
     (lambda d: d.update(faults=[{"at_s": 1, "action": "kill", "peer": 1, "rate_mbit": 5}]),
      "faults[0].link"),
     (lambda d: d.update(faults=[{"at_s": True, "action": "heal"}]), "faults[0].at_s"),
+    (lambda d: d.update(faults=[{"at_s": 1, "action": "kill", "peer": 1,
+                                 "regions": ["a", "b"]}]), "faults[0].regions"),
     (lambda d: d.update(rate_scale=True), "rate_scale"),
     (lambda d: d.update(access=[{"peer": [1], "up_mbit": 5}]), "access[0].peer"),
     (lambda d: d.update(attackers=[{"peer": [1], "kind": "nan"}]), "attackers[0].peer"),
