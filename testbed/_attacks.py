@@ -155,8 +155,8 @@ def flipped_labels(batches: Iterator[Any], classes: int | None,
 
 
 class AttackedTrainer(Trainer):
-    """A Trainer whose reads for sending (`update`, `snapshot`) see the forged model, and whose
-    mixes (`apply`) are dropped (the attacker keeps its own model), unless the attack is
+    """A Trainer whose reads for sending (`update`, `read`, `snapshot`) see the forged model, and
+    whose mixes (`apply`) are dropped (the attacker keeps its own model), unless the attack is
     label_flip (honest protocol on poisoned data). Made by `arm`, never constructed directly."""
 
     attack: Attack
@@ -171,6 +171,12 @@ class AttackedTrainer(Trainer):
     def update(self, fn):  # type: ignore[override]
         if not self.attack.forges:
             return Trainer.update(self, fn)
+        with torch.no_grad():
+            return fn(self._forged())
+
+    def read(self, fn):  # type: ignore[override]
+        if not self.attack.forges:
+            return Trainer.read(self, fn)
         with torch.no_grad():
             return fn(self._forged())
 

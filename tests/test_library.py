@@ -47,8 +47,16 @@ def make_model(seed: int = 0) -> nn.Module:
     return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
 
 
-def train(swarm, model, steps: int, seed: int) -> None:
-    """A user's own loop: AdamW with a cosine schedule and gradient clipping."""
+# A real loop's step takes time (its data, its model): so do these tiny ones, or on a loaded box
+# one thread could run most of its steps while the exchanges wait for the GIL and the core, and
+# two models "trained together" would hardly meet (seen once in CI: the frozen test's heads 0.75x
+# as far apart as two loops alone, where the usual 40-70 exchanges make it 0.05-0.25x)
+PACE_S = 0.003
+
+
+def train(swarm, model, steps: int, seed: int, pace_s: float = 0.0) -> None:
+    """A user's own loop: AdamW with a cosine schedule and gradient clipping; each step takes
+    at least `pace_s` (see PACE_S)."""
     gen = torch.Generator().manual_seed(seed)
     w = torch.randn(8, 1, generator=torch.Generator().manual_seed(99))
     adamw = torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.01)
@@ -62,13 +70,15 @@ def train(swarm, model, steps: int, seed: int) -> None:
         opt.step(loss=loss)
         opt.zero_grad()
         scheduler.step()
+        if pace_s:
+            time.sleep(pace_s)
 
 
 def test_two_loops_of_their_own_train_together_and_close_cleanly(tmp_path):
     a_model, b_model = make_model(), make_model()
     with joined(tmp_path, "a", a_model) as a:
         with joined(tmp_path, "b", b_model, f'network.bootstrap=["{a.address}"]') as b:
-            threads = [threading.Thread(target=train, args=(s, m, 300, i))
+            threads = [threading.Thread(target=train, args=(s, m, 300, i, PACE_S))
                        for i, (s, m) in enumerate([(a, a_model), (b, b_model)])]  # fmt: skip
             for t in threads:
                 t.start()

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 from structlog.testing import capture_logs
-from test_library import config, distance, joined, make_model, train
+from test_library import PACE_S, config, distance, joined, make_model, train
 
 import geotrain
 from geotrain.node import ConfigError
@@ -37,7 +37,7 @@ def test_a_frozen_base_is_neither_averaged_nor_synced_and_the_head_trains_togeth
     with joined(tmp_path, "a", models[0], *extra) as a:
         with joined(tmp_path, "b", models[1], *extra,
                     f'network.bootstrap=["{a.address}"]') as b:  # fmt: skip
-            threads = [threading.Thread(target=train, args=(s, m, 200, i))
+            threads = [threading.Thread(target=train, args=(s, m, 200, i, PACE_S))
                        for i, (s, m) in enumerate([(a, models[0]), (b, models[1])])]  # fmt: skip
             for t in threads:
                 t.start()

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
+import threading
+
 import pytest
 import torch
 
@@ -175,3 +178,42 @@ def test_a_tasks_frozen_parameter_stays_as_built_and_only_the_rest_is_mixed():
     trainer.mix(snapshot, {"weight": torch.zeros_like(snapshot["weight"])})
     assert torch.equal(task.model.bias, bias)  # weight decay and the mix left it alone
     assert torch.allclose(task.model.weight, snapshot["weight"] / 2)
+
+
+def test_a_read_of_the_model_goes_on_beside_a_steps_passes_and_a_change_waits_for_the_step():
+    """An exchange's or a state sync's chunk reads must not wait for a whole step of a big model
+    (the step's forward and backward change no parameter); a change (a mix) must."""
+    task = resolve_task("synthetic-linreg")(TaskContext(seed=2))
+    in_forward, finish = threading.Event(), threading.Event()
+    loss = task.loss
+
+    def slow_loss(model, batch):  # a step whose passes take as long as the test says
+        in_forward.set()
+        assert finish.wait(30)
+        return loss(model, batch)
+
+    trainer = Trainer(dataclasses.replace(task, loss=slow_loss))
+    before = trainer.snapshot()
+    stepping = threading.Thread(target=trainer.train_step)
+    stepping.start()
+    try:
+        assert in_forward.wait(30)
+        read = {}
+        reader = threading.Thread(target=lambda: read.update(trainer.read(
+            lambda live: {k: v.clone() for k, v in live.items()})))  # fmt: skip
+        reader.start()
+        reader.join(5)
+        assert not reader.is_alive(), "a read waited for the step's passes"
+        assert all(torch.equal(read[k], before[k]) for k in before)
+        assert all(torch.equal(v, before[k]) for k, v in trainer.snapshot().items())
+        changed = threading.Event()
+        writer = threading.Thread(target=lambda: trainer.update(lambda _live: changed.set()))
+        writer.start()
+        writer.join(0.5)
+        assert not changed.is_set(), "a change of the model ran inside a step"
+    finally:
+        finish.set()
+        stepping.join(30)
+    writer.join(30)
+    assert changed.is_set() and trainer.step == 1
+    assert any(not torch.equal(v, before[k]) for k, v in trainer.snapshot().items())

@@ -31,6 +31,7 @@ from geotrain.gossip import (
     distance_squared,
 )
 
+from .._peer_choice import PeerChoice
 from ..training import Trainer
 from ._base import Tensors
 
@@ -160,6 +161,27 @@ async def in_window(
         raise failure[0]
 
 
+class ChunkTimer:
+    """Our own seconds of tensor work per chunk of a stream (encode, decode, check, mix),
+    smoothed, and from it how long one chunk request may take. A deadline from the link alone
+    knows nothing of the tensor work: with a big model on busy cores, choco's exchanges (one
+    deadline for the whole stream, from the link's goodput) all ended in TooSlowError."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+
+    def observe(self, seconds: float) -> None:
+        self.seconds = seconds if not self.seconds else 0.8 * self.seconds + 0.2 * seconds
+
+    def deadline(self, peers: PeerChoice, peer: str, nbytes: int, now: float) -> float:
+        """Seconds a chunk request of `nbytes` each way may take: the link's deadline for the
+        bytes of a whole window (the chunk may queue behind CHUNKS_IN_FLIGHT - 1 others), plus
+        the tensor work of a window on both ends (each as long as ours)."""
+        window = CHUNKS_IN_FLIGHT * 2 * nbytes
+        compute = 2 * CHUNKS_IN_FLIGHT * self.seconds
+        return peers.exchange_deadline(peer, window, now) + 2 * compute
+
+
 PEER_CHUNK_HINT = "the asked node's network.peer_chunk_mb"
 _SAID_DIFFER: weakref.WeakSet = weakref.WeakSet()  # the trainers (nodes) that warned it
 MODELS_DIFFER = "models differ"  # how a refusal for another model's plan begins
@@ -217,19 +239,19 @@ def cached_plan(cache: dict[int, ChunkPlan], trainer: Trainer, chunk_numel: int)
 
 
 def read_chunk(trainer: Trainer, plan: ChunkPlan, index: int) -> list[tuple[Slice, torch.Tensor]]:
-    """Copies of the live model's slices of chunk `index` (under the trainer's lock)."""
+    """Copies of the live model's slices of chunk `index` (a read: beside a step's passes)."""
 
     def copy(live: Tensors) -> list[tuple[Slice, torch.Tensor]]:
         return [(s, live[s.name].reshape(-1)[s.start : s.stop].clone()) for s in plan.chunks[index]]
 
-    return trainer.update(copy)
+    return trainer.read(copy)
 
 
 def read_chunk_encoded(
     trainer: Trainer, plan: ChunkPlan, index: int, seed: int = 0
 ) -> tuple[bytearray, list[torch.Tensor]]:
     """Chunk `index` of the live model read straight into an uncompressed payload (codec none,
-    `seed`) under the trainer's lock: the bytes `encode_chunk(read_chunk(...), "none")` gives,
+    `seed`; a read: see Trainer.read): the bytes `encode_chunk(read_chunk(...), "none")` gives,
     with one copy of the values instead of two. Returns the payload and float32 views of the
     values inside it (what was sent)."""
     slices = plan.chunks[index]
@@ -241,7 +263,7 @@ def read_chunk_encoded(
             view.copy_(live[s.name].detach().reshape(-1)[s.start : s.stop])
         return payload, views
 
-    return trainer.update(fill)
+    return trainer.read(fill)
 
 
 def model_chunk(model: Tensors, plan: ChunkPlan, index: int) -> list[tuple[Slice, torch.Tensor]]:

@@ -27,6 +27,7 @@ from ._stream import (
     MAX_CHUNKS,
     PEER_CHUNK_HINT,
     ChunkPlan,
+    ChunkTimer,
     PairwiseMix,
     SliceFeedback,
     SpareBuffers,
@@ -155,7 +156,7 @@ class Adpsgd(Algorithm):
         self._running = False  # an exchange we started runs
         self._seed = 0
         self.on_answered_mix: OnMixed | None = None  # awaited after we mixed as the responder
-        self._chunk_s = 0.0  # our own seconds of tensor work per chunk (encode + decode), smoothed
+        self.chunk_timer = ChunkTimer()  # our own tensor work per chunk: chunk deadlines
         # A small model keeps its last mix buffer for the next exchange (no page faults on the
         # training core); a big one gives it back, so that it is held only during an exchange:
         # kept, it raised a 100M-parameter node's peak by ~0.2 model copies (bench_memory).
@@ -310,15 +311,8 @@ class Adpsgd(Algorithm):
             )
 
     def chunk_deadline(self, peer: str, nbytes: int) -> float:
-        """Seconds a chunk request of `nbytes` each way may take: the link's deadline for the
-        bytes of a whole window (the chunk may queue behind CHUNKS_IN_FLIGHT - 1 others), plus
-        the tensor work of a window on both ends (as long as ours, measured)."""
-        window = CHUNKS_IN_FLIGHT * 2 * nbytes
-        compute = 2 * CHUNKS_IN_FLIGHT * self._chunk_s
-        return self.ctx.peers.exchange_deadline(peer, window, self.ctx.now()) + 2 * compute
-
-    def _timed(self, seconds: float) -> None:
-        self._chunk_s = seconds if not self._chunk_s else 0.8 * self._chunk_s + 0.2 * seconds
+        """Seconds a chunk request of `nbytes` each way may take (see ChunkTimer)."""
+        return self.chunk_timer.deadline(self.ctx.peers, peer, nbytes, self.ctx.now())
 
     async def _stream(self, partner: str, address: str, mix: PairwiseMix, xid: int,
                       moved: list) -> None:  # fmt: skip
@@ -369,7 +363,7 @@ class Adpsgd(Algorithm):
                 await ctx.to_thread(mix.receive, index, data)
         except (RejectedUpdate, compress.DecodeError, ValueError) as exc:
             raise _Abort("rejected", str(exc), exc) from None
-        self._timed((encoded - started) + (ctx.clock() - received))
+        self.chunk_timer.observe((encoded - started) + (ctx.clock() - received))
 
     def _aborted(self, partner: str, spec: str, exc: _Abort, started: float) -> bool:
         now = self.ctx.now()
@@ -461,7 +455,7 @@ class Adpsgd(Algorithm):
                 started = ctx.clock()
                 ours = await ctx.to_thread(mix.send, index)
                 completed = await ctx.to_thread(mix.receive, index, data)
-            self._timed(ctx.clock() - started)
+            self.chunk_timer.observe(ctx.clock() - started)
         except (RejectedUpdate, compress.DecodeError) as exc:
             self._end(session)
             self.counters.record_rejected(session.peer, mix.spec, exc)

@@ -15,7 +15,6 @@ from dataclasses import dataclass, field
 
 import structlog
 import torch
-import trio
 
 from geotrain import compress
 from geotrain.gossip import ChocoLink, ChocoLinks, RejectedUpdate, params_norm
@@ -25,7 +24,15 @@ from ..training import StepResult
 from ..transport import U63, CodecSpec, ErrorReply, Header, PeerInfo, TransportError
 from ._base import Algorithm, AlgorithmContext, AlgorithmSpec, Reply, Tensors
 from ._registry import register_algorithm
-from ._stream import ChunkPlan, cached_plan, decode_chunk, encode_chunk, in_window, plan_refusal
+from ._stream import (
+    ChunkPlan,
+    ChunkTimer,
+    cached_plan,
+    decode_chunk,
+    encode_chunk,
+    in_window,
+    plan_refusal,
+)
 from .adpsgd import make_pacer, paced
 
 log = structlog.get_logger()
@@ -138,6 +145,7 @@ class Choco(Algorithm):
         self.resyncs = 0
         self._plans: dict[int, ChunkPlan] = {}
         self.pacer = make_pacer(ctx)
+        self.chunk_timer = ChunkTimer()  # our own tensor work per chunk: chunk deadlines
         self._said_base = False  # the warning that a peer's initial model differs: said once
 
     def statistics(self) -> ChocoStatistics:
@@ -147,8 +155,8 @@ class Choco(Algorithm):
         return self._running
 
     def state(self) -> tuple[Tensors, dict]:
-        # (no copies: a checkpoint is written under the trainer's lock, and the estimates change
-        # only under it, in _add and _finish)
+        # (no copies: a checkpoint is written apart from every change of the estimates: _add,
+        # _finish and _restart hold the trainer's lock for changes)
         tensors, seqs = self.links.state_dict(copy=False)
         return tensors, {"seq": seqs, "zero": self.links.zero_peers()}
 
@@ -206,7 +214,7 @@ class Choco(Algorithm):
             return [(s, live[s.name].reshape(-1)[s.start : s.stop]
                      - mine[s.name].reshape(-1)[s.start : s.stop]) for s in slices]  # fmt: skip
 
-        payload = encode_chunk(self.ctx.trainer.update(differences), spec, seed=seed)
+        payload = encode_chunk(self.ctx.trainer.read(differences), spec, seed=seed)
         # (our own: decoded without the checks a peer's gets, as the peer decodes it; a peer
         # refuses it when it is not finite)
         pairs = compress.decode_named(payload, max_numel=plan.chunk_numel_of(index),
@@ -225,7 +233,7 @@ class Choco(Algorithm):
         slices = plan.chunks[index]
         values = decode_chunk(payload, spec, plan, index, self.ctx.trainer.task_device)
         norm = params_norm({s.label: v for s, v in zip(slices, values, strict=True)})
-        ours = self.ctx.trainer.update(lambda live: params_norm(
+        ours = self.ctx.trainer.read(lambda live: params_norm(
             {s.label: live[s.name].reshape(-1)[s.start : s.stop] for s in slices}))
         ratio = self.ctx.gossip.max_norm_ratio
         if norm > ratio * ours + 1.0:
@@ -234,18 +242,19 @@ class Choco(Algorithm):
         return [(s.name, s.start, v) for s, v in zip(slices, values, strict=True)]
 
     def _add(self, link: ChocoLink, q_mine: list, q_theirs: list, stream=None) -> bool:
-        """One chunk of both q's into the link's estimates, under the trainer's lock (so a
-        checkpoint, written under it, sees each estimate whole, and a restart of the link,
-        also under it, never meets a chunk half-added). With `stream`: only while the link
-        still runs that exchange; returns whether the chunk was added."""
+        """One chunk of both q's into the link's estimates, apart from the model's changes and
+        reads (so a checkpoint sees each estimate whole, a restart of the link never meets a
+        chunk half-added, and a chunk's difference reads each estimate whole) but not waiting
+        for a step's passes. With `stream`: only while the link still runs that exchange;
+        returns whether the chunk was added."""
 
-        def add(_) -> bool:
+        def add() -> bool:
             if stream is not None and link.stream is not stream:
                 return False
             link.add_slices(q_mine, q_theirs)
             return True
 
-        return self.ctx.trainer.update(add)
+        return self.ctx.trainer.update_beside(add)
 
     def _finish(self, link: ChocoLink) -> float:
         gamma = self.ctx.settings.gamma
@@ -286,31 +295,39 @@ class Choco(Algorithm):
         if address is None:
             return
         plan = self.plan(ctx.chunk_numel)
-        deadline = ctx.peers.exchange_deadline(partner, ctx.peers.payload_nbytes(spec), started)
         seq, xid, seed = link.seq, ctx.rng.getrandbits(63), self._seed
         self._seed += len(plan)
         moved, refused = [0], []  # bytes both ways; a reply that ends the exchange
+        timer = self.chunk_timer
 
         async def one(index: int) -> None:
+            # each request's deadline covers the link's time for a window of chunks and the
+            # tensor work on both ends (measured: ours before the first request goes)
+            begun = ctx.clock()
             payload, q_mine = await ctx.to_thread(self._our_chunk, link, plan, index, spec,
                                                   seed + index)  # fmt: skip
+            work = ctx.clock() - begun
+            if not timer.seconds:
+                timer.observe(work)
             header = ChocoExchange(codec=spec, seq=seq, base=self._start_of(link), xid=xid,
                                    plan=plan.digest, chunk_numel=plan.chunk_numel,
                                    chunks=len(plan), index=index)  # fmt: skip
+            deadline = timer.deadline(ctx.peers, partner, len(payload), ctx.now())
             reply, data, _ = await ctx.network.request(
                 address, header, payload, deadline_s=deadline, expect_peer=partner)
             if not isinstance(reply, ChocoReply) or reply.seq != seq + 1:
                 refused.append(reply)
                 raise _Ended()
             moved[0] += len(payload) + len(data)
+            received = ctx.clock()
             q_theirs = await ctx.to_thread(self._their_chunk, plan, index, spec, data)
             await ctx.to_thread(self._add, link, q_mine, q_theirs)
+            timer.observe(work + ctx.clock() - received)
 
         try:
-            with trio.fail_after(deadline):
-                await one(0)  # (alone: it opens the exchange on the partner's side)
-                await in_window(range(1, len(plan)), one)
-        except (TransportError, trio.TooSlowError) as exc:
+            await one(0)  # (alone: it opens the exchange on the partner's side)
+            await in_window(range(1, len(plan)), one)
+        except TransportError as exc:
             paced(self.pacer, ctx.now() - started)  # (the link's time went into it)
             return await self._failed(partner, spec, link, f"{type(exc).__name__}: {exc}")
         except _Ended:

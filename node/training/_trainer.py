@@ -175,7 +175,7 @@ class Trainer(LoopTrainer):
             RejectedUpdate: the peer's tensors failed a check; nothing was changed.
         """
         remote = {k: v.to(self.task_device) for k, v in remote.items()}
-        with self._lock:
+        with self._lock, self._writing:
             live = self.params()
             check_update(live, remote, max_norm_ratio=max_norm_ratio)
             return pairwise_mix(live, snapshot, remote, weight=weight, clip=clip)
