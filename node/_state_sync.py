@@ -56,11 +56,24 @@ STATE_SYNC_WAIT_S = 30.0  # how long a joiner looks for a live peer before it tr
 MAX_TRIES = 8  # fetches that failed (peer gone, bad chunks) before it trains from scratch
 PROGRESS_EVERY_S = 5.0
 MAX_STATE_COPIES = 4  # the most optimizer state a joiner takes, in model copies (Adam: 2)
+# gossip.robust set (peers may be malicious): the model is each value's median over this many
+# donors, so one dishonest donor cannot hand a joiner a model of its choosing; a joiner waits
+# DONOR_WAIT_S for that many, then takes the peers there are (with a warning)
+UNTRUSTED_DONORS = 3
+DONOR_WAIT_S = 10.0
 log = structlog.get_logger()
 
 
 class _Failed(Exception):
     pass
+
+
+class _DonorFailed(Exception):
+    """One donor of a median fetch failed: the fetch ends (says which, and why)."""
+
+    def __init__(self, peer: str, cause: BaseException) -> None:
+        super().__init__(str(cause))
+        self.peer, self.cause = peer, cause
 
 
 class _NothingYet(_Failed):
@@ -208,28 +221,30 @@ class StateSync:
         """
         idle, tries = 0.0, 0
         self._differ = set()
+        started = trio.current_time()
         while not stop.is_set() and idle < STATE_SYNC_WAIT_S and tries < MAX_TRIES:
             peers = list(self._membership.live_peers())
             self._rng.shuffle(peers)
-            for peer in peers:
+            if self._untrusted:
+                donors = self._dialable(peers)[:UNTRUSTED_DONORS]
+                waited = trio.current_time() - started
+                if donors and (len(donors) == UNTRUSTED_DONORS or waited >= DONOR_WAIT_S):
+                    tries += 1
+                    step = await self._fetch_median(donors)
+                    if step is not None:
+                        await self._synced([p for p, _ in donors], step)
+                        return True
+                    self._check_mismatch(peers)
+            for peer in [] if self._untrusted else peers:
                 address = self._membership.address_of(peer)
                 if address is None or is_client_address(address) or tries >= MAX_TRIES:
                     continue
                 tries += 1
                 step = await self._fetch_from(peer, address)
                 if step is not None:
-                    log.info("state_synced", peer=peer[:12], peer_step=step)
-                    await self._to_thread(self._algorithm.model_replaced)
-                    if self._untrusted:  # (1e30 momentum from one admitted attacker left a
-                        # joiner at chance accuracy for good: it cannot be checked against ours;
-                        # nor can buffers, which gossip never mixes back toward the swarm)
-                        log.info("optimizer_state_not_taken", peer=peer[:12],
-                                 reason="gossip.robust is set: a peer's optimizer state and "
-                                 "buffers are not trusted", detail="the optimizer starts fresh "
-                                 "and the model keeps its own buffers")  # fmt: skip
-                    else:
-                        await self.fetch_buffers(peer, address)
-                        await self.fetch_optimizer(peer, address)
+                    await self._synced([peer], step)
+                    await self.fetch_buffers(peer, address)
+                    await self.fetch_optimizer(peer, address)
                     return True
                 self._check_mismatch(peers)
             await trio.sleep(0.2)
@@ -240,6 +255,33 @@ class StateSync:
         reason = "no peer answered" if tries == 0 else f"{tries} fetches failed"
         log.warning("state_sync_skipped", reason=f"{reason}; training from scratch")
         return False
+
+    def _dialable(self, peers: list[str]) -> list[tuple[str, str]]:
+        out = []
+        for peer in peers:
+            address = self._membership.address_of(peer)
+            if address is not None and not is_client_address(address):
+                out.append((peer, address))
+        return out
+
+    async def _synced(self, donors: list[str], step: int) -> None:
+        log.info("state_synced", peer=",".join(p[:12] for p in donors), peer_step=step,
+                 donors=len(donors))  # fmt: skip
+        await self._to_thread(self._algorithm.model_replaced)
+        if not self._untrusted:
+            return
+        if len(donors) < UNTRUSTED_DONORS:
+            log.warning("state_sync_few_donors", donors=len(donors), wanted=UNTRUSTED_DONORS,
+                        waited_s=DONOR_WAIT_S, detail="gossip.robust is set, but the model is "
+                        + ("one donor's: a dishonest one could have sent any model"
+                           if len(donors) == 1 else "the mean of two donors': a dishonest one "
+                           "could have moved it anywhere"))  # fmt: skip
+        # (1e30 momentum from one admitted attacker left a joiner at chance accuracy for good:
+        # it cannot be checked against ours; nor can buffers, which gossip never mixes back)
+        log.info("optimizer_state_not_taken", peer=",".join(p[:12] for p in donors),
+                 reason="gossip.robust is set: a peer's optimizer state and buffers are not "
+                 "trusted", detail="the optimizer starts fresh and the model keeps its own "
+                 "buffers")  # fmt: skip
 
     async def fetch_buffers(self, peer: str, address: str) -> bool:
         """Take `peer`'s buffers (BatchNorm's running statistics) into our model. Fails softly:
@@ -385,7 +427,75 @@ class StateSync:
             return None
         return step
 
+    async def _fetch_median(self, donors: list[tuple[str, str]]) -> int | None:
+        """Replace our model with each value's median over `donors` (three: one dishonest donor
+        cannot move a value beyond the honest two's; two: their mean; one: its model), chunk
+        by chunk, each chunk asked of every donor. Returns the donors' median step, or None when
+        a donor failed (the model stays as it was)."""
+        plan = self._plan(self._chunk_numel)
+        k = len(donors)
+        staged: dict[str, torch.Tensor] = {}
+        progress = _Progress(",".join(p[:12] for p, _ in donors), len(plan) * k,
+                             plan.numel * 4 * k)  # fmt: skip
+        parts: dict[int, list] = {}
+        steps: dict[str, int] = {}
+
+        async def one(item: int) -> None:
+            index, d = divmod(item, k)
+            peer, address = donors[d]
+            try:
+                steps[peer], tensors = await self._get_chunk(peer, address, plan, index, progress)
+            except FETCH_ERRORS as exc:
+                raise _DonorFailed(peer, exc) from None
+            got = parts.setdefault(index, [None] * k)
+            got[d] = tensors
+            if all(t is not None for t in got):
+                del parts[index]
+                await self._to_thread(self._stage_median, plan, index, got, staged)
+
+        try:
+            await in_window(range(k), one, catch=_DonorFailed)  # (chunk 0 of each: plans agree)
+            await in_window(range(k, k * len(plan)), one, catch=_DonorFailed)
+            trainer = self._trainer
+            await self._to_thread(
+                lambda: trainer.load_params(staged, max_norm_ratio=float("inf"))
+            )
+        except _DonorFailed as exc:
+            log.info("state_sync_failed", peer=exc.peer[:12], reason=str(exc),
+                     chunks=progress.done, donors=k)  # fmt: skip
+            if isinstance(exc.cause, _Failed) and str(exc).startswith(MODELS_DIFFER):
+                self._differ.add(exc.peer)
+            return None
+        ordered = sorted(steps.values())
+        return ordered[(len(ordered) - 1) // 2]
+
+    def _stage_median(self, plan: ChunkPlan, index: int, got: list, staged: dict) -> None:
+        for j, s in enumerate(plan.chunks[index]):
+            values = [tensors[j] for tensors in got]
+            if len(values) == 3:  # (elementwise: torch.median over a stacked dim sorts)
+                a, b, c = values
+                mid = torch.maximum(torch.minimum(a, b), torch.minimum(torch.maximum(a, b), c))
+            else:
+                mid = torch.stack(values).mean(dim=0)
+            self._staging(staged, plan, s.name)[s.start : s.stop] = mid
+
+    def _staging(self, staged: dict, plan: ChunkPlan, name: str) -> torch.Tensor:
+        """The flat staging tensor of `name` (made on first use)."""
+        buffer = staged.get(name)
+        if buffer is None:
+            shape = dict(plan.shapes)[name]
+            buffer = staged[name] = torch.empty(shape, device=self._trainer.task_device)
+        return buffer.reshape(-1)
+
     async def _chunk(self, peer, address, plan: ChunkPlan, index: int, staged, progress) -> int:
+        step, tensors = await self._get_chunk(peer, address, plan, index, progress)
+        for s, t in zip(plan.chunks[index], tensors, strict=True):
+            self._staging(staged, plan, s.name)[s.start : s.stop] = t
+        return step
+
+    async def _get_chunk(self, peer, address, plan: ChunkPlan, index: int,
+                         progress) -> tuple[int, list[torch.Tensor]]:  # fmt: skip
+        """Chunk `index` of `peer`'s model, decoded and checked: (its step, the values)."""
         request = StateRequest(
             algorithm=self._name, plan=plan.digest, chunk_numel=plan.chunk_numel, index=index
         )
@@ -403,17 +513,11 @@ class StateSync:
         tensors = await self._to_thread(
             decode_chunk, payload, "none", plan, index, device
         )
-        for s, t in zip(plan.chunks[index], tensors, strict=True):
-            buffer = staged.get(s.name)
-            if buffer is None:
-                shape = dict(plan.shapes)[s.name]
-                buffer = staged[s.name] = torch.empty(shape, device=device)
-            buffer.reshape(-1)[s.start : s.stop] = t
         now = trio.current_time()
         if now > started:
             self._links.record_transfer(peer, len(payload), now - started, now)
         progress.add(len(payload), now)
-        return reply.step
+        return reply.step, tensors
 
 
 FLOAT_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,

@@ -137,6 +137,55 @@ async def test_with_untrusted_peers_a_donors_optimizer_state_is_not_taken(autoju
         assert optimizer_state(trusting)
 
 
+@pytest.mark.parametrize("lie", ["huge", "sign flip"])
+async def test_with_untrusted_peers_the_model_is_the_median_of_three_donors(autojump_clock, lie,
+                                                                           capsys):  # fmt: skip
+    # one admitted attacker as the only donor hands a joiner any model it likes (finite values
+    # pass every check a joiner can make); with gossip.robust set each value is the median of
+    # three donors', so one liar among them moves no value beyond the two honest ones'
+    honest = [trainer(0, 4), trainer(1, 4)]
+    for i, t in enumerate(honest):
+        for _ in range(3 + 2 * i):
+            t.train_step()
+    liar = trainer(2, 4)
+    liar.update(lambda live: [t.fill_(1e6) if lie == "huge" else t.copy_(-1000 * t)
+                              for t in live.values()])  # fmt: skip
+    joiner = trainer(3, 4)
+    async with open_memory_network() as net:
+        for name, t in [("h0", honest[0]), ("h1", honest[1]), ("liar", liar)]:
+            sync(t, net, name, ["joiner"])
+        s, algo = sync(joiner, net, "joiner", ["h0", "h1", "liar"], untrusted=True)
+        assert await s.fetch(trio.Event())
+        assert algo.calls == 1
+    got, (a, b) = joiner.snapshot(), [t.snapshot() for t in honest]
+    for name, value in got.items():
+        low, high = torch.minimum(a[name], b[name]), torch.maximum(a[name], b[name])
+        assert bool(((low <= value) & (value <= high)).all()), name
+    out = capsys.readouterr().out
+    assert "state_synced" in out and "donors=3" in out and "state_sync_few_donors" not in out
+    # without gossip.robust the first donor's model is taken whole (here, the liar's, when drawn)
+    trusting = trainer(3, 4)
+    async with open_memory_network() as net:
+        sync(liar, net, "liar", ["trusting"])
+        s, _ = sync(trusting, net, "trusting", ["liar"])
+        assert await s.fetch(trio.Event())
+        assert same(trusting.snapshot(), liar.snapshot())
+
+
+async def test_with_untrusted_peers_and_one_donor_the_joiner_waits_then_says_so(autojump_clock,
+                                                                               capsys):  # fmt: skip
+    donor, joiner = trainer(0, 2), trainer(1, 2)
+    async with open_memory_network() as net:
+        sync(donor, net, "donor", ["joiner"])
+        s, _ = sync(joiner, net, "joiner", ["donor"], untrusted=True)
+        started = trio.current_time()
+        assert await s.fetch(trio.Event())
+        assert trio.current_time() - started >= 10.0  # it waited DONOR_WAIT_S for two more
+    assert same(joiner.snapshot(), donor.snapshot())
+    out = capsys.readouterr().out
+    assert "state_sync_few_donors" in out and "one donor's" in out
+
+
 def optimizer_state(t) -> dict[str, torch.Tensor]:
     sd = t.optimizer.state_dict()["state"]
     return {f"{i}/{k}": v for i, st in sd.items() for k, v in st.items() if torch.is_tensor(v)}
