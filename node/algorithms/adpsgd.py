@@ -344,6 +344,8 @@ class Adpsgd(Algorithm):
                 encoded = ctx.clock()
         except ValueError as exc:  # e.g. our own model went NaN: nothing sensible to send
             raise _Abort("skipped", f"cannot encode: {exc}") from None
+        if not self.chunk_timer.seconds:  # (the first chunks: our encoding is all we know yet)
+            self.chunk_timer.observe(encoded - started)
         deadline = self.chunk_deadline(partner, len(payload))
         try:
             reply, data, _ = await ctx.network.request(
