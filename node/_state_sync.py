@@ -222,18 +222,28 @@ class StateSync:
         idle, tries = 0.0, 0
         self._differ = set()
         started = trio.current_time()
+        failed: set[str] = set()  # donors of a median fetch that failed: asked last
         while not stop.is_set() and idle < STATE_SYNC_WAIT_S and tries < MAX_TRIES:
             peers = list(self._membership.live_peers())
             self._rng.shuffle(peers)
             if self._untrusted:
-                donors = self._dialable(peers)[:UNTRUSTED_DONORS]
+                dialable = self._dialable(peers)
+                fresh = [d for d in dialable if d[0] not in failed]
+                if not fresh:  # (everyone failed once: they may have been busy)
+                    failed.clear()
+                    fresh = dialable
                 waited = trio.current_time() - started
+                # one peer that cannot serve (gone, slow, another model, refusing) must not sink
+                # every try: it is left out, and the fetch waits for another peer or goes on
+                # without it once the wait is over
+                donors = fresh[:UNTRUSTED_DONORS]
                 if donors and (len(donors) == UNTRUSTED_DONORS or waited >= DONOR_WAIT_S):
                     tries += 1
-                    step = await self._fetch_median(donors)
+                    step, culprit = await self._fetch_median(donors)
                     if step is not None:
-                        await self._synced([p for p, _ in donors], step)
+                        await self._synced([p for p, _ in donors], step, waited)
                         return True
+                    failed.add(culprit)
                     self._check_mismatch(peers)
             for peer in [] if self._untrusted else peers:
                 address = self._membership.address_of(peer)
@@ -242,7 +252,7 @@ class StateSync:
                 tries += 1
                 step = await self._fetch_from(peer, address)
                 if step is not None:
-                    await self._synced([peer], step)
+                    await self._synced([peer], step, trio.current_time() - started)
                     await self.fetch_buffers(peer, address)
                     await self.fetch_optimizer(peer, address)
                     return True
@@ -264,7 +274,7 @@ class StateSync:
                 out.append((peer, address))
         return out
 
-    async def _synced(self, donors: list[str], step: int) -> None:
+    async def _synced(self, donors: list[str], step: int, waited: float) -> None:
         log.info("state_synced", peer=",".join(p[:12] for p in donors), peer_step=step,
                  donors=len(donors))  # fmt: skip
         await self._to_thread(self._algorithm.model_replaced)
@@ -272,7 +282,7 @@ class StateSync:
             return
         if len(donors) < UNTRUSTED_DONORS:
             log.warning("state_sync_few_donors", donors=len(donors), wanted=UNTRUSTED_DONORS,
-                        waited_s=DONOR_WAIT_S, detail="gossip.robust is set, but the model is "
+                        waited_s=round(waited, 1), detail="gossip.robust is set, but the model is "
                         + ("one donor's: a dishonest one could have sent any model"
                            if len(donors) == 1 else "the mean of two donors': a dishonest one "
                            "could have moved it anywhere"))  # fmt: skip
@@ -427,11 +437,11 @@ class StateSync:
             return None
         return step
 
-    async def _fetch_median(self, donors: list[tuple[str, str]]) -> int | None:
+    async def _fetch_median(self, donors: list[tuple[str, str]]) -> tuple[int | None, str]:
         """Replace our model with each value's median over `donors` (three: one dishonest donor
         cannot move a value beyond the honest two's; two: their mean; one: its model), chunk
-        by chunk, each chunk asked of every donor. Returns the donors' median step, or None when
-        a donor failed (the model stays as it was)."""
+        by chunk, each chunk asked of every donor. Returns the donors' median step, or None and
+        the donor that failed (the model stays as it was)."""
         plan = self._plan(self._chunk_numel)
         k = len(donors)
         staged: dict[str, torch.Tensor] = {}
@@ -451,33 +461,29 @@ class StateSync:
             got[d] = tensors
             if all(t is not None for t in got):
                 del parts[index]
-                await self._to_thread(self._stage_median, plan, index, got, staged)
+                mids = await self._to_thread(_medians, got)
+                for s, mid in zip(plan.chunks[index], mids, strict=True):  # (here: one writer)
+                    self._staging(staged, plan, s.name)[s.start : s.stop] = mid
 
         try:
             await in_window(range(k), one, catch=_DonorFailed)  # (chunk 0 of each: plans agree)
             await in_window(range(k, k * len(plan)), one, catch=_DonorFailed)
-            trainer = self._trainer
-            await self._to_thread(
-                lambda: trainer.load_params(staged, max_norm_ratio=float("inf"))
-            )
         except _DonorFailed as exc:
             log.info("state_sync_failed", peer=exc.peer[:12], reason=str(exc),
                      chunks=progress.done, donors=k)  # fmt: skip
             if isinstance(exc.cause, _Failed) and str(exc).startswith(MODELS_DIFFER):
                 self._differ.add(exc.peer)
-            return None
+            return None, exc.peer
+        trainer = self._trainer
+        try:
+            await self._to_thread(
+                lambda: trainer.load_params(staged, max_norm_ratio=float("inf"))
+            )
+        except FETCH_ERRORS as exc:  # (each chunk was checked: not expected)
+            log.info("state_sync_failed", reason=str(exc), donors=k)
+            return None, donors[0][0]
         ordered = sorted(steps.values())
-        return ordered[(len(ordered) - 1) // 2]
-
-    def _stage_median(self, plan: ChunkPlan, index: int, got: list, staged: dict) -> None:
-        for j, s in enumerate(plan.chunks[index]):
-            values = [tensors[j] for tensors in got]
-            if len(values) == 3:  # (elementwise: torch.median over a stacked dim sorts)
-                a, b, c = values
-                mid = torch.maximum(torch.minimum(a, b), torch.minimum(torch.maximum(a, b), c))
-            else:
-                mid = torch.stack(values).mean(dim=0)
-            self._staging(staged, plan, s.name)[s.start : s.stop] = mid
+        return ordered[(len(ordered) - 1) // 2], ""
 
     def _staging(self, staged: dict, plan: ChunkPlan, name: str) -> torch.Tensor:
         """The flat staging tensor of `name` (made on first use)."""
@@ -518,6 +524,18 @@ class StateSync:
             self._links.record_transfer(peer, len(payload), now - started, now)
         progress.add(len(payload), now)
         return reply.step, tensors
+
+
+def _medians(got: list[list[torch.Tensor]]) -> list[torch.Tensor]:
+    """Each slice's elementwise median over the donors' values (the mean of two)."""
+    out = []
+    for values in zip(*got, strict=True):
+        if len(values) == 3:  # (elementwise: torch.median over a stacked dim sorts)
+            a, b, c = values
+            out.append(torch.maximum(torch.minimum(a, b), torch.minimum(torch.maximum(a, b), c)))
+        else:
+            out.append(torch.stack(values).mean(dim=0))
+    return out
 
 
 FLOAT_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,

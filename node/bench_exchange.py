@@ -1,7 +1,7 @@
 """Goodput of a streamed model exchange against raw pynng moving the same bytes.
 
     python -m geotrain.node.bench_exchange [--millions 100] [--codec none] [--repeats 3] [--json]
-    python -m geotrain.node.bench_exchange --state-sync [--millions 100] [--json]
+    python -m geotrain.node.bench_exchange --state-sync [--donors 3] [--millions 100] [--json]
 
 In one process, over loopback: two nodes' adpsgd runtimes, each on its own secure transport,
 average a `wide-linear` model (`--millions` parameters) with codec `--codec`; each exchange moves
@@ -15,12 +15,16 @@ exchange's goodput over the baseline's (goal >= 0.7).
 With --state-sync: a joiner fetches the other node's whole model by state sync (as a node that
 joins late does: chunk by chunk into a staging copy, then loaded), once; printed are its time,
 the bytes moved, whether the joiner's model then equals the server's, and the process's resident
-memory before and at its peak during the fetch (both nodes live in this process).
+memory before and at its peak during the fetch (both nodes live in this process). With
+`--donors 3`: three servers, their models apart by a small offset each, and a joiner with
+gossip.robust set, which takes each value's median over the three (every chunk from each); it
+then equals the middle server's.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import random
@@ -57,19 +61,20 @@ class _Addresses(StaticMembership):
         return self._addresses.get(peer_id)
 
 
-async def _exchanges(millions: float, codec: str, repeats: int, state_sync: bool = False) -> dict:
+async def _exchanges(millions: float, codec: str, repeats: int, state_sync: bool = False,
+                     donors: int = 1) -> dict:  # fmt: skip
     admission = Admission.open_swarm("bench")
     gossip = GossipConfig(codec=codec)
     config = TransportConfig(max_message_bytes=64 * 2**20)  # parts of 4 MiB, as a node's
-    ids = [Identity.generate(), Identity.generate()]
+    n = donors + 1  # (nodes 0..donors-1 serve; the last one exchanges with node 0, or joins)
+    ids = [Identity.generate() for _ in range(n)]
     trainers = [
-        Trainer(resolve_task("wide-linear")(TaskContext(shard_index=i, num_shards=2,
+        Trainer(resolve_task("wide-linear")(TaskContext(shard_index=i, num_shards=n,
                                                         params={"millions": millions})))
-        for i in range(2)
+        for i in range(n)
     ]  # fmt: skip
-    algos: list = [None, None]
-
-    syncs: list = [None, None]
+    algos: list = [None] * n
+    syncs: list = [None] * n
 
     def handler_for(i):
         async def handler(peer, header, payload):
@@ -79,35 +84,37 @@ async def _exchanges(millions: float, codec: str, repeats: int, state_sync: bool
 
         return handler
 
-    async with trio.open_nursery() as nursery:
-        async with open_transport(config, ids[0], admission, handler_for(0),
-                                  codec=node_header_codec()) as ta, \
-                open_transport(config, ids[1], admission, handler_for(1),
-                               codec=node_header_codec()) as tb:  # fmt: skip
-            transports = [ta, tb]
-            for i in range(2):
-                other = 1 - i
-                peers = _Addresses({ids[other].peer_id: transports[other].address})
-                rng = random.Random(i)
-                shapes = [(n, tuple(t.shape)) for n, t in trainers[i].params().items()]
-                choice = PeerChoice(
-                    gossip, peers, LinkTable(), PartnerSelector("uniform", ids[i].peer_id, rng=rng),
-                    shapes, lambda: 1.0,
-                )  # fmt: skip
-                ctx = AlgorithmContext(
-                    trainer=trainers[i], gossip=gossip, settings=None, peers=choice,
-                    network=transports[i], rng=rng, start_soon=nursery.start_soon,
-                    chunk_numel=CHUNK_NUMEL, max_chunk_numel=16 * 2**20,
-                )  # fmt: skip
-                algos[i] = get_algorithm("adpsgd").runtime(ctx)
-                syncs[i] = StateSync(trainers[i], algos[i], "adpsgd", transports[i], peers,
-                                     LinkTable(), rng, chunk_numel=CHUNK_NUMEL,
-                                     max_chunk_numel=16 * 2**20)  # fmt: skip
-            plan = algos[0].plan(CHUNK_NUMEL)
-            if state_sync:
-                out = {**await _state_sync(trainers, syncs[1], tb), "chunks": len(plan)}
-            else:
-                out = await _timed_exchanges(algos[0], ta, len(plan), repeats)
+    async with trio.open_nursery() as nursery, contextlib.AsyncExitStack() as stack:
+        transports = [
+            await stack.enter_async_context(open_transport(
+                config, ids[i], admission, handler_for(i), codec=node_header_codec()))
+            for i in range(n)
+        ]  # fmt: skip
+        ta, tb = transports[0], transports[-1]
+        for i in range(n):
+            others = range(donors) if i == n - 1 else [n - 1]
+            peers = _Addresses({ids[o].peer_id: transports[o].address for o in others})
+            rng = random.Random(i)
+            shapes = [(name, tuple(t.shape)) for name, t in trainers[i].params().items()]
+            choice = PeerChoice(
+                gossip, peers, LinkTable(), PartnerSelector("uniform", ids[i].peer_id, rng=rng),
+                shapes, lambda: 1.0,
+            )  # fmt: skip
+            ctx = AlgorithmContext(
+                trainer=trainers[i], gossip=gossip, settings=None, peers=choice,
+                network=transports[i], rng=rng, start_soon=nursery.start_soon,
+                chunk_numel=CHUNK_NUMEL, max_chunk_numel=16 * 2**20,
+            )  # fmt: skip
+            algos[i] = get_algorithm("adpsgd").runtime(ctx)
+            syncs[i] = StateSync(trainers[i], algos[i], "adpsgd", transports[i], peers,
+                                 LinkTable(), rng, chunk_numel=CHUNK_NUMEL,
+                                 max_chunk_numel=16 * 2**20,
+                                 untrusted=donors > 1)  # fmt: skip
+        plan = algos[0].plan(CHUNK_NUMEL)
+        if state_sync:
+            out = {**await _state_sync(trainers, syncs[-1], tb), "chunks": len(plan)}
+        else:
+            out = await _timed_exchanges(algos[0], ta, len(plan), repeats)
         nursery.cancel_scope.cancel()
     return out
 
@@ -129,8 +136,14 @@ async def _timed_exchanges(algo, transport, chunks: int, repeats: int) -> dict:
 
 
 async def _state_sync(trainers: list[Trainer], joiner: StateSync, transport) -> dict:
-    """The joiner (trainers[1]) fetches trainers[0]'s model once, by state sync."""
-    server, mine = trainers[0].params(), trainers[1].params()
+    """The joiner (the last trainer) fetches the model of the others (one, or the median of
+    three) once, by state sync."""
+    donors = trainers[:-1]
+    with torch.no_grad():
+        for k, donor in enumerate(donors):  # (apart: the median of three is the middle one)
+            for t in donor.params().values():
+                t.add_(0.01 * k)
+    server, mine = donors[len(donors) // 2].params(), trainers[-1].params()
     with torch.no_grad():
         for t in mine.values():  # (so that equality below means the fetch brought it)
             t.zero_()
@@ -176,6 +189,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--state-sync", action="store_true",
                         help="measure one state sync of the whole model instead")
+    parser.add_argument("--donors", type=int, choices=(1, 3), default=1,
+                        help="with --state-sync: 3 fetches each value's median over three "
+                        "servers (gossip.robust set)")  # fmt: skip
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
     configure_logging("warning", "console")  # an entry point: keep stdout for the results
@@ -206,9 +222,9 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def _print_state_sync(args) -> None:
-    r = trio.run(_exchanges, args.millions, "none", 0, True)
+    r = trio.run(_exchanges, args.millions, "none", 0, True, args.donors)
     model_mb = 4 * round(math.sqrt(args.millions * 1e6)) ** 2 / 1e6
-    r = {"millions": args.millions, "model_mb": model_mb, **r,
+    r = {"millions": args.millions, "model_mb": model_mb, "donors": args.donors, **r,
          "gbps": r["bytes"] * 8 / r["seconds"] / 1e9}  # fmt: skip
     if args.json:
         print(json.dumps(r))
@@ -216,11 +232,12 @@ def _print_state_sync(args) -> None:
     print(f"model {model_mb:.0f} MB in {r['chunks']} chunks: state sync "
           f"{'done' if r['fetched'] else 'FAILED'} in {r['seconds']:.2f} s, "
           f"{r['bytes'] / 1e6:.0f} MB moved ({r['gbps']:.2f} Gbit/s); joiner's model equals the "
-          f"server's: {r['equal']}")
+          + ("server's" if args.donors == 1 else f"median of {args.donors} servers'")
+          + f": {r['equal']}")
     peak = "peak" if r["peak_reset"] else "peak since start (high-water mark not reset)"
     extra = (r["peak_mb"] - r["rss_before_mb"]) / model_mb
-    print(f"resident memory of both nodes: {r['rss_before_mb']:.0f} MB before, {peak} "
-          f"{r['peak_mb']:.0f} MB during the fetch: +{extra:.2f} model copies")
+    print(f"resident memory of all {args.donors + 1} nodes: {r['rss_before_mb']:.0f} MB before, "
+          f"{peak} {r['peak_mb']:.0f} MB during the fetch: +{extra:.2f} model copies")
 
 
 if __name__ == "__main__":

@@ -114,14 +114,35 @@ async def test_a_partner_that_never_answers_costs_one_deadline(autojump_clock):
         before = model(a)
         started = trio.current_time()
         nbytes = a.ctx.peers.payload_nbytes("topk:0.1")  # (the model is one chunk; ~its size)
-        # a chunk's deadline: the link's for a window of chunks, and no tensor work measured
-        # on a virtual clock
-        expected = a.chunk_timer.deadline(a.ctx.peers, "p1", nbytes, started)
-        assert expected == a.ctx.peers.exchange_deadline("p1", 8 * nbytes, started)
+        # a chunk's deadline: the link's for a window of chunks (no tensor work measured on a
+        # virtual clock); the whole stream's: the link's for all of its bytes both ways, which
+        # for a model of one chunk comes first
+        chunk = a.chunk_timer.deadline(a.ctx.peers, "p1", nbytes, started)
+        assert chunk == pytest.approx(a.ctx.peers.exchange_deadline("p1", 8 * nbytes, started))
+        whole = a.ctx.peers.exchange_deadline("p1", 2 * nbytes, started)
+        assert whole < chunk
         await a._exchange("p1")
-        assert trio.current_time() - started == pytest.approx(expected, rel=1e-3)
+        assert trio.current_time() - started == pytest.approx(whole)
         assert same(model(a), before) and a.counters.statistics().failed == 1
         assert a.links["p1"].seq == 0 and not a.links["p1"].busy
+
+
+async def test_an_exchange_whose_tensor_work_outlasts_the_links_deadline_still_completes(
+    autojump_clock,
+):
+    # a big model on busy cores: each chunk's tensor work takes longer than the link alone
+    # would allow the whole exchange (under load in CI, every 100M choco exchange ended in
+    # TooSlowError): the deadlines grow with the work measured, the first one's included
+    async with runtimes(2, **CHOCO) as (net, (a, b)):
+        net.set_delay("p0", "p1", 1.5)  # a 3 s round trip stands in for the partner's work
+        ticks = iter(range(10**6))
+        a.ctx.clock = lambda: 0.75 * next(ticks)  # our own work: 0.75 s each time it is timed
+        link_only = a.ctx.peers.exchange_deadline(
+            "p1", 2 * a.ctx.peers.payload_nbytes("topk:0.1"), trio.current_time())  # fmt: skip
+        assert link_only < 3.0
+        await a._exchange("p1")
+        stats = a.counters.statistics()
+        assert stats.ok == 1 and stats.failed == 0 and a.links["p1"].seq == 1
 
 
 @pytest.mark.parametrize(

@@ -21,6 +21,12 @@ def test_the_state_sync_mode_fetches_the_whole_model():
     assert r["peak_mb"] >= r["rss_before_mb"] > 0
 
 
+def test_the_state_sync_mode_with_three_donors_takes_their_median():
+    r = bench("--state-sync", "--donors", "3", "--millions", "0.25")
+    assert r["fetched"] and r["equal"] and r["donors"] == 3  # the middle server's model
+    assert r["bytes"] >= 3 * r["model_mb"] * 1e6  # every chunk from each of the three
+
+
 def test_the_exchange_mode_times_each_exchange_against_raw_pynng():
     r = bench("--millions", "0.25", "--repeats", "2")
     assert len(r["exchange_s"]) == len(r["raw_pynng_s"]) == 2

@@ -157,10 +157,15 @@ async def test_with_untrusted_peers_the_model_is_the_median_of_three_donors(auto
         s, algo = sync(joiner, net, "joiner", ["h0", "h1", "liar"], untrusted=True)
         assert await s.fetch(trio.Event())
         assert algo.calls == 1
-    got, (a, b) = joiner.snapshot(), [t.snapshot() for t in honest]
+        for donor in ("h0", "h1", "liar"):  # every chunk was asked of each of the three
+            assert net.bytes_sent[(donor, "joiner")] >= 4 * sum(
+                t.numel() for t in joiner.params().values())  # fmt: skip
+    got, (a, b), bad = joiner.snapshot(), [t.snapshot() for t in honest], liar.snapshot()
     for name, value in got.items():
         low, high = torch.minimum(a[name], b[name]), torch.maximum(a[name], b[name])
         assert bool(((low <= value) & (value <= high)).all()), name
+        assert torch.equal(value, torch.stack([a[name], b[name], bad[name]]).median(0).values)
+    assert not same(got, a) and not same(got, b)  # each value's median: no one donor's model
     out = capsys.readouterr().out
     assert "state_synced" in out and "donors=3" in out and "state_sync_few_donors" not in out
     # without gossip.robust the first donor's model is taken whole (here, the liar's, when drawn)
@@ -170,6 +175,28 @@ async def test_with_untrusted_peers_the_model_is_the_median_of_three_donors(auto
         s, _ = sync(trusting, net, "trusting", ["liar"])
         assert await s.fetch(trio.Event())
         assert same(trusting.snapshot(), liar.snapshot())
+
+
+async def test_with_untrusted_peers_a_donor_that_cannot_serve_is_left_out(autojump_clock,
+                                                                         capsys):  # fmt: skip
+    # three dialable peers, one of which refuses every chunk: the joiner must not retry it in
+    # every try (all of them failed and it trained from scratch); once DONOR_WAIT_S is over it
+    # syncs from the two that serve
+    honest = [trainer(0, 3), trainer(1, 3)]
+    joiner = trainer(2, 3)
+
+    async def refusing(peer, header, payload):
+        return ErrorReply(code="bad_request", reason="not serving"), b""
+
+    async with open_memory_network() as net:
+        for name, t in [("h0", honest[0]), ("h1", honest[1])]:
+            sync(t, net, name, ["joiner"])
+        net.add("mute", refusing)
+        s, algo = sync(joiner, net, "joiner", ["h0", "h1", "mute"], untrusted=True)
+        assert await s.fetch(trio.Event())
+    a, b = (t.snapshot() for t in honest)
+    assert same(joiner.snapshot(), {k: (a[k] + b[k]) / 2 for k in a}) and algo.calls == 1
+    assert "state_sync_few_donors" in capsys.readouterr().out
 
 
 async def test_with_untrusted_peers_and_one_donor_the_joiner_waits_then_says_so(autojump_clock,

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 import structlog
 import torch
+import trio
 
 from geotrain import compress
 from geotrain.gossip import ChocoLink, ChocoLinks, RejectedUpdate, params_norm
@@ -299,6 +300,16 @@ class Choco(Algorithm):
         self._seed += len(plan)
         moved, refused = [0], []  # bytes both ways; a reply that ends the exchange
         timer = self.chunk_timer
+        # The whole stream is bounded too (a partner that answers each chunk just in time must
+        # not hold the link for the sum of the chunks' deadlines): the link's deadline for all
+        # of its bytes plus the tensor work of every chunk on both ends, extended as ours is
+        # measured (at the first exchange nothing is known of it yet)
+        whole = ctx.peers.exchange_deadline(partner, 2 * ctx.peers.payload_nbytes(spec), started)
+        limit = trio.CancelScope(deadline=started + whole)
+
+        def bound() -> None:
+            limit.deadline = max(limit.deadline,
+                                 started + whole + 2 * 2 * len(plan) * timer.seconds)  # fmt: skip
 
         async def one(index: int) -> None:
             # each request's deadline covers the link's time for a window of chunks and the
@@ -309,6 +320,7 @@ class Choco(Algorithm):
             work = ctx.clock() - begun
             if not timer.seconds:
                 timer.observe(work)
+                bound()
             header = ChocoExchange(codec=spec, seq=seq, base=self._start_of(link), xid=xid,
                                    plan=plan.digest, chunk_numel=plan.chunk_numel,
                                    chunks=len(plan), index=index)  # fmt: skip
@@ -323,11 +335,17 @@ class Choco(Algorithm):
             q_theirs = await ctx.to_thread(self._their_chunk, plan, index, spec, data)
             await ctx.to_thread(self._add, link, q_mine, q_theirs)
             timer.observe(work + ctx.clock() - received)
+            bound()
 
         try:
-            await one(0)  # (alone: it opens the exchange on the partner's side)
-            await in_window(range(1, len(plan)), one)
-        except TransportError as exc:
+            with limit:
+                bound()
+                await one(0)  # (alone: it opens the exchange on the partner's side)
+                await in_window(range(1, len(plan)), one)
+            if limit.cancelled_caught:
+                raise trio.TooSlowError(f"the whole exchange took over "
+                                        f"{limit.deadline - started:.1f} s")  # fmt: skip
+        except (TransportError, trio.TooSlowError) as exc:
             paced(self.pacer, ctx.now() - started)  # (the link's time went into it)
             return await self._failed(partner, spec, link, f"{type(exc).__name__}: {exc}")
         except _Ended:
