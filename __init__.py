@@ -60,6 +60,7 @@ _EXPORTS = {
     "ResumeError": "geotrain.node",
     "MemoryBudgetError": "geotrain.node",
     "CheckpointError": "geotrain.node",
+    "StateDirInUse": "geotrain.node",
     "KeyFileError": "geotrain.node",
     "AdmissionRefused": "geotrain.node",
     "TransportError": "geotrain.node",

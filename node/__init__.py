@@ -35,6 +35,7 @@ from .identity import KeyFileError as KeyFileError
 from .identity import MembershipCertificate as MembershipCertificate
 from .identity import SwarmAuthority as SwarmAuthority
 from .identity import SwarmInfo as SwarmInfo
+from .state import StateDirInUse as StateDirInUse
 from .transport import HandshakeError as HandshakeError
 from .transport import LocalTransportError as LocalTransportError
 from .transport import PeerUnreachable as PeerUnreachable

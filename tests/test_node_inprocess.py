@@ -3,6 +3,7 @@ and an algorithm added from outside through the registry alone."""
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -199,6 +200,13 @@ async def test_a_second_node_on_a_state_directory_in_use_is_refused(tmp_path):
         (tmp_path / "a" / "lock").write_text("4242\n")  # as another process's node writes it
         with pytest.raises(StateDirInUse, match=r"state.dir = '.*/a' is in use by another node "
                                                 r"\(pid 4242\)"):  # fmt: skip
+            async with geotrain.open_node(config(tmp_path, "a"), identity=Identity.generate(),
+                                          admission=admission):  # fmt: skip
+                pass
+        # join() in a DataLoader worker: the holder is the forked child's own parent
+        (tmp_path / "a" / "lock").write_text(f"{os.getppid()}\n")
+        with pytest.raises(geotrain.StateDirInUse, match=r"in use by this process's parent "
+                                                         r".*DataLoader worker"):  # fmt: skip
             async with geotrain.open_node(config(tmp_path, "a"), identity=Identity.generate(),
                                           admission=admission):  # fmt: skip
                 pass

@@ -106,6 +106,11 @@ class StateDir:
                     f"state.dir = {str(self.root)!r} is in use by a node of this process: "
                     "close() the swarm that joined with it first (or give this one a state "
                     "directory of its own)") from None  # fmt: skip
+            if holder == str(os.getppid()):  # join() in a forked child: a DataLoader worker
+                raise StateDirInUse(
+                    f"state.dir = {str(self.root)!r} is in use by this process's parent (pid "
+                    f"{holder}), which joined with it: join once, in the main process, before "
+                    "forking (a DataLoader worker must not call join)") from None  # fmt: skip
             raise StateDirInUse(
                 f"state.dir = {str(self.root)!r} is in use by another node (pid {holder}): "
                 "each node needs a state directory of its own"
@@ -146,4 +151,5 @@ class StateDir:
 
 
 class StateDirInUse(ValueError):
-    """Another node runs on this state directory."""
+    """Another node runs on this state directory (of another process, this process, or its
+    parent: `join` called in a forked child)."""
