@@ -546,7 +546,14 @@ class Node:
             )
             if ckpt is not None:
                 checkpointer.restore(ckpt)
-                log.info("resumed", step=ckpt.step)
+                if isinstance(trainer, Trainer):
+                    log.info("resumed", step=ckpt.step)
+                else:  # (a loop that keeps checkpoints of its own lost newer work unawares)
+                    log.info("resumed", step=ckpt.step, state_dir=str(cfg.state.dir),
+                             detail="the model given to join is now this checkpoint's, and so "
+                             "will the optimizer's and scheduler's state be at wrap: a loop "
+                             "with a step counter or checkpoints of its own goes on from "
+                             "swarm.step")  # fmt: skip
             if isinstance(trainer, Trainer):
                 self._open_privacy_ledger(trainer)
             state_sync = StateSync(
