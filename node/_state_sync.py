@@ -212,9 +212,10 @@ class StateSync:
 
     # -- fetching ---------------------------------------------------------------------------
     async def fetch(self, stop: trio.Event) -> bool:
-        """Replace our model with a live peer's. Peers are asked one after another (a fetch that
-        makes progress gets the time it needs: its chunks have their own deadlines); the joiner
-        gives up after MAX_TRIES failed fetches, or STATE_SYNC_WAIT_S with nobody to ask.
+        """Replace our model with a live peer's (untrusted: each value's median over
+        UNTRUSTED_DONORS peers'). Peers are asked one after another (a fetch that makes progress
+        gets the time it needs: its chunks have their own deadlines); the joiner gives up after
+        MAX_TRIES failed fetches, or STATE_SYNC_WAIT_S with nobody to ask.
 
         Returns:
             Whether a model was fetched.
@@ -222,7 +223,7 @@ class StateSync:
         idle, tries = 0.0, 0
         self._differ = set()
         started = trio.current_time()
-        failed: set[str] = set()  # donors of a median fetch that failed: asked last
+        failed: set[str] = set()  # donors of a median fetch that failed: left out after
         while not stop.is_set() and idle < STATE_SYNC_WAIT_S and tries < MAX_TRIES:
             peers = list(self._membership.live_peers())
             self._rng.shuffle(peers)
