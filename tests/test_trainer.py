@@ -217,3 +217,49 @@ def test_a_read_of_the_model_goes_on_beside_a_steps_passes_and_a_change_waits_fo
     writer.join(30)
     assert changed.is_set() and trainer.step == 1
     assert any(not torch.equal(v, before[k]) for k, v in trainer.snapshot().items())
+
+
+@pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step")  # (its optimizer swapped)
+def test_a_read_waits_for_the_optimizer_step_and_goes_on_beside_an_evaluation():
+    """A read sees the parameters between two optimizer steps, never half-stepped; an evaluation
+    (the daemon's, which must not meet a step's passes) changes nothing and does not hold
+    reads back."""
+    task = resolve_task("synthetic-linreg")(TaskContext(seed=2))
+    in_step, finish = threading.Event(), threading.Event()
+
+    class Slow(torch.optim.SGD):
+        def step(self, closure=None):  # an optimizer step that takes as long as the test says
+            in_step.set()
+            assert finish.wait(30)
+            return super().step(closure)
+
+    trainer = Trainer(task)
+    trainer.optimizer = Slow(trainer.model.parameters(), lr=0.1)
+    stepping = threading.Thread(target=trainer.train_step)
+    stepping.start()
+    assert in_step.wait(30)
+    reader = threading.Thread(target=lambda: trainer.read(lambda live: None))
+    reader.start()
+    reader.join(0.5)
+    assert reader.is_alive(), "a read ran inside the optimizer's step"
+    finish.set()
+    stepping.join(30)
+    reader.join(30)
+    assert not reader.is_alive() and trainer.step == 1
+
+    evaluating, done = threading.Event(), threading.Event()
+
+    def slow_evaluation(_live):
+        evaluating.set()
+        assert done.wait(30)
+
+    evaluator = threading.Thread(target=lambda: trainer.apply(slow_evaluation, changes=False))
+    evaluator.start()
+    assert evaluating.wait(30)
+    reader = threading.Thread(target=lambda: trainer.read(lambda live: None))
+    reader.start()
+    reader.join(5)
+    alive = reader.is_alive()
+    done.set()
+    evaluator.join(30)
+    assert not alive, "a read waited for an evaluation"

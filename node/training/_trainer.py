@@ -183,8 +183,13 @@ class Trainer(LoopTrainer):
     def apply(self, fn: Callable[[dict[str, torch.Tensor]], T], *, changes: bool = True) -> T:
         """Change the model by `fn(live parameters)` now, between two steps (the lock keeps it
         from running beside one): the daemon's iteration is all under the lock, so nothing
-        waits for a next step as a loop of the user's own makes it (`changes`: unused here)."""
-        return self.update(fn)
+        waits for a next step as a loop of the user's own makes it. With `changes` False (an
+        evaluation: eval mode must not meet a step's passes, but no value changes) the reads
+        of exchanges and state sync go on beside it."""
+        if changes:
+            return self.update(fn)
+        with self._lock, torch.no_grad():
+            return fn(self.params())
 
     def checkpoint_extra(self) -> dict[str, Any]:
         # the privacy budget spent so far travels with the model
