@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import signal
 
 import pytest
@@ -147,6 +148,31 @@ def test_late_joiner_syncs_state_and_catches_up(swarm):
     # After only 25 local steps on its own shard, it is where the swarm is (alone it would be at
     # about 60% after 25 steps).
     assert late.status()["metric"] >= 0.85
+
+
+def test_an_untrusted_late_joiner_takes_the_median_of_three_peers_models(swarm):
+    # gossip.robust set: the joiner's model is each value's median over three donors (one
+    # dishonest donor cannot choose it), fetched over the real transport from the peers its
+    # membership learned through one bootstrap address; no optimizer state is taken
+    robust = {"gossip": {"robust": "clip"}}
+    nodes = start_swarm(swarm, 3, max_steps=0, special=dict.fromkeys(range(3), robust))
+    swarm.wait_until(lambda: reached(nodes, 0.85), 180, "the three at 85%")
+    late = swarm.start(
+        swarm.add(
+            "late",
+            training={"shard_index": 3, "max_steps": 25},
+            gossip={"robust": "clip"},
+            network={"bootstrap": [nodes[0].address()]},
+        )
+    )
+    late.proc.wait(120)
+    assert late.proc.returncode == 0, late.log_text()
+    synced = [json.loads(line) for line in late.log_text().splitlines()
+              if '"state_synced"' in line]  # fmt: skip
+    assert synced and synced[0]["donors"] == 3, late.log_text()
+    assert '"optimizer_state_not_taken"' in late.log_text()
+    assert '"state_sync_few_donors"' not in late.log_text()
+    assert late.status()["metric"] >= 0.8  # where the swarm is (alone: ~60% after 25 steps)
 
 
 def test_poisoned_peer_does_not_change_the_others_accuracy(swarm):
