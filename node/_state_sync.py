@@ -240,18 +240,17 @@ class StateSync:
                 donors = fresh[:UNTRUSTED_DONORS]
                 if donors and (len(donors) == UNTRUSTED_DONORS or waited >= DONOR_WAIT_S):
                     tries += 1
-                    step, culprit = await self._fetch_median(donors)
+                    step, culprit = await self._fetch_model(donors)
                     if step is not None:
                         await self._synced([p for p, _ in donors], step, waited)
                         return True
                     failed.add(culprit)
                     self._check_mismatch(peers)
-            for peer in [] if self._untrusted else peers:
-                address = self._membership.address_of(peer)
-                if address is None or is_client_address(address) or tries >= MAX_TRIES:
-                    continue
+            for peer, address in [] if self._untrusted else self._dialable(peers):
+                if tries >= MAX_TRIES:
+                    break
                 tries += 1
-                step = await self._fetch_from(peer, address)
+                step, _ = await self._fetch_model([(peer, address)])
                 if step is not None:
                     await self._synced([peer], step, trio.current_time() - started)
                     await self.fetch_buffers(peer, address)
@@ -415,34 +414,12 @@ class StateSync:
                 "joining"
             )
 
-    async def _fetch_from(self, peer: str, address: str) -> int | None:
-        """Replace our model with `peer`'s. Returns the peer's step, or None when it failed."""
-        plan = self._plan(self._chunk_numel)
-        staged: dict[str, torch.Tensor] = {}
-        progress = _Progress(peer, len(plan), plan.numel * 4)
-        try:
-            step = await self._chunk(peer, address, plan, 0, staged, progress)
-
-            async def one(index: int) -> None:
-                await self._chunk(peer, address, plan, index, staged, progress)
-
-            await in_window(range(1, len(plan)), one, catch=FETCH_ERRORS)
-            trainer = self._trainer
-            await self._to_thread(
-                lambda: trainer.load_params(staged, max_norm_ratio=float("inf"))
-            )
-        except FETCH_ERRORS as exc:
-            log.info("state_sync_failed", peer=peer[:12], reason=str(exc), chunks=progress.done)
-            if isinstance(exc, _Failed) and str(exc).startswith(MODELS_DIFFER):
-                self._differ.add(peer)
-            return None
-        return step
-
-    async def _fetch_median(self, donors: list[tuple[str, str]]) -> tuple[int | None, str]:
-        """Replace our model with each value's median over `donors` (three: one dishonest donor
-        cannot move a value beyond the honest two's; two: their mean; one: its model), chunk
-        by chunk, each chunk asked of every donor. Returns the donors' median step, or None and
-        the donor that failed (the model stays as it was)."""
+    async def _fetch_model(self, donors: list[tuple[str, str]]) -> tuple[int | None, str]:
+        """Replace our model with `donors`' (one: its model; three: each value's median, so one
+        dishonest donor cannot move a value beyond the honest two's; two: their mean), chunk by
+        chunk into a staging copy, each chunk asked of every donor, loaded once every chunk is
+        in. Returns the donors' median step, or None and the donor that failed (the model
+        stays as it was)."""
         plan = self._plan(self._chunk_numel)
         k = len(donors)
         staged: dict[str, torch.Tensor] = {}
@@ -462,7 +439,7 @@ class StateSync:
             got[d] = tensors
             if all(t is not None for t in got):
                 del parts[index]
-                mids = await self._to_thread(_medians, got)
+                mids = got[0] if k == 1 else await self._to_thread(_medians, got)
                 for s, mid in zip(plan.chunks[index], mids, strict=True):  # (here: one writer)
                     self._staging(staged, plan, s.name)[s.start : s.stop] = mid
 
@@ -494,12 +471,6 @@ class StateSync:
             buffer = staged[name] = torch.empty(shape, device=self._trainer.task_device)
         return buffer.reshape(-1)
 
-    async def _chunk(self, peer, address, plan: ChunkPlan, index: int, staged, progress) -> int:
-        step, tensors = await self._get_chunk(peer, address, plan, index, progress)
-        for s, t in zip(plan.chunks[index], tensors, strict=True):
-            self._staging(staged, plan, s.name)[s.start : s.stop] = t
-        return step
-
     async def _get_chunk(self, peer, address, plan: ChunkPlan, index: int,
                          progress) -> tuple[int, list[torch.Tensor]]:  # fmt: skip
         """Chunk `index` of `peer`'s model, decoded and checked: (its step, the values)."""
@@ -528,7 +499,7 @@ class StateSync:
 
 
 def _medians(got: list[list[torch.Tensor]]) -> list[torch.Tensor]:
-    """Each slice's elementwise median over the donors' values (the mean of two)."""
+    """Each slice's elementwise median over the donors' values (three; the mean of two)."""
     out = []
     for values in zip(*got, strict=True):
         if len(values) == 3:  # (elementwise: torch.median over a stacked dim sorts)

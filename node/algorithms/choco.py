@@ -305,11 +305,14 @@ class Choco(Algorithm):
         # of its bytes plus the tensor work of every chunk on both ends, extended as ours is
         # measured (at the first exchange nothing is known of it yet)
         whole = ctx.peers.exchange_deadline(partner, 2 * ctx.peers.payload_nbytes(spec), started)
-        limit = trio.CancelScope(deadline=started + whole)
+
+        def work_s() -> float:  # (both ends, every chunk, each as long as ours)
+            return 2 * 2 * len(plan) * timer.seconds
+
+        limit = trio.CancelScope(deadline=started + whole + work_s())
 
         def bound() -> None:
-            limit.deadline = max(limit.deadline,
-                                 started + whole + 2 * 2 * len(plan) * timer.seconds)  # fmt: skip
+            limit.deadline = max(limit.deadline, started + whole + work_s())
 
         async def one(index: int) -> None:
             # each request's deadline covers the link's time for a window of chunks and the
@@ -339,7 +342,6 @@ class Choco(Algorithm):
 
         try:
             with limit:
-                bound()
                 await one(0)  # (alone: it opens the exchange on the partner's side)
                 await in_window(range(1, len(plan)), one)
             if limit.cancelled_caught:
