@@ -77,6 +77,22 @@ def test_a_users_directory_is_the_corpus(tmp_path):
     assert set(x.flatten().tolist()) <= set(b"the quick brown fox jumps over the lazy dog\n")
 
 
+def test_the_schedule_params_set_the_recipe_every_system_trains_by():
+    # the testbed's DDP, local SGD and hivemind ranks build their optimizer and schedule from
+    # task.recipe, as a node's Trainer does: a run of few, large steps can shorten the warmup
+    # for all of them alike
+    task = resolve_task("gpt")(
+        TaskContext(params={**SMALL, "warmup_steps": 2, "total_steps": 100})
+    )
+    assert (task.recipe.warmup_steps, task.recipe.total_steps) == (2, 100)
+    trainer = Trainer(task)
+    assert trainer.recipe.lr_factor(0) == pytest.approx(0.5)
+    assert trainer.recipe.lr_factor(2) == pytest.approx(1.0)  # warmed up after two steps
+    assert trainer.recipe.lr_factor(100) == pytest.approx(trainer.recipe.min_lr_ratio)
+    default = resolve_task("gpt")(TaskContext(params=SMALL)).recipe
+    assert (default.warmup_steps, default.total_steps) == (20, 2000)
+
+
 @pytest.mark.parametrize(
     ("params", "message"),
     [
@@ -88,6 +104,9 @@ def test_a_users_directory_is_the_corpus(tmp_path):
         ({"batch_size": -1}, "task.params.batch_size=-1"),
         ({"corpus": "/no/such/dir"}, "task.params.corpus='/no/such/dir': not a directory"),
         ({"max_bytes": 100}, "task.params.max_bytes=100: expected an integer >= 10000"),
+        ({"warmup_steps": -1}, "task.params.warmup_steps=-1: expected an integer >= 0"),
+        ({"warmup_steps": 50, "total_steps": 50},
+         "task.params.total_steps=50: expected more than warmup_steps (50)"),
     ],
 )
 def test_bad_params_are_refused_naming_the_field(params, message):

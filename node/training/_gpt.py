@@ -6,6 +6,7 @@
 # cross-entropy in bits per byte, lower is better (8 is a uniform guess).
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -132,6 +133,21 @@ def _positive(ctx: TaskContext, name: str, default: int, at_least: int = 1) -> i
     return value
 
 
+def task_recipe(ctx: TaskContext) -> Recipe:
+    """GPT_RECIPE with the task's warmup_steps / total_steps params, if given.
+
+    Raises:
+        ValueError: naming the task.params field that is wrong.
+    """
+    warmup = _positive(ctx, "warmup_steps", GPT_RECIPE.warmup_steps, at_least=0)
+    total = _positive(ctx, "total_steps", GPT_RECIPE.total_steps)
+    if total <= warmup:
+        raise ValueError(
+            f"task.params.total_steps={total!r}: expected more than warmup_steps ({warmup})"
+        )
+    return dataclasses.replace(GPT_RECIPE, warmup_steps=warmup, total_steps=total)
+
+
 def model_shape(ctx: TaskContext) -> tuple[GPTSize, int]:
     """The size (a named one, changed by explicit d_model / layers / heads) and the context.
 
@@ -190,10 +206,14 @@ def gpt(ctx: TaskContext) -> Task:
     the size's), context (bytes of context, default 128), batch_size (windows per step, default
     16), corpus (a directory, default Python's standard library), files (a glob under it,
     default "*.py"), max_bytes (of corpus read, default 4,000,000), eval_windows (held-out
-    windows evaluated, default 64). The last 5% of the corpus is held out; the evaluation reads
-    `eval_windows` windows of context + 1 bytes spread evenly over it, the same every time.
+    windows evaluated, default 64), warmup_steps and total_steps (GPT_RECIPE's warmup and the step
+    its cosine decay ends at: the testbed's baselines train by the task's recipe too, so these
+    change every system's schedule alike, where a node's training.* settings change only the
+    node's). The last 5% of the corpus is held out; the evaluation reads `eval_windows` windows
+    of context + 1 bytes spread evenly over it, the same every time.
     """
     shape, context = model_shape(ctx)
+    recipe = task_recipe(ctx)
     batch_size = _positive(ctx, "batch_size", 16)
     eval_windows = _positive(ctx, "eval_windows", 64)
     max_bytes = _positive(ctx, "max_bytes", 4_000_000, at_least=10_000)
@@ -235,5 +255,5 @@ def gpt(ctx: TaskContext) -> Task:
         default_target=4.0,
         lr=shape.lr,
         train_size=len(mine),
-        recipe=GPT_RECIPE,
+        recipe=recipe,
     )
