@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import threading
 
 import pytest
 import torch
@@ -1124,3 +1125,33 @@ def test_round_s_takes_seconds_or_auto_and_names_the_field_otherwise():
             DilocoSettings(round_s=bad)
     with pytest.raises(ValueError, match="gossip.diloco.round_s"):
         DilocoSettings(round_s="auto", comm_fraction=0.05)
+
+
+async def test_a_model_replaced_while_an_outer_step_holds_the_model_takes_turns_with_it():
+    # a state sync's model_replaced (a worker thread) against an outer step (another), which
+    # holds the trainer's lock and then the round start's: model_replaced once took the round
+    # start's lock first and then waited for the trainer's, and the two waited on each other
+    async with runtimes(1, **DILOCO) as (_, (a,)):
+        holding, go, finished = threading.Event(), threading.Event(), []
+
+        def outer_step(live):
+            holding.set()
+            go.wait(10)
+            with a._start_lock:
+                finished.append("outer step")
+
+        def replaced():
+            a.model_replaced()
+            finished.append("model replaced")
+
+        stepper = threading.Thread(target=a.ctx.trainer.update, args=(outer_step,), daemon=True)
+        stepper.start()
+        assert holding.wait(10)
+        replacer = threading.Thread(target=replaced, daemon=True)
+        replacer.start()
+        replacer.join(0.3)  # it waits for the model now (before: holding the round start)
+        go.set()
+        stepper.join(10)
+        replacer.join(10)
+        assert finished == ["outer step", "model replaced"]
+        assert same(a.start, a.ctx.trainer.params())

@@ -457,9 +457,12 @@ class Diloco(Algorithm):
         self._phase = int(meta.get("phase", 0)) % h
 
     def model_replaced(self) -> None:
-        with self._start_lock:
-            self.start = self.ctx.trainer.snapshot()
-            self._start_holds_delta = False
+        def restart(live: Tensors) -> None:
+            with self._start_lock:  # (after the trainer's lock, as in a round end or outer step)
+                self.start = {name: t.detach().clone() for name, t in live.items()}
+                self._start_holds_delta = False
+
+        self.ctx.trainer.read(restart)
 
     # -- the round start, which holds our update through an in-place round end ---------------
     def _start_norm(self) -> float:
