@@ -73,6 +73,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                      help="Dirichlet concentration for --partition dirichlet; smaller is more "
                           "skewed (default: the scenario's, 0.5)")  # fmt: skip
     run.add_argument("--target", type=float, help="metric value to reach (default: task's)")
+    run.add_argument("--eval-every-s", type=float, metavar="S", default=10.0,
+                     help="every system evaluates at least once every S seconds (default: 10; "
+                          "0: only every 20 steps of a geotrain node, every step of DDP): each "
+                          "evaluation is training time lost, which a big model on a busy "
+                          "machine notices")  # fmt: skip
     run.add_argument("--out", type=Path, help="output directory (default: testbed-runs/<time>)")
     run.add_argument("--node-set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                      help="a node config override for every peer, e.g. gossip.policy=uniform "
@@ -239,6 +244,7 @@ def cmd_run(args: argparse.Namespace, command: tuple[str, ...] = ()) -> int:
             emulation=args.emulation, baseline=args.baseline,
             baseline_set=tuple(args.baseline_set),
             link_check=not args.no_link_check, node_overrides=tuple(args.node_set),
+            eval_every_s=args.eval_every_s,
             command=command, cwd=os.getcwd(),
         )  # fmt: skip
         check_node_config(options)

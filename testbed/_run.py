@@ -122,8 +122,8 @@ class RunOptions:
             if getattr(self, name) < 1:
                 raise ValueError(f"RunOptions.{name}={getattr(self, name)!r}: expected >= 1")
         if not 0 <= self.eval_every_s <= 86_400:
-            raise ValueError(f"RunOptions.eval_every_s={self.eval_every_s!r}: expected seconds, "
-                             "0..86400")  # fmt: skip
+            raise ValueError(f"--eval-every-s {self.eval_every_s!r} (RunOptions.eval_every_s): "
+                             "expected seconds, 0..86400")  # fmt: skip
 
 
 # What one peer's process holds at least (the interpreter, torch, the node) beyond the pages

@@ -52,6 +52,7 @@ def test_testbed_is_a_geotrain_command(capsys):
         (["--node-set", "training.params.hidden=8"], "use the scenario's [params]"),
         (["--node-set", "training.slowdown=3"], "use the scenario's [[stragglers]]"),
         (["--node-set", "training.partition=dirichlet"], "use --partition"),
+        (["--eval-every-s", "-1"], "--eval-every-s -1.0 (RunOptions.eval_every_s): expected"),
     ],
 )
 def test_bad_input_exits_2_naming_it_before_anything_starts(argv, needle, capsys, tmp_path):
