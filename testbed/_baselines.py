@@ -30,7 +30,12 @@ HIVEMIND_PRESETS: dict[str, dict[str, Any]] = {
 # DDP + local SGD: torch's PeriodicModelAverager (post-local SGD without the warm-up): local
 # steps, and every `period` steps an all-reduce of the parameters. 16 is between the examples of
 # torch's docs (4) and DiLoCo's hundreds; `--baseline-set localsgd.period=N` changes it.
-PRESETS: dict[str, dict[str, Any]] = {**HIVEMIND_PRESETS, "localsgd": {"period": 16}}
+# lr (every baseline): None is the task's; a DDP step averages every rank's batch, so a task
+# whose rate suits one peer's batch may train DDP better at a higher one (`ddp.lr=...`), as a
+# node's own can be set by --node-set training.lr: each system at its own best rate.
+PRESETS: dict[str, dict[str, Any]] = {
+    **HIVEMIND_PRESETS, "ddp": {"lr": None}, "localsgd": {"period": 16, "lr": None},
+}
 COMPRESSIONS = ("none", "fp16", "uniform8bit", "quantile8bit")
 _TYPES: dict[str, type] = {
     "use_local_updates": bool, "target_batch_size": int, "matchmaking_time": float,
@@ -121,10 +126,11 @@ def _value(item: str, field: str, raw: str) -> Any:
 
 def describe(baseline: str, settings: dict[str, Any] | None) -> str:
     """The table's algorithm cell of a baseline."""
-    if baseline == "ddp":
-        return "allreduce (gloo DDP)"
-    if baseline == "localsgd":
-        return f"DDP + local SGD, params averaged every {(settings or {}).get('period')} steps"
     s = settings or {}
+    rate = f", lr {s['lr']:g}" if s.get("lr") is not None else ""
+    if baseline == "ddp":
+        return f"allreduce (gloo DDP){rate}"
+    if baseline == "localsgd":
+        return f"DDP + local SGD, params averaged every {s.get('period')} steps{rate}"
     mode = "local updates" if s.get("use_local_updates") else "sync grad averaging"
-    return f"hivemind.Optimizer, {mode}, batch {s.get('target_batch_size')}"
+    return f"hivemind.Optimizer, {mode}, batch {s.get('target_batch_size')}{rate}"

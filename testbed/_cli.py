@@ -55,7 +55,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                           "local-updates mode), comma-separated, or none (default: ddp); hivemind "
                           "needs pip install 'geotrain[baselines]'")  # fmt: skip
     run.add_argument("--baseline-set", action="append", default=[], metavar="NAME.KEY=VALUE",
-                     help="change a hivemind baseline's setting, e.g. "
+                     help="change a baseline's setting, e.g. ddp.lr=0.003, localsgd.period=8, "
                           "hivemind-local.target_batch_size=4096 (repeatable)")  # fmt: skip
     run.add_argument("--nat", type=_peer_indices, metavar="I,J,...",
                      help="peers behind NAT (client mode; their namespace drops inbound "

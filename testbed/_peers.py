@@ -131,7 +131,7 @@ def ddp_argv(
     *, rank: int, world: int, master: str, task: str, params: dict, seed: int, slowdown: float,
     duration: float, target: float, eval_every: int, metrics: Path, system: str = "ddp",
     local_sgd_period: int = 0, step_ms: float = 0.0, partition: str = "iid", alpha: float = 0.5,
-    eval_every_s: float = 0.0,
+    eval_every_s: float = 0.0, lr: float | None = None,
 ) -> list[str]:  # fmt: skip
     return [
         sys.executable, "-m", "geotrain.testbed._ddp", "--rank", str(rank), "--world", str(world),
@@ -141,6 +141,7 @@ def ddp_argv(
         "--metrics", str(metrics), "--system", system,
         "--local-sgd-period", str(local_sgd_period), "--step-ms", str(step_ms),
         "--partition", partition, "--alpha", str(alpha),
+        *(("--lr", str(lr)) if lr is not None else ()),
     ]  # fmt: skip
 
 

@@ -456,7 +456,8 @@ def _run_ddp(options, hosts, meter: BytesMeter, faults: FaultRunner, echo: Echo,
     """DDP (`name` ddp) or DDP's ranks doing local SGD (`name` localsgd)."""
     sc, root = options.scenario, options.out / name
     root.mkdir()
-    period = options.baseline_settings["localsgd"]["period"] if name == "localsgd" else 0
+    settings = options.baseline_settings[name]
+    period = settings["period"] if name == "localsgd" else 0
     # a port of its own per baseline: the previous one's rendezvous may linger in TIME_WAIT
     port = DDP_PORT + BASELINES.index(name) if hosts[0].fixed_port else free_port()
     master = f"{hosts[0].address}:{port}"
@@ -476,6 +477,7 @@ def _run_ddp(options, hosts, meter: BytesMeter, faults: FaultRunner, echo: Echo,
                 eval_every=options.eval_every if period else options.ddp_eval_every,
                 eval_every_s=options.eval_every_s,
                 local_sgd_period=period, partition=sc.partition, alpha=sc.alpha,
+                lr=settings["lr"],
             )  # fmt: skip
             env = child_env({"GLOO_SOCKET_IFNAME": host.ifname})
             peers.add(ManagedProcess(argv, metrics.with_suffix(".log"), env, host.prefix)).start()
@@ -503,7 +505,6 @@ def _run_ddp(options, hosts, meter: BytesMeter, faults: FaultRunner, echo: Echo,
             stopped = "target"  # the two systems ended for different reasons)  # fmt: skip
     finally:
         peers.stop()
-    settings = {"period": period} if period else None
     return {"launch_t": launch, "stopped": stopped, "metrics": f"{name}/peer-NN.jsonl",
             "algorithm": describe(name, settings), "settings": settings,
             "failed_peers": failed}  # fmt: skip

@@ -16,6 +16,7 @@ from geotrain.node.cli._main import main
 from geotrain.testbed._baselines import (
     HIVEMIND_PRESETS,
     baseline_settings,
+    describe,
     missing_requirement,
     parse_baselines,
 )
@@ -42,14 +43,21 @@ def test_baselines_are_a_checked_list():
 def test_settings_start_from_the_documented_presets_and_name_a_bad_change():
     got = baseline_settings(("ddp", "hivemind-local"), ["hivemind-local.target_batch_size=4096",
                                                         "hivemind-local.grad_compression=fp16"])
-    assert set(got) == {"hivemind-local"}  # DDP has nothing to set
+    assert got["ddp"] == {"lr": None}  # the task's rate unless said
     assert got["hivemind-local"]["target_batch_size"] == 4096
     assert got["hivemind-local"]["grad_compression"] == "fp16"
     assert got["hivemind-local"]["matchmaking_time"] == 3.0  # the quick start's value, untouched
     assert HIVEMIND_PRESETS["hivemind-local"]["target_batch_size"] == 10000  # preset not mutated
-    assert baseline_settings(("localsgd",), ["localsgd.period=50"]) == {"localsgd": {"period": 50}}
-    with pytest.raises(ValueError, match="localsgd has no setting 'lr'"):
-        baseline_settings(("localsgd",), ["localsgd.lr=0.1"])
+    assert baseline_settings(("localsgd",), ["localsgd.period=50", "localsgd.lr=0.003"]) == {
+        "localsgd": {"period": 50, "lr": 0.003}}
+    # each system at its own best rate: DDP averages 8 ranks' batches in a step
+    assert baseline_settings(("ddp",), ["ddp.lr=0.0034"]) == {"ddp": {"lr": 0.0034}}
+    assert describe("ddp", {"lr": 0.0034}) == "allreduce (gloo DDP), lr 0.0034"
+    assert describe("ddp", {"lr": None}) == "allreduce (gloo DDP)"
+    with pytest.raises(ValueError, match="localsgd has no setting 'rate'"):
+        baseline_settings(("localsgd",), ["localsgd.rate=0.1"])
+    with pytest.raises(ValueError, match="lr must be > 0"):
+        baseline_settings(("ddp",), ["ddp.lr=0"])
     sync = baseline_settings(("hivemind",), [])["hivemind"]
     assert sync["use_local_updates"] is False and sync["target_batch_size"] is None
     cases = [
@@ -209,7 +217,8 @@ def test_hivemind_workers_train_behind_the_emulator_and_a_killed_one_rejoins(tmp
 
     _, localsgd, hivemind = summary["systems"]
     assert localsgd["system"] == "localsgd" and hivemind["system"] == "hivemind-local", log
-    assert localsgd["settings"] == {"period": 4} and "every 4 steps" in localsgd["algorithm"]
+    assert localsgd["settings"] == {"period": 4, "lr": None}
+    assert "every 4 steps" in localsgd["algorithm"]
     assert all(r is not None and r > 0 for r in localsgd["steps_per_s_by_peer"]), log
     assert localsgd["bytes_sent_total"] > 0, log
     # the target stops local SGD only once both ranks have it (their models differ in between)

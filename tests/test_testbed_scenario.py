@@ -298,7 +298,8 @@ def test_partition_flags_reach_every_system_and_the_run_files(tmp_path: Path, mo
     assert (sc.partition, sc.alpha) == ("dirichlet", 0.1)
     assert scenario_from_dict(sc.to_json()).partition == "dirichlet"  # as written to the run
     options = _run.RunOptions(scenario=sc, out=tmp_path / "run", target=0.9,
-                              baseline="ddp,localsgd,hivemind")  # fmt: skip
+                              baseline="ddp,localsgd,hivemind",
+                              baseline_set=("ddp.lr=0.002",))  # fmt: skip
     hosts = [Host(i, "127.0.0.1", "lo") for i in range(sc.n_peers)]
     doc = _run._node_config(options, hosts[1], ("k", "c", "s"), tmp_path, [])
     assert (doc["training"]["partition"], doc["training"]["alpha"]) == ("dirichlet", 0.1)
@@ -329,6 +330,8 @@ def test_partition_flags_reach_every_system_and_the_run_files(tmp_path: Path, mo
         parsed = worker._parse(argv[3:])  # the worker's own parser reads what the testbed wrote
         assert (parsed.partition, parsed.alpha) == ("dirichlet", 0.1), argv
         assert parsed.eval_every_s == options.eval_every_s == 10.0  # by time too, as a node
+        if worker is _ddp:  # --baseline-set ddp.lr: DDP's ranks at that rate, local SGD's not
+            assert parsed.lr == (0.002 if parsed.local_sgd_period == 0 else None), argv
     assert doc["training"]["eval_every_s"] == 10.0
 
     # --node-set would split geotrain's data alone: refused, naming the flag to use
