@@ -75,7 +75,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     run.add_argument("--target", type=float, help="metric value to reach (default: task's)")
     run.add_argument("--eval-every-s", type=float, metavar="S", default=10.0,
                      help="every system evaluates at least once every S seconds (default: 10; "
-                          "0: only every 20 steps of a geotrain node, every step of DDP): each "
+                          "0: only every 20 steps, DDP's ranks every step): each "
                           "evaluation is training time lost, which a big model on a busy "
                           "machine notices")  # fmt: skip
     run.add_argument("--out", type=Path, help="output directory (default: testbed-runs/<time>)")

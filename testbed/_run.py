@@ -70,7 +70,7 @@ class RunOptions:
         emulation: auto, netem, userspace or none.
         baseline: the systems to compare with, comma-separated (ddp, hivemind, hivemind-local)
             or "none"; each runs after geotrain, alone, on the same links.
-        baseline_set: `NAME.KEY=VALUE` changes to a hivemind baseline's preset.
+        baseline_set: `NAME.KEY=VALUE` changes to a baseline's preset (_baselines.PRESETS).
         link_check: measure RTT and throughput of each region pair before training.
         eval_every: steps between a geotrain node's evaluations (a node takes hundreds of steps
             a second on small tasks: every 20 steps is a few times a second).
@@ -204,6 +204,7 @@ def run_testbed(options: RunOptions, echo: Echo = print) -> dict[str, Any]:
         "command": list(options.command), "cwd": options.cwd,
         "partition": sc.partition, "alpha": sc.alpha, "availability": availability_json(sc),
         "step_ms": sc.step_ms, "slowdowns": [sc.slowdown(i) for i in range(sc.n_peers)],
+        "eval_every_s": options.eval_every_s,  # (what the times to a level are known within)
         # geotrain's attacker peers: left out of every quality figure (the summary)
         "attackers": {str(p): k for p, k in sorted(sc.attackers.items())},
     }  # fmt: skip
@@ -456,7 +457,7 @@ def _run_ddp(options, hosts, meter: BytesMeter, faults: FaultRunner, echo: Echo,
     """DDP (`name` ddp) or DDP's ranks doing local SGD (`name` localsgd)."""
     sc, root = options.scenario, options.out / name
     root.mkdir()
-    settings = options.baseline_settings[name]
+    settings = dict(options.baseline_settings[name])
     period = settings["period"] if name == "localsgd" else 0
     # a port of its own per baseline: the previous one's rendezvous may linger in TIME_WAIT
     port = DDP_PORT + BASELINES.index(name) if hosts[0].fixed_port else free_port()

@@ -107,6 +107,7 @@ def test_the_schedule_params_set_the_recipe_every_system_trains_by():
         ({"warmup_steps": -1}, "task.params.warmup_steps=-1: expected an integer >= 0"),
         ({"warmup_steps": 50, "total_steps": 50},
          "task.params.total_steps=50: expected more than warmup_steps (50)"),
+        ({"warmup_steps": 3000}, "task.params.warmup_steps=3000: expected fewer than total_steps"),
     ],
 )
 def test_bad_params_are_refused_naming_the_field(params, message):

@@ -568,3 +568,18 @@ def test_a_baselines_end_is_recorded_as_it_was(tmp_path: Path, monkeypatch, code
         line = comparison_notes({"systems": [{"system": "localsgd", "failed_peers": failed,
                                               "bytes_source": "x"}]})[0]  # fmt: skip
         assert line.startswith("FAILED: localsgd peers [0]")
+
+
+@pytest.mark.parametrize(
+    "path", sorted((Path(__file__).parent.parent / "testbed" / "scenarios").glob("*.json")),
+    ids=lambda p: p.name,
+)
+def test_every_shipped_scenario_file_loads_and_its_task_takes_its_params(path: Path):
+    # BENCHMARKS.md's commands name these files: a typo'd param or field would fail only when
+    # a reader ran one
+    from geotrain.testbed._cli import _task_target
+
+    sc = load_scenario(str(path))
+    assert sc.name == path.stem
+    target, metric, _ = _task_target(sc, None)
+    assert metric == "bits_per_byte" and target > 0

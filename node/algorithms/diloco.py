@@ -462,7 +462,7 @@ class Diloco(Algorithm):
                 self.start = {name: t.detach().clone() for name, t in live.items()}
                 self._start_holds_delta = False
 
-        self.ctx.trainer.read(restart)
+        self.ctx.trainer.update(restart)  # (the round start changes under the trainer's lock)
 
     # -- the round start, which holds our update through an in-place round end ---------------
     def _start_norm(self) -> float:

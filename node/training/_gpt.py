@@ -142,9 +142,11 @@ def task_recipe(ctx: TaskContext) -> Recipe:
     warmup = _positive(ctx, "warmup_steps", GPT_RECIPE.warmup_steps, at_least=0)
     total = _positive(ctx, "total_steps", GPT_RECIPE.total_steps)
     if total <= warmup:
-        raise ValueError(
-            f"task.params.total_steps={total!r}: expected more than warmup_steps ({warmup})"
-        )
+        if "total_steps" in ctx.params:
+            raise ValueError(f"task.params.total_steps={total!r}: expected more than "
+                             f"warmup_steps ({warmup})")  # fmt: skip
+        raise ValueError(f"task.params.warmup_steps={warmup!r}: expected fewer than "
+                         f"total_steps ({total}, the default)")  # fmt: skip
     return dataclasses.replace(GPT_RECIPE, warmup_steps=warmup, total_steps=total)
 
 
