@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import importlib.util
+import math
 from collections.abc import Iterable
 from typing import Any
 
@@ -119,8 +120,8 @@ def _value(item: str, field: str, raw: str) -> Any:
     except ValueError:
         what = "an integer" if kind is int else "a number"
         raise ValueError(f"--baseline-set {item!r}: {field} expects {what}") from None
-    if not value > 0:
-        raise ValueError(f"--baseline-set {item!r}: {field} must be > 0")
+    if not 0 < value < math.inf:
+        raise ValueError(f"--baseline-set {item!r}: {field} must be > 0 and finite")
     return value
 
 

@@ -56,8 +56,9 @@ def test_settings_start_from_the_documented_presets_and_name_a_bad_change():
     assert describe("ddp", {"lr": None}) == "allreduce (gloo DDP)"
     with pytest.raises(ValueError, match="localsgd has no setting 'rate'"):
         baseline_settings(("localsgd",), ["localsgd.rate=0.1"])
-    with pytest.raises(ValueError, match="lr must be > 0"):
-        baseline_settings(("ddp",), ["ddp.lr=0"])
+    for bad in ("0", "inf", "nan"):
+        with pytest.raises(ValueError, match="lr must be > 0 and finite"):
+            baseline_settings(("ddp",), [f"ddp.lr={bad}"])
     sync = baseline_settings(("hivemind",), [])["hivemind"]
     assert sync["use_local_updates"] is False and sync["target_batch_size"] is None
     cases = [
