@@ -124,6 +124,16 @@ def main(argv: list[str] | None = None) -> int:
             out.flush()
             if stop.check(step, metric, task.reached):
                 break
+        if metric_step != step:  # the final figure is of the model the rank ends with (a
+            # node evaluates at its exit too): local SGD evaluates every 20 steps, so its last
+            # metric could be up to 19 steps old
+            with cadence.evaluating():
+                model.eval()
+                metric, metric_step = float(task.evaluate(task.model)), step
+            record.update(t=time.time(), elapsed_s=round(time.monotonic() - started, 4),
+                          metric=metric, metric_step=metric_step,
+                          eval_s=round(cadence.spent_s, 4))  # fmt: skip
+            out.write(json.dumps(record) + "\n")
     dist.barrier()  # every rank leaves together: rank 0 holds the store the others talk to
     dist.destroy_process_group()
     return 0

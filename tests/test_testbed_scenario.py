@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import tomllib
 from pathlib import Path
@@ -583,3 +584,28 @@ def test_every_shipped_scenario_file_loads_and_its_task_takes_its_params(path: P
     assert sc.name == path.stem
     target, metric, _ = _task_target(sc, None)
     assert metric == "bits_per_byte" and target > 0
+
+
+def test_a_local_sgd_rank_ends_with_the_metric_of_the_model_it_ends_with(tmp_path: Path):
+    # it evaluates every 20 steps; the final figure (the table's, the summary's) was up to 19
+    # steps old, where a geotrain node evaluates once more at its exit
+    import socket
+    import subprocess
+
+    from geotrain.testbed._peers import ddp_argv
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    metrics = tmp_path / "m.jsonl"
+    argv = ddp_argv(rank=0, world=1, master=f"127.0.0.1:{port}", task="digits-mlp", params={},
+                    seed=0, slowdown=1.0, duration=0.0, target=2.0, eval_every=20,
+                    metrics=metrics, system="localsgd", local_sgd_period=4)  # fmt: skip
+    argv += ["--max-steps", "27"]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "GLOO_SOCKET_IFNAME": "lo"})  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    lines = [json.loads(line) for line in metrics.read_text().splitlines()]
+    last = lines[-1]
+    assert last["step"] > 20 and last["metric_step"] == last["step"], lines[-3:]
+    assert [r["metric_step"] for r in lines if r["step"] == 20] == [20]
