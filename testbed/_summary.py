@@ -99,8 +99,12 @@ def bytes_samples(out: Path, system: str) -> list[dict[str, Any]]:
 
 def bytes_at(samples: list[dict[str, Any]], t: float) -> int | None:
     """Bytes a system had put on the links by wall time t: the first sample at or after t (the
-    samples are a quarter second apart), or None when the samples end before t."""
-    return next((s["bytes"] for s in samples if s["t"] >= t), None)
+    samples are a quarter second apart); past the last sample (a node's evaluation at its exit,
+    after the meter's last reading), the last: all the run put on the links as metered. None
+    without samples."""
+    if not samples:
+        return None
+    return next((s["bytes"] for s in samples if s["t"] >= t), samples[-1]["bytes"])
 
 
 def swarm_quality(peers, higher_is_better: bool,

@@ -354,3 +354,15 @@ def test_a_peer_never_back_from_its_restart_and_a_system_past_its_duration_are_s
     summary = build_summary(tmp_path)
     assert summary["systems"][0]["silent_after_restart"] == []
     assert "NOT BACK" not in render_table(summary) and "OVERRAN" not in render_table(summary)
+
+
+def test_a_level_reached_at_the_exit_evaluation_has_the_runs_bytes():
+    # a node evaluates once more at its exit, after the meter's last reading: the level's bytes
+    # were shown as "-" (null in summary.json) though every byte of the run was metered
+    from geotrain.testbed._summary import bytes_at
+
+    samples = [{"t": 100.0, "bytes": 10}, {"t": 100.25, "bytes": 25}, {"t": 100.5, "bytes": 40}]
+    assert bytes_at(samples, 100.1) == 25  # the first reading at or after the time
+    assert bytes_at(samples, 100.5) == 40
+    assert bytes_at(samples, 101.2) == 40  # past the last reading: all the run put on the links
+    assert bytes_at([], 100.0) is None  # nothing metered: not known
