@@ -97,6 +97,24 @@ def bytes_samples(out: Path, system: str) -> list[dict[str, Any]]:
     return load_jsonl(out / f"bytes-{system}.jsonl")
 
 
+def geotrain_cell(run: dict[str, Any]) -> str:
+    """The table's algorithm cell of geotrain: the run's algorithm, and the learning rate its
+    nodes were given by --node-set training.lr (as a baseline's cell says its --baseline-set
+    rate)."""
+    rate = None
+    for item in run.get("node_overrides") or ():
+        key, _, value = item.partition("=")
+        if key.strip() == "training.lr":
+            rate = value.strip()  # (the last one wins, as in the nodes' config)
+    if rate is None:
+        return run["algorithm"]
+    try:
+        rate = f"{float(rate):g}"
+    except ValueError:
+        pass
+    return f"{run['algorithm']}, lr {rate}"
+
+
 def bytes_at(samples: list[dict[str, Any]], t: float) -> int | None:
     """Bytes a system had put on the links by wall time t: the first sample at or after t (the
     samples are a quarter second apart); past the last sample (a node's evaluation at its exit,
@@ -302,7 +320,7 @@ def _system(run: dict[str, Any], system: str, peers, samples) -> dict[str, Any]:
     return {
         "system": system,
         "algorithm": entry.get("algorithm") or (
-            run["algorithm"] if system == "geotrain" else "allreduce (gloo DDP)"),
+            geotrain_cell(run) if system == "geotrain" else "allreduce (gloo DDP)"),
         "settings": entry.get("settings"),
         "time_to_target_s": None if to_target is None else to_target[0],
         "attackers": sorted(attackers),

@@ -366,3 +366,15 @@ def test_a_level_reached_at_the_exit_evaluation_has_the_runs_bytes():
     assert bytes_at(samples, 100.5) == 40
     assert bytes_at(samples, 101.2) == 40  # past the last reading: all the run put on the links
     assert bytes_at([], 100.0) is None  # nothing metered: not known
+
+
+def test_geotrains_cell_says_the_learning_rate_its_nodes_were_given():
+    # a baseline's cell says its --baseline-set lr; without this the table read as if only DDP
+    # had been tuned
+    from geotrain.testbed._summary import geotrain_cell
+
+    assert geotrain_cell({"algorithm": "diloco", "node_overrides": []}) == "diloco"
+    run = {"algorithm": "diloco",
+           "node_overrides": ["gossip.preset=frugal", "training.lr=4e-4", " training.lr = 3e-4"]}
+    assert geotrain_cell(run) == "diloco, lr 0.0003"  # the last one, as the nodes take it
+    assert geotrain_cell({"algorithm": "adpsgd"}) == "adpsgd"  # an older run.json
