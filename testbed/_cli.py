@@ -43,8 +43,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
     run = sub.add_parser("run", help="run a scenario with geotrain and the DDP baseline")
     run.add_argument("--scenario", default=DEFAULT_SCENARIO,
-                     help=f"built-in name ({', '.join(builtin_scenarios())}) or a .toml file "
-                          f"(default: {DEFAULT_SCENARIO})")  # fmt: skip
+                     help=f"built-in name ({', '.join(builtin_scenarios())}) or a .toml / .json "
+                          f"file, such as testbed/scenarios/*.json (default: "
+                          f"{DEFAULT_SCENARIO})")  # fmt: skip
     run.add_argument("--peers", type=int, help="number of peers (spread over the regions)")
     run.add_argument("--task", help="training task (default: the scenario's)")
     run.add_argument("--algorithm", help="gossip algorithm (default: the scenario's)")

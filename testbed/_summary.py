@@ -410,6 +410,9 @@ def build_summary(out: Path) -> dict[str, Any]:
         "faults": run["faults"],
         "rate_scale": run["rate_scale"],
         "duration_s": run.get("duration_s"),
+        # every system evaluated at least this often (a time to a level is known to within it;
+        # null: a run from before --eval-every-s, at 10 s)
+        "eval_every_s": run.get("eval_every_s"),
         "consensus_distance_final": run["consensus_distance_final"],
         "time_origin": "each system's first step; time_to_target_s counts from there",
         "partition": _partition(run),
