@@ -88,6 +88,31 @@ def main(argv: list[str] | None = None) -> int:
     stop = StopRule(args, joined)
     cadence = EvalCadence(args.eval_every, args.eval_every_s)
     step, metric, metric_step = 0, None, None
+
+    def evaluate() -> float:
+        with cadence.evaluating():
+            model.eval()
+            try:
+                return float(task.evaluate(task.model))
+            finally:
+                model.train()
+
+    def write(step: int, loss: torch.Tensor, metric: float | None, metric_step: int | None):
+        elapsed = time.monotonic() - joined
+        record = {
+            "system": args.system,
+            "t": time.time(),
+            "elapsed_s": round(time.monotonic() - started, 4),
+            "step": step,
+            "loss": float(loss.detach()),
+            "metric": metric,
+            "metric_step": metric_step,
+            "steps_per_s": step / elapsed if elapsed > 0 else 0.0,
+            "eval_s": round(cadence.spent_s, 4),  # (compute utilization leaves it out)
+        }
+        out.write(json.dumps(record) + "\n")
+        out.flush()
+
     with open(args.metrics, "a") as out:
         while True:
             t0 = time.perf_counter()
@@ -104,36 +129,15 @@ def main(argv: list[str] | None = None) -> int:
             # DDP overlaps it with the backward pass on GPUs
             pad_step(t0, args.step_ms, args.slowdown)
             if cadence.due(step):
-                with cadence.evaluating():
-                    model.eval()
-                    metric, metric_step = float(task.evaluate(task.model)), step
-                    model.train()
-            elapsed = time.monotonic() - joined
-            record = {
-                "system": args.system,
-                "t": time.time(),
-                "elapsed_s": round(time.monotonic() - started, 4),
-                "step": step,
-                "loss": float(loss.detach()),
-                "metric": metric,
-                "metric_step": metric_step,
-                "steps_per_s": step / elapsed if elapsed > 0 else 0.0,
-                "eval_s": round(cadence.spent_s, 4),  # (compute utilization leaves it out)
-            }
-            out.write(json.dumps(record) + "\n")
-            out.flush()
+                metric, metric_step = evaluate(), step
+            write(step, loss, metric, metric_step)
             if stop.check(step, metric, task.reached):
                 break
         if metric_step != step:  # the final figure is of the model the rank ends with (a
             # node evaluates at its exit too): local SGD evaluates every 20 steps, so its last
             # metric could be up to 19 steps old
-            with cadence.evaluating():
-                model.eval()
-                metric, metric_step = float(task.evaluate(task.model)), step
-            record.update(t=time.time(), elapsed_s=round(time.monotonic() - started, 4),
-                          metric=metric, metric_step=metric_step,
-                          eval_s=round(cadence.spent_s, 4))  # fmt: skip
-            out.write(json.dumps(record) + "\n")
+            metric, metric_step = evaluate(), step
+            write(step, loss, metric, metric_step)
     dist.barrier()  # every rank leaves together: rank 0 holds the store the others talk to
     dist.destroy_process_group()
     return 0
