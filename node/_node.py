@@ -433,6 +433,7 @@ class Node:
             self.state.create()
             if self._state_lock is None:
                 self._state_lock = self.state.lock()
+                self.state.create()  # (a node refused at start that held it before removed it)
         except OSError as exc:  # read-only, a file in the way, no permission, no space
             raise self._state_dir_error(exc) from None
 

@@ -247,6 +247,38 @@ def test_a_forked_child_does_not_keep_the_state_directory_locked(tmp_path):
             os.close(fd)
 
 
+def test_a_node_waiting_while_a_refused_node_removes_the_directory_holds_a_real_lock(tmp_path):
+    """A node refused at start removes the state directory it made (remove_unused). A second
+    node that had opened the lock file while the first held it then locked the unlinked file,
+    and a third took the directory beside it: two nodes on one directory, unnoticed."""
+    import os
+    import threading
+    import time
+
+    from geotrain.node.state import StateDir, StateDirInUse
+
+    state = StateDir(tmp_path / "s").create()
+    first = state.lock()
+    assert first is not None
+    got: dict[str, object] = {}
+    second = threading.Thread(target=lambda: got.update(lock=state.lock()))
+    second.start()  # it retries while the first holds the directory
+    time.sleep(0.15)
+    state.remove_unused()  # the first gives up: a config that did not fit, say
+    first.close()
+    second.join(10)
+    held = got["lock"]
+    try:
+        assert held is not None
+        now = os.stat(state.lock_path)  # the lock file at the path is the one the second holds
+        assert (now.st_dev, now.st_ino) == (os.fstat(held.fileno()).st_dev,
+                                            os.fstat(held.fileno()).st_ino)  # fmt: skip
+        with pytest.raises(StateDirInUse):
+            state.lock()  # a third is refused
+    finally:
+        held.close()
+
+
 async def test_a_listen_address_in_use_is_refused_naming_network_listen(tmp_path):
     """An operator's port in use is one ConfigError naming network.listen (it was a node
     failure: 'TransportError: Address in use' with a traceback)."""

@@ -10,7 +10,7 @@ import time
 import weakref
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO
+from typing import BinaryIO, NoReturn
 
 LOCK_TRIES = 10  # 0.5 s in all
 
@@ -82,47 +82,73 @@ class StateDir:
                 other's checkpoints and status unnoticed).
             OSError: the lock file cannot be made.
         """
-        f = open(self.lock_path, "a+b")  # noqa: SIM115 (held open for the node's life)
-        try:
-            for attempt in range(LOCK_TRIES):  # a `geotrain status` may hold it for a moment
-                try:
-                    fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                    break
-                except BlockingIOError:
-                    if attempt == LOCK_TRIES - 1:
-                        raise
-                    time.sleep(0.05)
-            f.truncate(0)
-            f.write(f"{os.getpid()}\n".encode())
-            f.flush()
+        for attempt in range(LOCK_TRIES):  # a `geotrain status` may hold it for a moment
+            try:
+                f = open(self.lock_path, "a+b")  # noqa: SIM115 (held open for the node's life)
+            except FileNotFoundError:  # a node refused at start removed the directory just now
+                if attempt == LOCK_TRIES - 1:
+                    raise
+                self.root.mkdir(parents=True, exist_ok=True)
+                continue
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                if attempt == LOCK_TRIES - 1:
+                    self._refuse_in_use(f)
+                f.close()  # (opened again: the holder may remove this file as it gives up)
+                time.sleep(0.05)
+                continue
+            except OSError as exc:
+                f.close()
+                if exc.errno in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS):
+                    return None  # no flock on this filesystem (some network mounts)
+                raise
+            except BaseException:
+                f.close()
+                raise
+            if not self._is_lock_file(f):  # unlinked between our open and our flock by a node
+                f.close()  # refused at start (remove_unused): a lock on it guards nothing
+                continue
+            try:
+                f.truncate(0)
+                f.write(f"{os.getpid()}\n".encode())
+                f.flush()
+            except BaseException:
+                f.close()
+                raise
             _HELD.add(f)
             return f
-        except BlockingIOError:
-            f.seek(0)
-            holder = f.read(32).decode("ascii", "replace").strip() or "unknown"
-            f.close()
-            if holder == str(os.getpid()):  # a notebook's cell run again, a second join
-                raise StateDirInUse(
-                    f"state.dir = {str(self.root)!r} is in use by a node of this process: "
-                    "close() the swarm that joined with it first (or give this one a state "
-                    "directory of its own)") from None  # fmt: skip
-            if holder == str(os.getppid()):  # join() in a forked child: a DataLoader worker
-                raise StateDirInUse(
-                    f"state.dir = {str(self.root)!r} is in use by this process's parent (pid "
-                    f"{holder}), which joined with it: join once, in the main process, before "
-                    "forking (a DataLoader worker must not call join)") from None  # fmt: skip
+        raise StateDirInUse(f"state.dir = {str(self.root)!r}: its lock file was replaced "
+                            f"{LOCK_TRIES} times while this node tried to take it")  # fmt: skip
+
+    def _is_lock_file(self, f: BinaryIO) -> bool:
+        """Whether the open file `f` is the one at lock_path now."""
+        try:
+            now = os.stat(self.lock_path)
+        except FileNotFoundError:
+            return False
+        held = os.fstat(f.fileno())
+        return (held.st_dev, held.st_ino) == (now.st_dev, now.st_ino)
+
+    def _refuse_in_use(self, f: BinaryIO) -> NoReturn:
+        """StateDirInUse naming who holds the lock of `f` (closed here)."""
+        f.seek(0)
+        holder = f.read(32).decode("ascii", "replace").strip() or "unknown"
+        f.close()
+        if holder == str(os.getpid()):  # a notebook's cell run again, a second join
             raise StateDirInUse(
-                f"state.dir = {str(self.root)!r} is in use by another node (pid {holder}): "
-                "each node needs a state directory of its own"
-            ) from None
-        except OSError as exc:
-            f.close()
-            if exc.errno in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS):
-                return None  # no flock on this filesystem (some network mounts)
-            raise
-        except BaseException:
-            f.close()
-            raise
+                f"state.dir = {str(self.root)!r} is in use by a node of this process: "
+                "close() the swarm that joined with it first (or give this one a state "
+                "directory of its own)") from None  # fmt: skip
+        if holder == str(os.getppid()):  # join() in a forked child: a DataLoader worker
+            raise StateDirInUse(
+                f"state.dir = {str(self.root)!r} is in use by this process's parent (pid "
+                f"{holder}), which joined with it: join once, in the main process, before "
+                "forking (a DataLoader worker must not call join)") from None  # fmt: skip
+        raise StateDirInUse(
+            f"state.dir = {str(self.root)!r} is in use by another node (pid {holder}): "
+            "each node needs a state directory of its own"
+        ) from None
 
     def locked(self) -> bool:
         """Whether a node holds the directory now (a status that says running may be stale)."""
@@ -143,11 +169,15 @@ class StateDir:
     def remove_unused(self) -> None:
         """Remove what `create` and `lock` made, for a node refused before it wrote anything
         (a config that does not fit its memory budget left a state/ with a lock and an empty
-        checkpoints/). Call it holding the lock; whatever else lies there is kept."""
+        checkpoints/). Call it holding the lock; whatever else lies there is kept.
+
+        checkpoints/ goes first, while the lock still guards it: a node that takes the directory
+        once the lock file is gone (lock() retries on a file unlinked under it) makes its own."""
+        with contextlib.suppress(OSError):
+            self.checkpoints.rmdir()  # (only when empty)
         with contextlib.suppress(OSError):
             self.lock_path.unlink(missing_ok=True)
-            self.checkpoints.rmdir()  # (only when empty)
-            self.root.rmdir()
+            self.root.rmdir()  # (only when empty: a node taking it now made a lock file there)
 
 
 class StateDirInUse(ValueError):
