@@ -13,6 +13,8 @@ import os
 import signal
 import sys
 import time
+import tomllib
+from collections.abc import Iterable
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -73,6 +75,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     run.add_argument("--alpha", type=float, metavar="A",
                      help="Dirichlet concentration for --partition dirichlet; smaller is more "
                           "skewed (default: the scenario's, 0.5)")  # fmt: skip
+    run.add_argument("--param", action="append", default=[], metavar="KEY=VALUE",
+                     help="a task parameter for every system (the scenario's [params]), e.g. "
+                          "--task gpt --param size=10m --param batch=2 (repeatable; a value "
+                          "is TOML, a bare word a string)")  # fmt: skip
     run.add_argument("--target", type=float, help="metric value to reach (default: task's)")
     run.add_argument("--eval-every-s", type=float, metavar="S", default=10.0,
                      help="every system evaluates at least once every S seconds (default: 10; "
@@ -157,16 +163,34 @@ def _scenario_from_args(args: argparse.Namespace) -> TestbedScenario:
                                 f"use {shared}")  # fmt: skip
         if key == "gossip.preset" and args.algorithm is None:  # the preset's algorithm is the
             changes.update(_preset_algorithm(item.partition("=")[2].strip()))  # run's too
-    if changes:
-        params = {} if args.task and args.task != sc.task else sc.params
-        sc = replace(sc, params=params, **changes)
+    given = _task_params(getattr(args, "param", ()))
+    if changes or given:
+        params = {} if args.task and args.task != sc.task else dict(sc.params)
+        sc = replace(sc, params={**params, **given}, **changes)
     return sc
+
+
+def _task_params(items: Iterable[str]) -> dict[str, Any]:
+    """`--param KEY=VALUE` items as the scenario's params: a value is TOML (`2`, `0.5`, `true`,
+    `"10m"`), a bare word a string (`size=10m`)."""
+    out: dict[str, Any] = {}
+    for item in items:
+        key, eq, raw = item.partition("=")
+        key = key.strip()
+        if not eq or not key or "." in key or not raw.strip():
+            raise ScenarioError(f"--param {item!r}: expected KEY=VALUE, a task parameter such "
+                                "as size=10m")  # fmt: skip
+        try:
+            out[key] = tomllib.loads(f"v = {raw}")["v"]
+        except tomllib.TOMLDecodeError:
+            out[key] = raw.strip()  # a bare word is taken as a string
+    return out
 
 
 # [training] settings the testbed gives every system alike, and what sets them for all
 SHARED_TRAINING = {
     "training.task": "--task (or the scenario's task)",
-    "training.params": "the scenario's [params]",
+    "training.params": "--param KEY=VALUE (or the scenario's [params])",
     "training.partition": "--partition",
     "training.alpha": "--alpha",
     "training.step_time_ms": "--step-ms (or the scenario's step_ms)",
@@ -187,16 +211,21 @@ def _preset_algorithm(name: str) -> dict[str, str]:
     return {"algorithm": preset["algorithm"]} if "algorithm" in preset else {}
 
 
-def _task_target(sc: TestbedScenario, target: float | None) -> tuple[float, str, bool]:
-    """(target, metric name, higher is better) from the task itself (imports torch)."""
+def _task_target(
+    sc: TestbedScenario, target: float | None, given: Iterable[str] = ()
+) -> tuple[float, str, bool]:
+    """(target, metric name, higher is better) from the task itself (imports torch); `given`:
+    the params --param set (an unknown one is named as the option)."""
     from geotrain.node import TaskContext, resolve_task
 
     ctx = TaskContext(params=dict(sc.params))
     task = resolve_task(sc.task)(ctx)
     if ctx.unasked() and ":" not in sc.task:  # (as a node refuses it, but before anything runs)
         known = ", ".join(sorted(ctx.asked)) or "none"
-        raise ScenarioError(f"scenario.params.{ctx.unasked()[0]}: task {sc.task!r} has no such "
-                            f"parameter (its parameters: {known})")  # fmt: skip
+        key = ctx.unasked()[0]
+        where = f"--param {key}" if key in set(given) else f"scenario.params.{key}"
+        raise ScenarioError(f"{where}: task {sc.task!r} has no such parameter (its parameters: "
+                            f"{known})")  # fmt: skip
     if target is not None and not math.isfinite(target):
         raise ScenarioError(f"--target {target}: expected a finite number (the metric to reach)")
     value = target if target is not None else sc.target
@@ -239,7 +268,7 @@ def cmd_run(args: argparse.Namespace, command: tuple[str, ...] = ()) -> int:
     out = (args.out or Path("testbed-runs") / time.strftime("%Y%m%d-%H%M%S")).resolve()
     try:
         sc = _scenario_from_args(args)
-        target, metric, higher = _task_target(sc, args.target)
+        target, metric, higher = _task_target(sc, args.target, _task_params(args.param))
         options = RunOptions(
             scenario=sc, out=out, target=target, metric=metric, higher_is_better=higher,
             emulation=args.emulation, baseline=args.baseline,

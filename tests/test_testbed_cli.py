@@ -49,7 +49,9 @@ def test_testbed_is_a_geotrain_command(capsys):
         # geotrain's nodes only, while the baselines kept the scenario's: the table compared
         # geotrain on linear regression with DDP on digits
         (["--node-set", "training.task=synthetic-linreg"], "use --task"),
-        (["--node-set", "training.params.hidden=8"], "use the scenario's [params]"),
+        (["--node-set", "training.params.hidden=8"], "use --param KEY=VALUE"),
+        (["--param", "hidden"], "--param 'hidden': expected KEY=VALUE"),
+        (["--param", "hiden=8"], "--param hiden: task 'digits-mlp' has no such parameter"),
         (["--node-set", "training.slowdown=3"], "use the scenario's [[stragglers]]"),
         (["--node-set", "training.partition=dirichlet"], "use --partition"),
         (["--eval-every-s", "-1"], "--eval-every-s -1.0 (RunOptions.eval_every_s): expected"),
@@ -70,8 +72,27 @@ def test_a_shared_training_setting_is_geotrains_own_when_no_baseline_runs():
                                       "training.seed=3"])  # fmt: skip
     _scenario_from_args(args)  # (refused with a baseline: the systems would differ)
     args = build_parser().parse_args(["testbed", "run", "--node-set", "training.params.a.b=1"])
-    with pytest.raises(Exception, match=r"use the scenario's \[params\]"):
+    with pytest.raises(Exception, match=r"use --param KEY=VALUE"):
         _scenario_from_args(args)
+
+
+def test_task_params_from_the_command_line_reach_the_scenario_every_system_trains_by(tmp_path):
+    from geotrain.node.cli._main import build_parser
+    from geotrain.testbed._cli import _scenario_from_args
+
+    def scenario(*argv):
+        return _scenario_from_args(build_parser().parse_args(["testbed", "run", *argv]))
+
+    # a bare word is a string, a number a number; another task starts from no params
+    sc = scenario("--task", "gpt", "--param", "size=10m", "--param", "batch=2",
+                  "--param", 'files="*.py"')  # fmt: skip
+    assert (sc.task, dict(sc.params)) == ("gpt", {"size": "10m", "batch": 2, "files": "*.py"})
+    # the scenario's own params stay, one given here replaces its value
+    shipped = scenario("--scenario", "geo3")
+    assert shipped.params == {"hidden": 1024, "layers": 2}
+    sc = scenario("--scenario", "geo3", "--param", "hidden=64")
+    assert dict(sc.params) == {"hidden": 64, "layers": 2}
+    assert sc.to_json()["params"] == {"hidden": 64, "layers": 2}  # (what run.json records)
 
 
 def test_a_task_parameter_the_task_does_not_have_is_refused_before_anything_starts(
