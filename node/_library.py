@@ -99,6 +99,7 @@ class Swarm:
         if isinstance(optimizer, SwarmOptimizer):  # (wrapped again, e.g. to add a scheduler
             optimizer = optimizer.optimizer  # made on what the first wrap returned)
         self._loop.attach(optimizer, scheduler)
+        self.node.measure_optimizer(optimizer)
         return SwarmOptimizer(self, optimizer, scheduler)
 
     def _notify(self, result: StepResult) -> None:

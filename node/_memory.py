@@ -10,6 +10,8 @@ import resource
 import sys
 from dataclasses import dataclass
 
+import torch
+
 from ._config import ConfigError, NodeConfig
 from .algorithms import CHUNKS_IN_FLIGHT, AlgorithmSpec
 from .training import Trainer
@@ -19,6 +21,8 @@ RUNTIME_GB = 0.5  # interpreter, torch, transport buffers: a small node's RSS on
 # decoded, the difference): about this many chunk sizes per chunk in flight.
 BUFFERS_PER_CHUNK = 8
 OPTIMIZER_COPIES = {"sgd": 1.0, "adam": 2.0, "adamw": 2.0}  # momentum; first and second moments
+# a loop of the user's own: its optimizer is known only at wrap(); until then, Adam's two moments
+LOOP_OPTIMIZER = "adam"
 
 
 class MemoryBudgetError(ConfigError):
@@ -35,6 +39,7 @@ class MemoryEstimate:
     runtime_gb: float = RUNTIME_GB
     numel: int = 0  # the model's parameters (what an algorithm's fit is told)
     frozen_gb: float = 0.0  # parameters frozen at join: one copy, never averaged
+    optimizer: str = ""  # whose state plain_copies counts (explain() says it)
 
     @property
     def copies(self) -> float:
@@ -52,26 +57,56 @@ class MemoryEstimate:
             + (f"{self.frozen_gb:.3g} GB frozen + " if self.frozen_gb else "")
             + f"{self.buffers_gb:.2g} GB chunks in flight + "
             f"{self.runtime_gb:g} GB runtime = {self.total_gb:.3g} GB"
+            + (f"; the plain loop: weights, gradients, {self.optimizer}" if self.optimizer else "")
         )
 
 
 def estimate_memory(
-    config: NodeConfig, trainer: Trainer, spec: AlgorithmSpec, optimizer: str | None = None
+    config: NodeConfig, trainer: Trainer, spec: AlgorithmSpec, optimizer: str | None = None,
+    *, state_copies: float | None = None, described: str = "",
 ) -> MemoryEstimate:
     """The node's memory need for this model, optimizer and algorithm (`optimizer`: the one a
-    user's own loop brings, when the config's does not apply; Adam's two moments if unknown)."""
+    user's own loop brings, when the config's does not apply; Adam's two moments if unknown;
+    `state_copies` and `described`: a user's optimizer measured by optimizer_state_copies)."""
     params = trainer.params().values()
     numel = sum(p.numel() for p in params)
     model_bytes = sum(p.numel() * p.element_size() for p in params)
     optimizer = optimizer or config.training.optimizer or "sgd"
+    copies = OPTIMIZER_COPIES.get(optimizer, 2.0) if state_copies is None else state_copies
+    if not described:
+        described = f"{optimizer}'s state ({copies:g})"
     extra = spec.memory(config.gossip, numel) if spec.memory is not None else None
     # a peer's chunks may be up to network.peer_chunk_mb (at least our own chunk_mb)
     chunk_bytes = min(model_bytes, config.network.max_chunk_numel * 4)
     buffers = CHUNKS_IN_FLIGHT * BUFFERS_PER_CHUNK * chunk_bytes
     return MemoryEstimate(
-        model_bytes / 1e9, 2.0 + OPTIMIZER_COPIES.get(optimizer, 2.0), spec.name, extra,
-        buffers / 1e9, numel=numel, frozen_gb=trainer.frozen_bytes / 1e9,
+        model_bytes / 1e9, 2.0 + copies, spec.name, extra,
+        buffers / 1e9, numel=numel, frozen_gb=trainer.frozen_bytes / 1e9, optimizer=described,
     )  # fmt: skip
+
+
+def optimizer_state_copies(optimizer: torch.optim.Optimizer) -> tuple[float, str]:
+    """The model copies a torch optimizer's state holds, and how explain() says it: SGD's
+    momentum buffer (none without momentum), Adam's two moments (three with amsgrad), ...;
+    an optimizer not known here is counted as Adam."""
+    groups = getattr(optimizer, "param_groups", [])
+
+    def any_set(key: str) -> bool:
+        return any(bool(g.get(key)) for g in groups)
+
+    name = type(optimizer).__name__
+    if isinstance(optimizer, torch.optim.SGD):
+        copies = 1.0 if any_set("momentum") else 0.0
+    elif isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW, torch.optim.NAdam,
+                                torch.optim.RAdam, torch.optim.Adamax)):  # fmt: skip
+        copies = 3.0 if any_set("amsgrad") else 2.0
+    elif isinstance(optimizer, torch.optim.Adagrad):
+        copies = 1.0
+    elif isinstance(optimizer, torch.optim.RMSprop):
+        copies = 1.0 + any_set("momentum") + any_set("centered")
+    else:
+        return 2.0, f"{name}'s state (2, assumed: an optimizer not known here)"
+    return copies, f"{name}'s state ({copies:g})"
 
 
 def machine_memory_gb() -> float | None:
@@ -83,7 +118,8 @@ def machine_memory_gb() -> float | None:
 
 
 def fit_budget(
-    config: NodeConfig, trainer: Trainer, spec: AlgorithmSpec, optimizer: str | None = None
+    config: NodeConfig, trainer: Trainer, spec: AlgorithmSpec, optimizer: str | None = None,
+    described: str = "",
 ) -> tuple[NodeConfig, MemoryEstimate, str]:
     """The config with the algorithm's settings fitted to the memory there is, and its estimate.
 
@@ -95,7 +131,7 @@ def fit_budget(
     Returns:
         (the config, fitted or as given; its estimate; what was changed and why, or "").
     """
-    estimate = estimate_memory(config, trainer, spec, optimizer)
+    estimate = estimate_memory(config, trainer, spec, optimizer, described=described)
     limit = config.limits.memory_gb or machine_memory_gb()
     if spec.fit is None or limit is None or estimate.total_gb <= limit or not estimate.model_gb:
         return config, estimate, ""
@@ -108,7 +144,7 @@ def fit_budget(
     source = "limits.memory_gb" if config.limits.memory_gb else "this machine's memory"
     note = (f"{spec.name} settings lowered to fit {limit:.3g} GB ({source}): "
             f"{fitted.settings} (was {estimate.explain()})")
-    return config, estimate_memory(config, trainer, spec, optimizer), note
+    return config, estimate_memory(config, trainer, spec, optimizer, described=described), note
 
 
 def check_budget(config: NodeConfig, estimate: MemoryEstimate) -> None:

@@ -36,7 +36,14 @@ from ._config import ConfigError, NodeConfig, TrainingConfig, preset_overrides
 from ._credentials import load_identity
 from ._driver import LoopDriver, TrainingDriver
 from ._membership_service import MembershipService
-from ._memory import check_budget, fit_budget
+from ._memory import (
+    LOOP_OPTIMIZER,
+    MemoryEstimate,
+    check_budget,
+    estimate_memory,
+    fit_budget,
+    optimizer_state_copies,
+)
 from ._metrics import MetricsServer, NodeCollector
 from ._mismatch import MismatchWatch
 from ._peer_choice import PeerChoice, model_dtype
@@ -141,6 +148,7 @@ class Node:
         self.router = _Router()
         self.address: str | None = None
         self.algorithm: Algorithm | None = None
+        self.memory: MemoryEstimate | None = None  # (made by prepare: the model's size is known)
         self._stop = trio.Event()
         self._stopped = trio.Event()
         self._running = True
@@ -189,7 +197,8 @@ class Node:
             if self.config.privacy.enabled:  # the user's own optimizer is not ours to wrap
                 raise ConfigError("privacy.epsilon: [privacy] covers the daemon's own training "
                                   "only, not a loop of your own (geotrain.join)")  # fmt: skip
-            self._fit_memory(self.loop, "adam")
+            self._fit_memory(self.loop, LOOP_OPTIMIZER,
+                             "an optimizer's state, assumed Adam's (2) until wrap() shows yours")
             return None, self.loop, load_checkpoint(store, self.config.gossip.algorithm), store
         if t.threads:
             torch.set_num_threads(t.threads)
@@ -233,15 +242,32 @@ class Node:
                               f"parameter (its parameters: {known})")  # fmt: skip
         log.warning("task_params_unused", task=task, unused=unasked, asked=sorted(ctx.asked))
 
-    def _fit_memory(self, trainer: LoopTrainer, optimizer: str | None) -> None:
+    def _fit_memory(self, trainer: LoopTrainer, optimizer: str | None, described: str = "") -> None:
         """Estimate the memory this node needs, lower the algorithm's settings that grow with it
         to what fits (logged), and refuse a config that still does not (MemoryBudgetError)."""
-        self.config, self.memory, fitted = fit_budget(self.config, trainer, self.spec, optimizer)
+        self.config, self.memory, fitted = fit_budget(self.config, trainer, self.spec, optimizer,
+                                                      described)  # fmt: skip
         if fitted:
             log.warning("memory_fitted", detail=fitted)
         log.info("memory_estimate", need_gb=round(self.memory.total_gb, 3),
                  detail=self.memory.explain(), limit_gb=self.config.limits.memory_gb)  # fmt: skip
         check_budget(self.config, self.memory)
+
+    def measure_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        """A loop of the user's own wrapped its optimizer: the memory estimate (status,
+        metrics) counts that optimizer's state instead of the Adam-sized guess made at join
+        (logged when it changes; the settings fitted at join stay)."""
+        if self.loop is None or self.memory is None:
+            return
+        copies, described = optimizer_state_copies(optimizer)
+        if described == self.memory.optimizer:
+            return
+        self.memory = estimate_memory(self.config, self.loop, self.spec, state_copies=copies,
+                                      described=described)  # fmt: skip
+        if self._reporter is not None:
+            self._reporter.sources.memory_estimate_mb = self.memory.total_gb * 1000
+        log.info("memory_estimate", need_gb=round(self.memory.total_gb, 3),
+                 detail=self.memory.explain(), limit_gb=self.config.limits.memory_gb)  # fmt: skip
 
     def _make_private(self, trainer: Trainer) -> None:
         """[privacy]: Opacus on the trainer, or a ConfigError saying why it cannot be."""
@@ -568,8 +594,8 @@ class Node:
                     self.identity.peer_id, self.address, cfg.gossip.algorithm,
                     cfg.training.task if task is not None else "own loop",
                     task.metric if task is not None else trainer.metric, trainer, transport,
-                    membership, self.links,
-                    algorithm, self.progress, self.memory.total_gb * 1000,
+                    membership, self.links, algorithm, self.progress,
+                    None if self.memory is None else self.memory.total_gb * 1000,
                     reachable=cfg.network.reachable,
                 ),
                 self.state, cfg.state.status_every_s, lambda: self._running,

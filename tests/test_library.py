@@ -935,3 +935,27 @@ def test_a_checkpoint_written_through_torch_compiles_wrapper_resumes(tmp_path):
         assert all(torch.equal(a, b) for a, b in zip(again.parameters(), trained, strict=True))
     finally:
         swarm.close()
+
+
+def test_the_memory_estimate_counts_the_wrapped_optimizers_state(tmp_path):
+    """At join the loop's optimizer is not known: the estimate counts Adam's two moments, and
+    says it assumed them; wrap() measures the real one (SGD without momentum keeps no state:
+    two model copies less in status; with momentum one)."""
+    from geotrain.node._memory import optimizer_state_copies
+
+    model = nn.Linear(1000, 1000)  # 1M parameters: 4 MB a copy
+    copy_mb = 4.004
+    with joined(tmp_path, "m", model) as swarm:
+        at_join = swarm.node.memory
+        assert "assumed Adam's (2) until wrap()" in at_join.explain()
+        swarm.wrap(torch.optim.SGD(model.parameters(), lr=0.1))
+        wrapped = swarm.node.memory
+        assert "SGD's state (0)" in wrapped.explain()
+        assert at_join.total_gb * 1000 - wrapped.total_gb * 1000 == pytest.approx(2 * copy_mb,
+                                                                                  rel=0.01)
+        assert swarm.status().memory_estimate_mb == pytest.approx(wrapped.total_gb * 1000)
+    assert optimizer_state_copies(torch.optim.SGD(model.parameters(), 0.1, momentum=0.9))[0] == 1
+    assert optimizer_state_copies(torch.optim.Adam(model.parameters(), amsgrad=True))[0] == 3
+    assert optimizer_state_copies(torch.optim.RMSprop(model.parameters(), centered=True))[0] == 2
+    lbfgs = optimizer_state_copies(torch.optim.LBFGS(model.parameters()))
+    assert lbfgs == (2.0, "LBFGS's state (2, assumed: an optimizer not known here)")
