@@ -5,6 +5,8 @@
 # before wrap) has no state to serve and checks nothing it cannot know yet.
 from __future__ import annotations
 
+import contextlib
+import copy
 import threading
 import warnings
 from collections.abc import Callable
@@ -97,6 +99,13 @@ def advance_schedule(scheduler: Any, steps: int) -> str | None:
     if not isinstance(scheduler, LambdaLR) and steps - current > MAX_SCHEDULE_STEPS:
         return (f"{type(scheduler).__name__} would take {steps - current} steps to catch up "
                 f"(at most {MAX_SCHEDULE_STEPS})")  # fmt: skip
+    # what the steps change, put back if one fails: the scheduler's own state and its
+    # optimizer's hyperparameters (OneCycleLR sets the momentum too)
+    saved = scheduler.state_dict()
+    with contextlib.suppress(Exception):  # (a user's lambda object that cannot be copied)
+        saved = copy.deepcopy(saved)
+    groups = getattr(getattr(scheduler, "optimizer", None), "param_groups", [])
+    hyper = [{k: v for k, v in g.items() if k != "params"} for g in groups]  # (scalars, tuples)
     with warnings.catch_warnings():  # "step() before optimizer.step()": meant for training
         warnings.simplefilter("ignore")
         try:
@@ -107,5 +116,8 @@ def advance_schedule(scheduler: Any, steps: int) -> str | None:
                 for _ in range(steps - current):
                     scheduler.step()
         except Exception as exc:  # the user's scheduler refused (OneCycleLR past its end, ...)
+            scheduler.load_state_dict(saved)  # (it stopped at its end: its steps were spent)
+            for group, values in zip(groups, hyper, strict=True):
+                group.update(values)
             return f"{type(scheduler).__name__}.step() failed: {exc}"
     return None
