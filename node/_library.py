@@ -351,8 +351,10 @@ def join(
         _stop_unready(node, box)
         raise
     if not in_time:
+        doing = node.starting()
         _stop_unready(node, box)
-        raise TimeoutError(f"the node was not ready within {ready_timeout_s} s (stopped)")
+        raise TimeoutError(f"the node was not ready within {ready_timeout_s} s (stopped): "
+                           f"it was {doing}")  # fmt: skip
     if "error" in box:
         thread.join(10)
         error = box["error"]

@@ -28,6 +28,7 @@ from geotrain.gossip import (
     is_client_address,
 )
 
+from ._config import ConfigError
 from ._protocol import (
     MAX_CARRIED,
     MAX_GOSSIP_BODY,
@@ -64,6 +65,11 @@ PROBE_BYTES = 256 * 1024  # above the link table's smallest goodput sample, smal
 log = structlog.get_logger()
 
 
+class IdentityInUse(ConfigError):
+    """Another node runs with this node's identity (key file): found at start, while waiting
+    for peers."""
+
+
 class MembershipService:
     """Who is in the swarm, alive, and how the links to them are.
 
@@ -92,6 +98,7 @@ class MembershipService:
         self.membership = Membership(
             peer_id, address, self.config, rng, incarnation=int(time.time())
         )
+        self._peer_id = peer_id
         self._bootstrap = tuple(bootstrap)
         self._said_unanswered: set[str] = set()  # bootstrap addresses warned about (once each)
         self._said_waiting: set[str] = set()  # ... said (info) not to answer yet
@@ -184,6 +191,8 @@ class MembershipService:
                              * self.config.probe_interval_s))  # fmt: skip
         stats = self._transport.statistics()
         outbound = stats.handshakes_ok - stats.inbound_handshakes_ok
+        if self._said_duplicates:  # (its twin answers; peers dial the twin: not NAT)
+            return
         if outbound and not stats.inbound_handshakes_ok:
             self._not_dialled_warned = True
             log.warning(
@@ -214,6 +223,9 @@ class MembershipService:
             return
         if send.address in self._bootstrap:
             self._said_unanswered.add(send.address)  # it answered: a later silence is a peer's
+        if peer.peer_id == self._peer_id:  # (it refused the message: one's own word is no news)
+            self._said_duplicate(send.address)
+            return
         if isinstance(reply, Delivered) and reply.messages:
             self._receive_carried(peer, reply.messages)
 
@@ -274,13 +286,27 @@ class MembershipService:
             self._links.record_transfer(peer, PROBE_BYTES, now - started, now)
 
     async def wait_for_peers(self, want: int, limit_s: float, stop: trio.Event) -> None:
-        """Wait until `want` other peers are live (at most `limit_s`, or until `stop`)."""
+        """Wait until `want` other peers are live (at most `limit_s`, or until `stop`).
+
+        Raises:
+            IdentityInUse: a node this one dialled runs with its identity, and no other peer
+                is live (it would wait out `limit_s` for peers that answer its twin instead).
+        """
         if not want:
             return
+        log.info("waiting_for_peers", wanted=want, bootstrap=list(self._bootstrap),
+                 limit_s=limit_s)  # fmt: skip
         with trio.move_on_after(limit_s):
             while self.live_count() < want and not stop.is_set():
+                if self._said_duplicates and not self.live_count():
+                    twin = sorted(self._said_duplicates)[0]
+                    raise IdentityInUse(
+                        f"identity: the node at {twin} runs with this node's identity (the same "
+                        "key file): give one of them a key of its own (geotrain keygen, or "
+                        "geotrain node init for a new node folder)")  # fmt: skip
                 await trio.sleep(0.05)
-            log.info("peers_ready", live_peers=self.live_count())
+            if not stop.is_set():
+                log.info("peers_ready", live_peers=self.live_count())
             return
         log.warning("peers_not_ready", live_peers=self.live_count(), wanted=want)
 

@@ -149,6 +149,9 @@ class Node:
         self.address: str | None = None
         self.algorithm: Algorithm | None = None
         self.memory: MemoryEstimate | None = None  # (made by prepare: the model's size is known)
+        # what the node does before it is ready (said when a join times out)
+        self._starting: Callable[[], str] = lambda: (
+            "starting: building the task or trainer, taking the state directory, listening")
         self._stop = trio.Event()
         self._stopped = trio.Event()
         self._running = True
@@ -252,6 +255,10 @@ class Node:
         log.info("memory_estimate", need_gb=round(self.memory.total_gb, 3),
                  detail=self.memory.explain(), limit_gb=self.config.limits.memory_gb)  # fmt: skip
         check_budget(self.config, self.memory)
+
+    def starting(self) -> str:
+        """What the node is doing on its way to ready (joining: why join has not returned)."""
+        return self._starting()
 
     def measure_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         """A loop of the user's own wrapped its optimizer: the memory estimate (status,
@@ -700,10 +707,15 @@ class Node:
     async def _train(self, membership, state_sync, checkpointer, algorithm, ckpt) -> None:
         cfg = self.config
         t = cfg.training
+        boot = ", ".join(cfg.network.bootstrap) or "none"
+        self._starting = lambda: (f"waiting for peers: {membership.live_count()} of "
+                                  f"{t.wait_for_peers} live (training.wait_for_peers; "
+                                  f"network.bootstrap: {boot})")  # fmt: skip
         await membership.wait_for_peers(t.wait_for_peers, t.wait_for_peers_s, self._stop)
         # a checkpoint of step 0 (a run stopped before its first step) holds nothing learned:
         # the swarm's state is still fetched, as for a node that never ran
         if (ckpt is None or ckpt.step == 0) and cfg.gossip.state_sync and membership.bootstrap:
+            self._starting = lambda: "fetching the swarm's model from a peer (state sync)"
             await state_sync.fetch(self._stop)
         cadence = {"eval_every": t.eval_every, "eval_every_s": t.eval_every_s,
                    "checkpoint_every": cfg.state.checkpoint_every,

@@ -409,14 +409,38 @@ def test_evaluations_come_by_time_when_steps_are_slow(tmp_path, every_s, at_leas
     assert all(g >= every_s * 0.9 for g in gaps)  # not at every step once due
 
 
-def test_a_join_that_times_out_stops_its_node(tmp_path):
+def test_a_join_that_times_out_stops_its_node_and_says_what_it_waited_for(tmp_path, capsys):
     before = {t for t in threading.enumerate() if t.name == "geotrain-node"}
-    with pytest.raises(TimeoutError, match="not ready within 1.5 s"):
+    waited = (r"not ready within 1.5 s \(stopped\): it was waiting for peers: 0 of 1 live "
+              r"\(training.wait_for_peers; network.bootstrap: none\)")  # fmt: skip
+    with pytest.raises(TimeoutError, match=waited):
         geotrain.join(config(tmp_path, "a", "training.wait_for_peers=1"), make_model(),
                       identity=Identity.generate(), admission=Admission.open_swarm("geotrain"),
                       ready_timeout_s=1.5)  # nobody to wait for  # fmt: skip
     left = {t for t in threading.enumerate() if t.name == "geotrain-node"} - before
     assert not any(t.is_alive() for t in left)  # nothing keeps listening behind the user's back
+    logged = capsys.readouterr()
+    logged = logged.out + logged.err
+    assert "waiting_for_peers" in logged  # said as it began (20 s of silence before)
+    assert "peers_ready" not in logged  # (it was said as the wait was stopped)
+
+
+def test_a_node_joining_with_the_identity_of_the_node_it_dials_is_refused_at_once(tmp_path):
+    """Two nodes with one key file: the one joining through the other waited out
+    wait_for_peers_s (300 s) with a hint about NAT, while only the other said what was wrong."""
+    me = Identity.generate()
+    admission = Admission.open_swarm("geotrain")
+    model = make_model()
+    with geotrain.join(config(tmp_path, "a", "training.wait_for_peers=0"), model,
+                       identity=me, admission=admission) as a:  # fmt: skip
+        started = time.monotonic()
+        with pytest.raises(geotrain.ConfigError, match=(
+                f"identity: the node at {a.address} runs with this node's identity")):
+            geotrain.join(config(tmp_path, "b", "training.wait_for_peers=1",
+                                 f'network.bootstrap=["{a.address}"]'), make_model(1),
+                          identity=me, admission=admission, ready_timeout_s=60)  # fmt: skip
+        assert time.monotonic() - started < 30
+        assert a.status().exchanges_failed == 0  # the first one serves on
 
 
 def test_a_node_that_stops_by_itself_is_an_error_at_the_next_step(tmp_path):
