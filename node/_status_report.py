@@ -119,6 +119,7 @@ class StatusReporter:
             algorithm=s.algorithm_name,
             task=s.task_name,
             metric_name=s.metric_name,
+            held_out=getattr(s.trainer, "evaluates", True),
             elapsed_s=time.monotonic() - self._started,
             step=s.trainer.step,
             steps_per_s=1.0 / interval if interval else 0.0,

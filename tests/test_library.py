@@ -713,6 +713,30 @@ def test_status_of_a_loop_with_no_evaluate_shows_its_loss_once(tmp_path):
     assert line.count("loss") == 1 and "own loop" in line, line
 
 
+def test_status_shows_a_held_out_metric_named_loss(tmp_path):
+    """An evaluate named "loss" (a held-out loss, a common name) was hidden as if it were the
+    training loss."""
+    from geotrain.node.state import render_status
+
+    model = make_model()
+    x, y = torch.randn(16, 8), torch.randn(16, 1)
+    with geotrain.join(config(tmp_path, "a", "training.wait_for_peers=0",
+                              "training.eval_every=2"), model,
+                       evaluate=lambda m: float(nn.functional.mse_loss(m(x), y)), metric="loss",
+                       higher_is_better=False, identity=Identity.generate(),
+                       admission=Admission.open_swarm("geotrain")) as swarm:  # fmt: skip
+        opt = swarm.wrap(torch.optim.SGD(model.parameters(), lr=0.01))
+        for _ in range(4):
+            loss = model(torch.randn(4, 8)).pow(2).mean()
+            loss.backward()
+            opt.step(loss=loss)
+            opt.zero_grad()
+    data = json.loads((tmp_path / "a" / "status.json").read_text())
+    assert data["held_out"] is True and data["metric"] is not None
+    line = next(x for x in render_status(data).splitlines() if x.startswith("training"))
+    assert line.count("loss") == 2 and f"loss {data['metric']:.4f} (step" in line, line
+
+
 def test_a_model_with_an_infinite_buffer_is_checkpointed(tmp_path):
     """An attention mask holds -inf by design (the charlm task's `causal` buffer): the check
     that keeps a diverged model out of checkpoints refused every checkpoint of such a model."""

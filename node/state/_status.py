@@ -78,6 +78,9 @@ class NodeStatus:
     # network.reachable: False for a node in client mode (behind NAT: it dials, nobody dials
     # it; its address is its loopback listener for local status only)
     reachable: bool = True
+    # the metric is a held-out evaluation's; False for a loop joined with no evaluate, whose
+    # metric is its training loss (status shows it once, as the loss)
+    held_out: bool = True
     steps_over_step_time: int = 0  # compute emulation: steps whose compute overran the pinned time
     # steps in a row whose loss was NaN or inf (the loss field is null then: JSON has no NaN)
     nonfinite_losses: int = 0
@@ -186,7 +189,8 @@ def _loss_cell(data: dict[str, Any]) -> str:
 
 
 def _metric_cell(data: dict[str, Any]) -> str:
-    if data["metric_name"] == "loss" and data["task"] == "own loop":
+    older = not (data["metric_name"] == "loss" and data["task"] == "own loop")  # (no held_out)
+    if not data.get("held_out", older):
         return ""  # a loop joined with no evaluate: its metric is the loss, shown once
     at = _fmt(data.get("metric_step"))
     return f"  {data['metric_name']} {_fmt(data.get('metric'), '.4f')} (step {at})"

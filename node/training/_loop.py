@@ -141,6 +141,7 @@ class LoopTrainer(OptimizerSync):
         self._said_unfrozen = False
         self._evaluate = evaluate
         self.metric = metric if evaluate is not None else "loss"
+        self.evaluates = evaluate is not None  # (False: the metric is the training loss)
         self.higher_is_better = higher_is_better if evaluate is not None else False
         self._lock = threading.RLock()
         # Held (after `_lock`, never before it) by whatever changes the parameters' values: an
