@@ -438,3 +438,21 @@ def test_a_status_with_numbers_that_are_not_numbers_is_shown_not_a_traceback(
     assert main(["status", "--node", str(copy)]) == 0
     out = capsys.readouterr().out
     assert doc["peer_id"] in out and "steps/s" in out and "\x1b" not in out
+
+
+def test_status_of_a_node_folder_or_its_config_file_reads_its_state_directory(
+        real_node, tmp_path, capsys):  # fmt: skip
+    """`geotrain node init DIR` makes DIR/node.toml with its state in DIR/state: `--node DIR`
+    said "DIR/status.json: No such file", `--node DIR/node.toml` "not JSON"."""
+    import shutil
+
+    folder = tmp_path / "a"
+    folder.mkdir()
+    shutil.copytree(real_node.state_dir, folder / "state")
+    (folder / "node.toml").write_text("[identity]\nopen_swarm = true\n")  # state.dir: "state"
+    for given in (folder, folder / "node.toml"):
+        assert main(["status", "--node", str(given)]) == 0
+        assert "exchanges ok" in capsys.readouterr().out
+    (folder / "node.toml").write_text("[stat]\ndir = 'x'\n")
+    assert main(["status", "--node", str(folder)]) == 1
+    assert "read as a node config: " in capsys.readouterr().err

@@ -180,7 +180,7 @@ def status(args: argparse.Namespace) -> int:
         if config is not None:
             data = trio.run(fetch_status, args.node, config, args.timeout)
         else:
-            data, _ = StatusFile(Path(args.node)).read()
+            data, _ = StatusFile.of(Path(args.node)).read()
     except ValueError as exc:  # ConfigError is a ValueError
         print(f"geotrain status: {exc}", file=sys.stderr)
         return 1

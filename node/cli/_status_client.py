@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .._config import NodeConfig
+from .._config import ConfigError, NodeConfig, load_config
 from .._credentials import load_identity
 from .._protocol import StatusReply, StatusRequest, node_header_codec
 from ..state import StateDir, parse_status, read_status
@@ -26,6 +26,23 @@ class StatusFile:
     """A status read from disk: `--node` names a state directory or a status.json file."""
 
     path: Path
+
+    @classmethod
+    def of(cls, path: Path) -> StatusFile:
+        """`--node` as given: a state directory or status file, or a node's folder (what
+        `geotrain node init` made) or its config file, whose state directory is read.
+
+        Raises:
+            ValueError: that config file is not a valid node config.
+        """
+        folder = path.is_dir() and not StateDir(path).status.exists()
+        config = path / "node.toml" if folder else path
+        if config.suffix != ".toml" or not config.is_file():
+            return cls(path)
+        try:
+            return cls(Path(load_config(config).state.dir))
+        except ConfigError as exc:
+            raise ValueError(f"--node {str(path)!r}: read as a node config: {exc}") from None
 
     @property
     def state_dir(self) -> StateDir | None:

@@ -369,7 +369,7 @@ def run_watch(node: str, interval_s: float, config: NodeConfig | None, deadline_
     if config is not None:
         source = partial(open_network_reader, node, config, deadline_s)
     else:
-        source = partial(_file_source, StatusFile(Path(node)), view.trend)
+        source = partial(_file_source, StatusFile.of(Path(node)), view.trend)
     try:
         broken = trio.run(_run, source, view, console)
     except KeyboardInterrupt:  # Ctrl-C before the signal receiver was open
