@@ -737,7 +737,8 @@ def _algorithm_tables(table: dict, base: Path) -> dict:
 def _parse_override(item: str) -> tuple[list[str], Any]:
     key, sep, raw = item.partition("=")
     if not sep or "." not in key:
-        raise ConfigError(f"--set {item!r}: expected section.key=value")
+        raise ConfigError(f"override {item!r} (--set, or join's overrides): expected "
+                          "section.key=value")
     try:
         value = tomllib.loads(f"v = {raw}")["v"]
     except tomllib.TOMLDecodeError:
@@ -767,7 +768,7 @@ def config_from_toml(text: str, *, base: Path, overrides: typing.Sequence[str] =
         for part in path[:-1]:
             table = table.setdefault(part, {})
             if not isinstance(table, dict):
-                raise ConfigError(f"--set {item!r}: {part} is not a table")
+                raise ConfigError(f"override {item!r}: {part} is not a table")
         table[path[-1]] = value
     _apply_preset(doc)
     sections = {f.name: f for f in dataclasses.fields(NodeConfig)}
