@@ -105,6 +105,19 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="where to write the HTML report (implies --html)")  # fmt: skip
     report.set_defaults(handler=cmd_report)
 
+    compare = sub.add_parser(
+        "compare", help="several runs' systems at equal quality (e.g. two geotrain settings)",
+        description="Time and bytes of every system of several finished runs to the same levels "
+                    "(every peer at or past each), as one run's table compares its systems: "
+                    "run the same scenario with each setting (--baseline none), then compare.",
+    )  # fmt: skip
+    compare.add_argument("dirs", type=Path, nargs="+", metavar="DIR",
+                         help="run folders (`testbed run --out`), two or more")  # fmt: skip
+    compare.add_argument("--system", action="append", default=[], metavar="NAME",
+                         help="only this system of each run, e.g. geotrain (repeatable)")
+    compare.add_argument("--json", action="store_true", help="print the comparison as JSON")
+    compare.set_defaults(handler=cmd_compare)
+
     down = sub.add_parser("down", help="remove namespaces/processes left by a crashed run")
     down.add_argument("--run", metavar="PREFIX", type=_run_prefix,
                       help="only this run's leftovers, e.g. gt-3fa9c1 (as printed by `testbed run`"
@@ -339,6 +352,18 @@ def cmd_report(args: argparse.Namespace) -> int:
     if html_out is None and getattr(args, "html", False):
         html_out = args.dir / "report.html"
     return 0 if html_out is None else _write_html(rundir, summary, html_out)
+
+
+def cmd_compare(args: argparse.Namespace) -> int:
+    from ._summary import compare_runs, render_comparison
+
+    try:
+        doc = compare_runs(list(args.dirs), tuple(args.system))
+    except ValueError as exc:
+        print(f"geotrain testbed compare: {exc}", file=sys.stderr)
+        return 2
+    print(json.dumps(doc, indent=2) if args.json else render_comparison(doc))
+    return 0
 
 
 def _write_html(rundir: RunDir, summary: dict[str, Any], dest: Path) -> int:

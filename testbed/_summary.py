@@ -441,16 +441,25 @@ def equal_quality(run: dict[str, Any], systems: list[dict[str, Any]],
     `ladder` holds the same for rungs from the worst starting level (the swarms' first
     evaluations) up to that level, so a run says who was ahead all the way, not at one point.
     `loaded`: per system, its peers' metrics lines and its bytes samples."""
-    bests = [s["best_swarm_metric"] for s in systems if s["best_swarm_metric"] is not None]
-    if len(systems) < 2 or not bests:
+    return _equal_quality(
+        [(s["system"], run, s, *loaded[s["system"]]) for s in systems],
+        run["metric"], run.get("higher_is_better", True),
+    )  # fmt: skip
+
+
+def _equal_quality(entries: list[tuple[str, dict[str, Any], dict[str, Any], list, list]],
+                   metric: str, higher: bool) -> dict | None:  # fmt: skip
+    """equal_quality over `entries`: (name, its run.json, its system summary, its peers'
+    metrics lines, its bytes samples), from one run or several."""
+    bests = [s["best_swarm_metric"] for _, _, s, _, _ in entries
+             if s["best_swarm_metric"] is not None]  # fmt: skip
+    if len(entries) < 2 or not bests:
         return None
-    higher = run.get("higher_is_better", True)
     level = min(bests) if higher else max(bests)
     curves, starts = {}, []
-    for s in systems:
-        peers, samples = loaded[s["system"]]
-        curve = quality_curve(run, s["system"], peers)
-        curves[s["system"]] = (curve, samples, train_start(peers))
+    for name, run, _, peers, samples in entries:
+        curve = quality_curve(run, run_system(run, name), peers)
+        curves[name] = (curve, samples, train_start(peers))
         if curve:
             starts.append(curve[0][1])
     start = min(starts) if higher else max(starts)
@@ -468,10 +477,96 @@ def equal_quality(run: dict[str, Any], systems: list[dict[str, Any]],
         return by_system
 
     ladder = [{"level": round(r, 6), "systems": hits(r)} for r in rungs if r != start]
-    return {"metric": run["metric"], "level": level, "systems": hits(level), "ladder": ladder,
+    return {"metric": metric, "level": level, "systems": hits(level), "ladder": ladder,
             "meaning": "every peer at or past the best level all systems reached (time_s: the "
                        "first time; held_time_s: from when it stayed there to the end, None "
                        "when it ended short of it)"}  # fmt: skip
+
+
+def run_system(run: dict[str, Any], name: str) -> str:
+    """The system of `run` an entry `name` stands for ("geotrain", or "RUN/geotrain" in a
+    comparison of runs)."""
+    return name.rpartition("/")[2]
+
+
+# what must agree for runs to be compared at equal quality
+COMPARABLE = ("task", "metric", "higher_is_better", "peers")
+
+
+def compare_runs(outs: list[Path], only: tuple[str, ...] = ()) -> dict[str, Any]:
+    """Several runs' systems at equal quality, as one run's are (`equal_quality`): e.g. the
+    same scenario with two geotrain settings, each run made with --baseline none. Each system is
+    named RUN/SYSTEM (RUN: its folder's name); `only` keeps those systems.
+
+    Raises:
+        ValueError: fewer than two systems, or runs of another task, metric or peer count (the
+            message names the first field that differs), or a folder without a run.
+    """
+    entries, runs = [], []
+    for out in outs:
+        try:
+            run = json.loads((out / "run.json").read_text())
+        except (OSError, ValueError) as exc:
+            raise ValueError(f"{out}: no testbed run there ({exc})") from None
+        runs.append((out, run))
+        for system in run["systems"]:
+            if only and system not in only:
+                continue
+            peers = peer_metrics(out, system, run["peers"])
+            samples = bytes_samples(out, system)
+            entries.append((f"{out.name}/{system}", run, _system(run, system, peers, samples),
+                            peers, samples))  # fmt: skip
+    names = [e[0] for e in entries]
+    if len(set(names)) < len(names):
+        raise ValueError("two runs share a folder name: copy one under another name")
+    for key in COMPARABLE:
+        values = {json.dumps(run.get(key)) for _, run in runs}
+        if len(values) > 1:
+            raise ValueError(f"the runs differ in {key} ({', '.join(sorted(values))}): a level "
+                             "of one is not a level of the other")  # fmt: skip
+    if len(entries) < 2:
+        raise ValueError(f"{len(entries)} system(s) to compare: give two runs or more"
+                         + (f" with {', '.join(only)}" if only else ""))  # fmt: skip
+    first = runs[0][1]
+    eq = _equal_quality(entries, first["metric"], first.get("higher_is_better", True))
+    return {
+        "runs": [{"dir": str(out), "scenario": run["scenario"],
+                  "command": " ".join(run.get("command") or []) or None}
+                 for out, run in runs],  # fmt: skip
+        "task": first["task"],
+        "systems": [e[2] | {"system": e[0]} for e in entries],
+        "equal_quality": eq,
+    }
+
+
+def render_comparison(doc: dict[str, Any]) -> str:
+    """The printed form of compare_runs: each system's figures, then the ladder."""
+    rows = [f"{s['system']}: final {_fmt_metric(s.get('final_metric'))}, "
+            f"{format_bytes(s.get('bytes_sent_total'), 2)} on the wire, "
+            f"{_fmt_metric(s.get('steps_per_s_median'))} steps/s (median peer)"
+            for s in doc["systems"]]  # fmt: skip
+    eq = doc["equal_quality"]
+    if eq is None:
+        return "\n".join([*rows, "no level that every system's peers all reached"])
+    return "\n".join([*rows, *_equal_lines({"equal_quality": eq}), *_against_first(eq)])
+
+
+def _against_first(eq: dict[str, Any]) -> list[str]:
+    """Each system's time and bytes at equal quality as multiples of the first one's."""
+    (first, base), *rest = eq["systems"].items()
+    out = []
+    for name, hit in rest:
+        if None in (hit["time_s"], base["time_s"]) or not base["time_s"]:
+            continue
+        line = f"{name} / {first}: {hit['time_s'] / base['time_s']:.2f}x the time"
+        if hit["bytes"] and base["bytes"]:
+            line += f", {hit['bytes'] / base['bytes']:.3g}x the bytes"
+        out.append(line + " to the level")
+    return out
+
+
+def _fmt_metric(value: Any) -> str:
+    return "-" if not isinstance(value, int | float) else f"{value:.4g}"
 
 
 def comparison_title(summary: dict[str, Any]) -> str:

@@ -378,3 +378,53 @@ def test_geotrains_cell_says_the_learning_rate_its_nodes_were_given():
            "node_overrides": ["gossip.preset=frugal", "training.lr=4e-4", " training.lr = 3e-4"]}
     assert geotrain_cell(run) == "diloco, lr 0.0003"  # the last one, as the nodes take it
     assert geotrain_cell({"algorithm": "adpsgd"}) == "adpsgd"  # an older run.json
+
+
+def _geotrain_only(out: Path, reach_s: tuple[int, int], bytes_per_s: int) -> None:
+    """A fake run of geotrain alone (--baseline none): peer i at 0.95 from reach_s[i] s."""
+    out.mkdir(parents=True)
+    _fake_run(out)
+    run = json.loads((out / "run.json").read_text())
+    del run["systems"]["ddp"]
+    run["command"] = ["geotrain", "testbed", "run", "--baseline", "none"]
+    (out / "run.json").write_text(json.dumps(run))
+    for i, reach in enumerate(reach_s):
+        _write_lines(out / "geotrain" / f"peer-0{i}" / "metrics.jsonl", [
+            {"t": T0 + s, "step": 10 * s, "steps_per_s": 10.0,
+             "metric": 0.95 if s >= reach else 0.5} for s in range(1, 9)
+        ])  # fmt: skip
+    _write_lines(out / "bytes-geotrain.jsonl",
+                 [{"t": T0 + s, "bytes": bytes_per_s * s} for s in range(9)])
+
+
+def test_compare_puts_two_runs_systems_at_equal_quality(tmp_path: Path, capsys):
+    from geotrain.node.cli._main import main
+
+    _geotrain_only(tmp_path / "default", (2, 4), 1000)  # all at 0.95 from +4 s: 4000 bytes
+    _geotrain_only(tmp_path / "frugal", (6, 7), 10)  # from +7 s: 70 bytes
+    assert main(["testbed", "compare", str(tmp_path / "default"), str(tmp_path / "frugal")]) == 0
+    out = capsys.readouterr().out
+    # (time counts from each system's first step: T0, one step before its first line)
+    assert "default/geotrain 4.0 s, 4.00 kB; frugal/geotrain 7.0 s, 70 B" in out, out
+    assert "frugal/geotrain / default/geotrain: 1.75x the time, 0.0175x the bytes" in out, out
+    assert main(["testbed", "compare", "--json", "--system", "geotrain",
+                 str(tmp_path / "default"), str(tmp_path / "frugal")]) == 0  # fmt: skip
+    doc = json.loads(capsys.readouterr().out)
+    eq = doc["equal_quality"]
+    assert eq["level"] == 0.95 and eq["systems"]["frugal/geotrain"]["time_s"] == 7.0
+    assert [r["command"] for r in doc["runs"]] == ["geotrain testbed run --baseline none"] * 2
+
+
+def test_compare_refuses_runs_of_another_task_or_one_system(tmp_path: Path, capsys):
+    from geotrain.node.cli._main import main
+
+    _geotrain_only(tmp_path / "a", (2, 4), 1000)
+    _geotrain_only(tmp_path / "b", (2, 4), 1000)
+    assert main(["testbed", "compare", str(tmp_path / "a")]) == 2
+    assert "1 system(s) to compare: give two runs or more" in capsys.readouterr().err
+    run = json.loads((tmp_path / "b" / "run.json").read_text())
+    (tmp_path / "b" / "run.json").write_text(json.dumps({**run, "task": "charlm"}))
+    assert main(["testbed", "compare", str(tmp_path / "a"), str(tmp_path / "b")]) == 2
+    assert 'the runs differ in task ("charlm", "digits-mlp")' in capsys.readouterr().err
+    assert main(["testbed", "compare", str(tmp_path / "a"), str(tmp_path / "nowhere")]) == 2
+    assert "nowhere: no testbed run there" in capsys.readouterr().err
