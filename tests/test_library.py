@@ -687,11 +687,12 @@ def test_wrap_refuses_a_scheduler_that_is_not_one_or_not_its_optimizers_and_a_se
     assert loop.optimizer is opt and loop.scheduler is schedule
 
 
-def _join_alone_and_train(tmp_path, model, steps: int, *overrides: str) -> None:
-    """`steps` steps of a loop joined alone (no peers), with the loss reported, then close."""
+def _join_alone_and_train(tmp_path, model, steps: int, *overrides: str, **join) -> None:
+    """`steps` steps of a loop joined alone (no peers), with the loss reported, then close
+    (`join`: more of geotrain.join's arguments)."""
     with geotrain.join(config(tmp_path, "a", "training.wait_for_peers=0", *overrides), model,
-                       identity=Identity.generate(),
-                       admission=Admission.open_swarm("geotrain")) as swarm:  # fmt: skip
+                       identity=Identity.generate(), admission=Admission.open_swarm("geotrain"),
+                       **join) as swarm:  # fmt: skip
         opt = swarm.wrap(torch.optim.SGD(model.parameters(), lr=0.01))
         for _ in range(steps):
             loss = model(torch.randn(4, 8)).pow(2).mean()
@@ -720,17 +721,9 @@ def test_status_shows_a_held_out_metric_named_loss(tmp_path):
 
     model = make_model()
     x, y = torch.randn(16, 8), torch.randn(16, 1)
-    with geotrain.join(config(tmp_path, "a", "training.wait_for_peers=0",
-                              "training.eval_every=2"), model,
-                       evaluate=lambda m: float(nn.functional.mse_loss(m(x), y)), metric="loss",
-                       higher_is_better=False, identity=Identity.generate(),
-                       admission=Admission.open_swarm("geotrain")) as swarm:  # fmt: skip
-        opt = swarm.wrap(torch.optim.SGD(model.parameters(), lr=0.01))
-        for _ in range(4):
-            loss = model(torch.randn(4, 8)).pow(2).mean()
-            loss.backward()
-            opt.step(loss=loss)
-            opt.zero_grad()
+    _join_alone_and_train(tmp_path, model, 4, "training.eval_every=2", metric="loss",
+                          evaluate=lambda m: float(nn.functional.mse_loss(m(x), y)),
+                          higher_is_better=False)  # fmt: skip
     data = json.loads((tmp_path / "a" / "status.json").read_text())
     assert data["held_out"] is True and data["metric"] is not None
     line = next(x for x in render_status(data).splitlines() if x.startswith("training"))
