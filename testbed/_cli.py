@@ -239,6 +239,10 @@ def _task_target(
         where = f"--param {key}" if key in set(given) else f"scenario.params.{key}"
         raise ScenarioError(f"{where}: task {sc.task!r} has no such parameter (its parameters: "
                             f"{known})")  # fmt: skip
+    if ctx.unasked():  # a task of the user's own may read ctx.params itself: said, not refused
+        print(f"warning: task {sc.task!r} never read params {', '.join(ctx.unasked())} through "
+              f"ctx.param (it read: {', '.join(sorted(ctx.asked)) or 'none'}): a typo?",
+              file=sys.stderr)  # fmt: skip
     if target is not None and not math.isfinite(target):
         raise ScenarioError(f"--target {target}: expected a finite number (the metric to reach)")
     value = target if target is not None else sc.target

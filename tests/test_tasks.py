@@ -91,7 +91,7 @@ def test_bad_task_names_say_what_is_wrong(name, message):
 
 
 def test_bad_task_param_names_the_field():
-    with pytest.raises(ValueError, match=r"task.params.hidden='wide': expected int"):
+    with pytest.raises(ValueError, match=r"training.params.hidden='wide': expected int"):
         resolve_task("digits-mlp")(TaskContext(params={"hidden": "wide"}))
 
 
@@ -129,9 +129,9 @@ def test_a_task_module_that_fails_to_import_is_a_clear_error(tmp_path, monkeypat
 
 
 @pytest.mark.parametrize(("params", "message"), [
-    ({"hidden": -4}, r"task.params.hidden=-4: expected int >= 1"),
-    ({"batch_size": 0}, r"task.params.batch_size=0: expected int >= 1"),
-    ({"layers": -1}, r"task.params.layers=-1: expected int >= 0"),
+    ({"hidden": -4}, r"training.params.hidden=-4: expected int >= 1"),
+    ({"batch_size": 0}, r"training.params.batch_size=0: expected int >= 1"),
+    ({"layers": -1}, r"training.params.layers=-1: expected int >= 0"),
 ])  # fmt: skip
 def test_a_built_in_tasks_size_out_of_range_is_refused_naming_it(params, message):
     """hidden = -4 passed the type check and failed inside torch with a traceback."""

@@ -220,3 +220,22 @@ def test_relative_out_scenario_and_task_module_from_another_directory(tmp_path: 
     paths = [line.split(" = ")[1].strip('"') for line in config.splitlines()
              if line.split(" = ")[0] in ("key", "certificate", "swarm", "dir")]  # fmt: skip
     assert len(paths) == 4 and all(Path(p).is_absolute() and str(out) in p for p in paths), config
+
+
+def test_a_param_a_task_of_your_own_never_read_is_warned_about(tmp_path, monkeypatch, capsys):
+    from dataclasses import replace
+
+    from geotrain.testbed._cli import _task_target
+    from geotrain.testbed._scenario import load_scenario
+
+    (tmp_path / "plug_tasks.py").write_text(
+        "from geotrain.node import resolve_task\n\n"
+        "def make(ctx):\n"
+        "    return resolve_task('digits-mlp')(ctx)  # reads hidden, layers, batch_size\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    sc = replace(load_scenario("demo"), task="plug_tasks:make", params={"hiden": 3, "layers": 1})
+    assert _task_target(sc, None, ["hiden"])[1] == "accuracy"  # not refused: it may read more
+    err = capsys.readouterr().err
+    assert "task 'plug_tasks:make' never read params hiden through ctx.param" in err
+    assert "(it read: batch_size, hidden, layers)" in err

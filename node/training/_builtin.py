@@ -203,7 +203,7 @@ def wide_linear(ctx: TaskContext) -> Task:
     millions = ctx.param("millions", 100.0, float)
     batch_size = ctx.param("batch_size", 8, int, at_least=1)
     if not 1e-6 <= millions <= 1e5:
-        raise ValueError(f"task.params.millions={millions!r}: expected 1e-6..1e5")
+        raise ValueError(f"training.params.millions={millions!r}: expected 1e-6..1e5")
     width = max(1, round(math.sqrt(millions * 1e6)))
     torch.manual_seed(ctx.seed)
     model = nn.Linear(width, width, bias=False).to(ctx.device)

@@ -17,7 +17,7 @@ def stdlib_corpus(max_bytes: int, directory: str | None = None, pattern: str = "
     """
     root = Path(directory) if directory else Path(sysconfig.get_paths()["stdlib"])
     if not root.is_dir():
-        raise ValueError(f"task.params.corpus={str(root)!r}: not a directory")
+        raise ValueError(f"training.params.corpus={str(root)!r}: not a directory")
     chunks, total = [], 0
     for path in sorted(root.rglob(pattern)):
         if "site-packages" in path.parts or total >= max_bytes or not path.is_file():
@@ -27,6 +27,6 @@ def stdlib_corpus(max_bytes: int, directory: str | None = None, pattern: str = "
         total += len(data)
     if total < MIN_CORPUS_BYTES:
         raise ValueError(
-            f"task.params.corpus={str(root)!r}: fewer than 10,000 bytes of {pattern} text"
+            f"training.params.corpus={str(root)!r}: fewer than 10,000 bytes of {pattern} text"
         )
     return b"".join(chunks)

@@ -32,7 +32,7 @@ class GPTSize:
     lr: float  # AdamW's peak rate for this size (smaller models take larger steps)
 
 
-# Named sizes (`task.params.size`), parameters at context 128 (measured: tests/test_gpt.py and
+# Named sizes (`training.params.size`), parameters at context 128 (measured: tests/test_gpt.py and
 # BENCHMARKS.md). 1m's rate was measured (BENCHMARKS.md: 2e-3 as good as 3e-3 at batch 16 after
 # 150 steps and without 3e-3's loss spike at batch 64, DDP's batch with 4 peers; 6e-3 and 1e-2
 # worse); the larger sizes' shrink with width, as is usual, unmeasured.
@@ -129,7 +129,7 @@ class GPT(nn.Module):
 def _positive(ctx: TaskContext, name: str, default: int, at_least: int = 1) -> int:
     value = ctx.param(name, default, int)
     if value < at_least:
-        raise ValueError(f"task.params.{name}={value!r}: expected an integer >= {at_least}")
+        raise ValueError(f"training.params.{name}={value!r}: expected an integer >= {at_least}")
     return value
 
 
@@ -137,15 +137,15 @@ def task_recipe(ctx: TaskContext) -> Recipe:
     """GPT_RECIPE with the task's warmup_steps / total_steps params, if given.
 
     Raises:
-        ValueError: naming the task.params field that is wrong.
+        ValueError: naming the training.params field that is wrong.
     """
     warmup = _positive(ctx, "warmup_steps", GPT_RECIPE.warmup_steps, at_least=0)
     total = _positive(ctx, "total_steps", GPT_RECIPE.total_steps)
     if total <= warmup:
         if "total_steps" in ctx.params:
-            raise ValueError(f"task.params.total_steps={total!r}: expected more than "
+            raise ValueError(f"training.params.total_steps={total!r}: expected more than "
                              f"warmup_steps ({warmup})")  # fmt: skip
-        raise ValueError(f"task.params.warmup_steps={warmup!r}: expected fewer than "
+        raise ValueError(f"training.params.warmup_steps={warmup!r}: expected fewer than "
                          f"total_steps ({total}, the default)")  # fmt: skip
     return dataclasses.replace(GPT_RECIPE, warmup_steps=warmup, total_steps=total)
 
@@ -154,18 +154,19 @@ def model_shape(ctx: TaskContext) -> tuple[GPTSize, int]:
     """The size (a named one, changed by explicit d_model / layers / heads) and the context.
 
     Raises:
-        ValueError: naming the task.params field that is wrong.
+        ValueError: naming the training.params field that is wrong.
     """
     size = ctx.param("size", "1m", str)
     if size not in SIZES:
-        raise ValueError(f"task.params.size={size!r}: expected one of {sorted(SIZES)}")
+        raise ValueError(f"training.params.size={size!r}: expected one of {sorted(SIZES)}")
     named = SIZES[size]
     d_model = _positive(ctx, "d_model", named.d_model)
     heads = _positive(ctx, "heads", named.heads)
     layers = _positive(ctx, "layers", named.layers)
     context = _positive(ctx, "context", 128, at_least=2)
     if d_model % heads:
-        raise ValueError(f"task.params.heads={heads}: expected a divisor of d_model ({d_model})")
+        raise ValueError(f"training.params.heads={heads}: expected a divisor of d_model "
+                         f"({d_model})")
     # an explicit shape keeps the named size's rate unless it is much wider (scale ~ 1/width)
     lr = named.lr * min(1.0, named.d_model / d_model)
     return GPTSize(d_model, layers, heads, lr), context
@@ -227,7 +228,7 @@ def gpt(ctx: TaskContext) -> Task:
     windows = (len(train) - 1) // context
     if windows < ctx.num_shards:
         raise ValueError(
-            f"task.params.context={context}: the corpus's {len(train)} training bytes make "
+            f"training.params.context={context}: the corpus's {len(train)} training bytes make "
             f"{windows} windows, fewer than the {ctx.num_shards} shards"
         )
     mine = shard_indices(np.zeros(windows, dtype=np.int64), ctx)

@@ -28,7 +28,7 @@ class TaskContext:
         partition: "iid" (uniform shards) or "dirichlet" (label skew, federated-style).
         alpha: Dirichlet concentration; smaller means more skew. Used only by "dirichlet".
         device: where the model and batches must live.
-        params: task-specific settings from the config's [task.params] table.
+        params: task-specific settings from the config's [training.params] table.
     """
 
     shard_index: int = 0
@@ -62,9 +62,9 @@ class TaskContext:
         if kind is float and isinstance(value, int) and not isinstance(value, bool):
             value, ok = float(value), True
         if not ok:
-            raise ValueError(f"task.params.{name}={value!r}: expected {kind.__name__}")
+            raise ValueError(f"training.params.{name}={value!r}: expected {kind.__name__}")
         if at_least is not None and not value >= at_least:
-            raise ValueError(f"task.params.{name}={value!r}: expected {kind.__name__} >= "
+            raise ValueError(f"training.params.{name}={value!r}: expected {kind.__name__} >= "
                              f"{at_least}")  # fmt: skip
         return value
 
