@@ -35,6 +35,20 @@ def test_keygen_refuses_to_overwrite(tmp_path, capsys):
     assert path.read_text() == "keep me"
 
 
+def test_keygen_shows_an_existing_keys_peer_id(tmp_path, capsys):
+    """A renewal (`swarm admit PEER_ID --renew`) needs the ID of a key made 30 days ago: no
+    command printed it."""
+    path = tmp_path / "node.key"
+    assert main(["keygen", "--out", str(path)]) == 0
+    made = _fields(capsys.readouterr().out)
+    assert main(["keygen", "--show", str(path)]) == 0
+    assert _fields(capsys.readouterr().out) == made
+    assert main(["keygen", "--out", str(path)]) == 1  # refused, saying whose key is there
+    assert f"(it holds peer {made['peer_id']}" in capsys.readouterr().err
+    assert main(["keygen", "--show", str(tmp_path / "none.key")]) == 1
+    assert "none.key: cannot read" in capsys.readouterr().err
+
+
 def test_swarm_init_then_admit_issues_a_certificate_the_swarm_accepts(tmp_path, capsys):
     swarm = tmp_path / "swarm"
     assert main(["swarm", "init", "--out", str(swarm)]) == 0

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import base64
 import binascii
+import contextlib
 import pathlib
 import re
 import sys
@@ -66,11 +67,21 @@ def _fail(command: str, message: str) -> int:
 
 
 def _keygen(args: argparse.Namespace) -> int:
-    identity = Identity.generate()
-    try:
-        identity.save(args.out)
-    except KeyFileError as exc:
-        return _fail("keygen", str(exc))
+    if args.show is not None:  # an existing key's ID (a renewal's `swarm admit` needs it)
+        try:
+            identity = Identity.load(args.show)
+        except KeyFileError as exc:
+            return _fail("keygen", str(exc))
+    else:
+        identity = Identity.generate()
+        try:
+            identity.save(args.out)
+        except KeyFileError as exc:
+            message = str(exc)
+            with contextlib.suppress(KeyFileError):  # the one there: say whose it is
+                there = Identity.load(args.out)
+                message += f" (it holds peer {there.peer_id}: `geotrain keygen --show` prints it)"
+            return _fail("keygen", message)
     print(f"peer_id {identity.peer_id}")
     print(f"short_id {identity.short_id}")
     return 0
@@ -112,8 +123,11 @@ def _swarm_admit(args: argparse.Namespace) -> int:
 
 def register_keygen(subparsers: argparse._SubParsersAction) -> None:
     """Add `geotrain keygen`."""
-    p = subparsers.add_parser("keygen", help="create a node identity key (Ed25519)")
-    p.add_argument("--out", required=True, help="key file to create (mode 0600, never overwritten)")
+    p = subparsers.add_parser("keygen", help="create a node identity key (Ed25519), or show its ID")
+    which = p.add_mutually_exclusive_group(required=True)
+    which.add_argument("--out", help="key file to create (mode 0600, never overwritten)")
+    which.add_argument("--show", metavar="PATH",
+                       help="print the peer ID of an existing key file instead")  # fmt: skip
     p.set_defaults(handler=_keygen)
 
 
