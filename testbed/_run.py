@@ -444,7 +444,7 @@ def _run_geotrain(options, hosts, meter: BytesMeter, faults: FaultRunner, echo: 
 
         stopped = _supervise(
             "geotrain", options, peers, meter, faults, echo, reached, progress,
-            first_step=lambda: any(st and st.get("step", 0) > 0 for st in statuses()),
+            first_step=lambda: first_step_began([StateDir(s).metrics for s in states]),
             stop_at_duration=True, launch=launch, availability=availability,
         )  # fmt: skip
     finally:
@@ -487,23 +487,30 @@ def _run_ddp(options, hosts, meter: BytesMeter, faults: FaultRunner, echo: Echo,
             lines = [last_json_line(f) for f in files]
             return [(r["step"], r.get("metric")) if r else None for r in lines]
 
+        def failed_ranks() -> list[int]:
+            return [i for i, p in enumerate(peers.procs)
+                    if p.proc and p.proc.returncode not in (0,)]  # fmt: skip
+
+        def exited_as() -> str:
+            """The ranks' own stop rule ended them at the target, as a geotrain swarm stops
+            ("exited" said the two systems ended for different reasons), or otherwise."""
+            at_target = not failed_ranks() and all(
+                r is not None and r.get("metric") is not None
+                and at_or_past(r["metric"], options.target, options.higher_is_better)
+                for r in (last_json_line(f) for f in files)
+            )  # fmt: skip
+            return "target" if at_target else "exited"
+
         stopped = _supervise(
             name, options, peers, meter, faults, echo, reached=lambda: False,
             progress=progress, first_step=lambda: first_step_began(files),
-            stop_at_duration=False, launch=launch,
+            stop_at_duration=False, launch=launch, exited_as=exited_as,
         )  # fmt: skip
-        failed = [i for i, p in enumerate(peers.procs) if p.proc and p.proc.returncode not in (0,)]
-        if stopped != "exited":
-            failed = []  # (stopped by the supervisor: the duration, or interrupted)
+        # (stopped by the supervisor, the duration or an interruption, no rank failed)
+        failed = failed_ranks() if stopped == "exited" else []
         if failed:
             echo(f"{name}: ranks {failed} failed; see {root}/peer-NN.log (its figures are up "
                  "to there)")  # fmt: skip
-        elif stopped == "exited" and all(
-            r is not None and r.get("metric") is not None
-            and at_or_past(r["metric"], options.target, options.higher_is_better)
-            for r in (last_json_line(f) for f in files)
-        ):  # the ranks' own stop rule: at the target, as a geotrain swarm stops ("exited" said
-            stopped = "target"  # the two systems ended for different reasons)  # fmt: skip
     finally:
         peers.stop()
     return {"launch_t": launch, "stopped": stopped, "metrics": f"{name}/peer-NN.jsonl",
@@ -602,12 +609,13 @@ def swarm_at_target(peers: Peers, statuses: list[dict | None], windowed: set[int
 
 def _supervise(system, options, peers: Peers, meter, faults, echo, reached, progress, *,
                first_step: Callable[[], float | bool | None], stop_at_duration: bool,
-               launch: float,
-               availability: AvailabilityRunner | None = None) -> str:  # fmt: skip
+               launch: float, availability: AvailabilityRunner | None = None,
+               exited_as: Callable[[], str] = lambda: "exited") -> str:  # fmt: skip
     """Watch one system until its target, its duration, or its processes' exit (faults and, for
-    geotrain, availability windows applied on the way).
+    geotrain, availability windows applied on the way). `exited_as`: why the processes ended
+    by themselves (a baseline's ranks stop at the target by their own rule).
 
-    Returns why it stopped: "target", "duration", "exited".
+    Returns why it stopped: "target", "duration", "exited" (or what `exited_as` said).
     """
     sc = options.scenario
     start, last_line = None, 0.0  # start: when the first step began (the summary's t0)
@@ -647,7 +655,7 @@ def _supervise(system, options, peers: Peers, meter, faults, echo, reached, prog
             elif start is not None and now - start >= sc.duration_s + 120:
                 stopped = "deadline"  # the baseline overran its own duration by far: stop it
             elif not peers.running():
-                stopped = "exited"
+                stopped = exited_as()
             if stopped is not None:
                 faults.not_reached(0.0 if start is None else now - start, stopped)
                 return stopped
@@ -655,8 +663,9 @@ def _supervise(system, options, peers: Peers, meter, faults, echo, reached, prog
 
 
 def first_step_began(files: list[Path]) -> float | None:
-    """When a baseline's first step began (wall time), from the first line of each metrics file
-    that has one: its time less its steps at its rate, as the summary's t0 counts. None before
+    """When a system's first step began (wall time), from the first line with a step of each
+    metrics file that has one: its time less its steps at its rate, as the summary's t0 counts
+    (geotrain's from its status's first step counted a second or so later). None before
     any line. (The line comes at the end of the step and its evaluation: DDP's first, with the
     all-reduce's connection set up, was 7 s after it began, so faults counted from the line
     came 7 s later into a baseline's run than into geotrain's, on the summary's time axis.)"""
@@ -664,12 +673,15 @@ def first_step_began(files: list[Path]) -> float | None:
     for f in files:
         try:
             with open(f) as fh:
-                record = json.loads(fh.readline())
-            step, rate, t = record.get("step", 0), record.get("steps_per_s") or 0.0, record["t"]
+                for line in fh:  # (a geotrain node's first lines may be of step 0)
+                    record = json.loads(line)
+                    step = record.get("step", 0)
+                    if isinstance(step, int) and step > 0:
+                        rate = record.get("steps_per_s") or 0.0
+                        starts.append(record["t"] - (step / rate if rate > 0 else 0.0))
+                        break
         except (OSError, ValueError, KeyError, TypeError, AttributeError):
             continue  # (no line yet, or one half written: the next look reads it)
-        if isinstance(step, int) and step > 0:
-            starts.append(t - (step / rate if rate > 0 else 0.0))
     return min(starts) if starts else None
 
 

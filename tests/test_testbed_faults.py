@@ -154,3 +154,41 @@ def test_a_baselines_faults_count_from_when_its_first_step_began(tmp_path):
     )  # fmt: skip
     assert stopped == "duration" and seen[-1] == "duration"
     assert seen[0] >= 7.0  # its clock began with its first step, not with the line
+
+
+def test_geotrains_first_step_is_read_past_its_step_0_lines_and_an_exit_at_target_is_said(
+        tmp_path):  # fmt: skip
+    """geotrain's fault clock began when the supervisor saw a step in a status, a second or so
+    after the summary's t0: a fault "not reached: the run ended (target) at 0.8 s" beside a
+    table that said 1.6 s. And DDP's ranks stopping at the target were noted as "exited",
+    relabelled "target" only after the note was written."""
+    import json
+    import time
+    from types import SimpleNamespace
+
+    from geotrain.testbed import _run
+
+    began = time.time() - 3.0
+    metrics = tmp_path / "metrics.jsonl"  # a node's first line comes before its first step
+    metrics.write_text(json.dumps({"t": began - 1.0, "step": 0, "steps_per_s": 0.0}) + "\n"
+                       + json.dumps({"t": began + 3.0, "step": 6, "steps_per_s": 2.0}) + "\n")
+    assert abs(_run.first_step_began([metrics]) - began) < 1e-6
+
+    said = []
+
+    class Faults:
+        def apply_due(self, elapsed_s, peers, wall_t=None):
+            pass
+
+        def not_reached(self, ended_s, why):
+            said.append((round(ended_s), why))
+
+    options = SimpleNamespace(scenario=SimpleNamespace(duration_s=60), out=tmp_path,
+                              progress_every_s=60.0)  # fmt: skip
+    peers = SimpleNamespace(procs=[], running=lambda: False)  # the ranks ended by themselves
+    stopped = _run._supervise(
+        "ddp", options, peers, SimpleNamespace(total=lambda: None), Faults(), lambda line: None,
+        lambda: False, lambda: [], first_step=lambda: _run.first_step_began([metrics]),
+        stop_at_duration=False, launch=began - 10.0, exited_as=lambda: "target",
+    )  # fmt: skip
+    assert stopped == "target" and said == [(3, "target")]
