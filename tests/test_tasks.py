@@ -141,3 +141,21 @@ def test_a_built_in_tasks_size_out_of_range_is_refused_naming_it(params, message
         resolve_task("digits-mlp")(TaskContext(params=params))
     task = resolve_task("digits-mlp")(TaskContext(params={"layers": 0}))  # a linear model
     assert len(list(task.model.parameters())) == 2
+
+
+def test_an_evaluate_that_returns_a_string_is_an_error_not_a_metric(tmp_path, monkeypatch):
+    """float("0.5") made a plugin's string its metric, shown as accuracy 0.5000."""
+    from geotrain.node.training import TaskError, resolve_task
+
+    (tmp_path / "str_eval.py").write_text(
+        "import dataclasses\n"
+        "from geotrain.node import resolve_task\n\n"
+        "def task(ctx):\n"
+        "    t = resolve_task('synthetic-linreg')(ctx)\n"
+        "    return dataclasses.replace(t, evaluate=lambda model: '0.5')\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    task = resolve_task("str_eval:task")(TaskContext())
+    with pytest.raises(TaskError, match=r"its evaluate raised or returned no number: TypeError: "
+                                        r"evaluate returned '0.5': expected a number"):  # fmt: skip
+        task.evaluate(task.model)

@@ -182,6 +182,8 @@ def _named_evaluate(name: str, evaluate: Callable[[torch.nn.Module], float]):
     def checked(model: torch.nn.Module) -> float:
         try:
             value = evaluate(model)
+            if isinstance(value, str | bytes):  # (float("0.5") took a string as the metric)
+                raise TypeError(f"evaluate returned {value!r:.60}: expected a number")
             return float(value)
         except Exception as exc:
             raise TaskError(f"task {name!r}: its evaluate raised or returned no number: "
