@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import base64
 import html
+import json
 import shlex
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -94,7 +95,7 @@ def _overview(rundir: RunDir, summary: dict[str, Any]) -> str:
     facts = [
         ("scenario", run["scenario"]),
         ("description", scenario.get("description", "unknown (no scenario.json)")),
-        ("peers", run["peers"]), ("task", f"{run['task']} {run.get('params') or ''}".strip()),
+        ("peers", run["peers"]), ("task", f"{run['task']} {_params(run.get('params'))}".strip()),
         ("algorithm", run["algorithm"]),
         ("target", f"{target['metric']} {target['value']:g}"),
         ("duration", f"at most {run.get('duration_s', '?')} s of training per system"),
@@ -229,3 +230,8 @@ def _figure(plot: Plot) -> str:
             f'src="data:image/png;base64,{data}"><figcaption>{_e(plot.caption)}; vertical '
             "lines: faults, numbered as in the fault events (solid: applied, dotted: skipped)"
             "</figcaption></figure>")  # fmt: skip
+
+
+def _params(params: dict | None) -> str:
+    """A task's params as the scenario and --param write them: `size = "10m", batch = 2`."""
+    return ", ".join(f"{k} = {json.dumps(v)}" for k, v in (params or {}).items())

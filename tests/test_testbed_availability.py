@@ -280,3 +280,10 @@ def test_the_html_report_lists_the_windows_and_the_data_split():
     assert "dirichlet label skew, alpha 0.3" in page
     plain = _scenario(load_scenario("demo").to_json())
     assert '<table id="availability">' not in plain and "IID shards" in plain
+
+
+def test_the_html_report_writes_a_tasks_params_as_a_scenario_does():
+    from geotrain.testbed._html import _params
+
+    assert _params({"size": "10m", "batch": 2}) == 'size = "10m", batch = 2'  # not {'size': ...}
+    assert _params(None) == ""
