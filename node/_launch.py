@@ -83,6 +83,14 @@ class ManagedProcess:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 self.proc.wait(timeout=10)
 
+    def note(self, event: str, **fields: object) -> None:
+        """Append a line of the launcher's own to the process's log, in the node's JSON log
+        shape (a testbed's kill or restart of the process, which its log did not show)."""
+        record = {"event": event, **fields, "level": "warning", "by": "launcher",
+                  "timestamp": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}  # fmt: skip
+        with contextlib.suppress(OSError), open(self.log, "a") as log:
+            log.write(json.dumps(record, default=str) + "\n")
+
     def log_tail(self, chars: int = 4000) -> str:
         try:
             return self.log.read_text(errors="replace")[-chars:]

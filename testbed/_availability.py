@@ -118,11 +118,13 @@ class AvailabilityRunner:
                 return "the peer had not rejoined (its join was skipped)"
             if not proc.running:
                 return "the peer was not running"
+            proc.note("testbed_left", window=event.describe(), signal="SIGTERM")
             proc.signal(signal.SIGTERM)  # graceful: checkpoint, leave the swarm, exit
             self._away.add(event.peer)
             return None
         if proc.running:
             return "deferred"  # still checkpointing and leaving after its SIGTERM
+        proc.note("testbed_joined", window=event.describe())
         if self._join is not None:
             self._join(event.peer)
         else:

@@ -96,9 +96,11 @@ class FaultRunner:
                     return "the peer was not running"
                 proc.signal(signal.SIGKILL)
                 proc.proc.wait()  # type: ignore[union-attr]
+                proc.note("testbed_killed", fault=fault.describe(), signal="SIGKILL")
             else:
                 if proc.running:
                     return "the peer was still running"
+                proc.note("testbed_restarted", fault=fault.describe())
                 proc.start()  # resumes from its latest checkpoint
             return None
         if self._links is None:

@@ -88,9 +88,10 @@ def test_overrides_take_toml_values_and_bare_strings():
         ('network.advertise="tcp://127.0.0.1"', "network.advertise = 'tcp://127.0.0.1': "
          "expected an address peers can dial, like tcp://HOST:PORT (port 1..65535)"),
         ('network.advertise="tcp://0.0.0.0:7000"', "network.advertise = 'tcp://0.0.0.0:7000': "
-         "expected an address peers can dial"),
+         "expected an address peers can dial, like tcp://HOST:PORT: 0.0.0.0 is where a node "
+         "listens (every interface), not an address anyone can dial"),
         ('network.bootstrap=["tcp://[::]:7000"]', "network.bootstrap = 'tcp://[::]:7000': "
-         "expected an address peers can dial"),
+         "expected an address peers can dial, like tcp://HOST:PORT: [::] is where"),
         ('network.bootstrap=["tcp://h:0"]', "network.bootstrap = 'tcp://h:0': expected an "
          "address peers can dial"),
         ("training.speed=3", "training.speed = 3: expected one of the keys"),

@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 import stat
 
+import pytest
+
 from geotrain.node import load_config
 from geotrain.node.cli._main import main
 
@@ -36,6 +38,9 @@ def test_refusals_name_the_problem_and_write_nothing(tmp_path, capsys):
     assert main(["node", "init", str(tmp_path / "a"), "--advertise", "tcp://h:1",
                  "--task", "nosuch"]) == 2  # fmt: skip
     assert "task 'nosuch'" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # (argparse's refusal: exit 2)
+        main(["node", "init", str(tmp_path / "a"), "--advertise", "tcp://h:1", "--shard", "3/3"])
+    assert "with INDEX from 0 to COUNT - 1" in capsys.readouterr().err
     assert not (tmp_path / "a").exists()
     assert main(["node", "init", str(tmp_path / "b"), "--advertise", "tcp://h:1"]) == 0
     key = (tmp_path / "b" / "node.key").read_bytes()

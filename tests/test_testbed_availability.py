@@ -33,6 +33,7 @@ class FakeProcess:
         self.running = True
         self.signals: list[int] = []
         self.starts = 0
+        self.notes: list[str] = []  # what the testbed wrote to the peer's log
 
     def signal(self, signum: int) -> None:
         self.signals.append(signum)
@@ -43,6 +44,9 @@ class FakeProcess:
     def start(self) -> None:
         self.starts += 1
         self.running = True
+
+    def note(self, event: str, **fields: object) -> None:
+        self.notes.append(event)
 
 
 class FakePeers:
@@ -99,6 +103,7 @@ def test_runner_leaves_with_sigterm_and_rejoins_once_the_old_process_exited():
     peers.procs[2].exit()
     runner.apply_due(41.0, peers)
     assert joined == [1] and peers.procs[1].starts == 1 and runner.away() == {2}
+    assert peers.procs[1].notes == ["testbed_left", "testbed_joined"]  # in the peer's log
     assert records[-1]["fault"] == "t=40s join peer 1 (availability window)"
     assert records[-1]["applied_at_s"] == 41.0  # when it really happened
     runner.apply_due(1000.0, peers)

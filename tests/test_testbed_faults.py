@@ -36,6 +36,7 @@ class FakeProcess:
         self.running = True
         self.signals: list[int] = []
         self.starts = 0
+        self.notes: list[str] = []  # what the testbed wrote to the peer's log
         self.proc = self
 
     def signal(self, signum: int) -> None:
@@ -48,6 +49,9 @@ class FakeProcess:
     def start(self) -> None:
         self.starts += 1
         self.running = True
+
+    def note(self, event: str, **fields: object) -> None:
+        self.notes.append(event)
 
 
 class FakePeers:
@@ -65,6 +69,7 @@ def test_faults_apply_in_time_order_once_each():
     assert peers.procs[2].signals == [signal.SIGKILL] and not peers.procs[2].running
     runner.apply_due(3.5, peers)  # restart and partition, in order
     assert peers.procs[2].starts == 1 and not runner.restart_pending(2)
+    assert peers.procs[2].notes == ["testbed_killed", "testbed_restarted"]  # in the peer's log
     assert links.matrix.spec("a", "b").partitioned and links.matrix.spec("b", "a").partitioned
     assert not links.matrix.spec("b", "b").partitioned
     runner.apply_due(5.0, peers)

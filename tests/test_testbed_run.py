@@ -94,6 +94,10 @@ def test_small_scenario_reaches_target_survives_restart_and_leaves_nothing(tmp_p
     assert ("ddp", "t=0s kill peer 3", False) in faults, log  # said, not hidden
     restarted_log = (out / "geotrain" / "peer-03.log").read_text()
     assert restarted_log.count('"node_started"') == 2
+    # the peer's own log says where the testbed killed and restarted it
+    said = [json.loads(line)["event"] for line in restarted_log.splitlines()
+            if '"by": "launcher"' in line]  # fmt: skip
+    assert said == ["testbed_killed", "testbed_restarted"], said
     # the DDP baseline ran in the same namespaces: all ranks stepped, bytes crossed the emulator
     assert all(r is not None and r > 0 for r in ddp["steps_per_s_by_peer"]), log
     assert ddp["bytes_sent_total"] > 0 and geotrain["bytes_sent_total"] > 0

@@ -51,7 +51,8 @@ dir = "state"                        # checkpoints, status.json, metrics.jsonl
 def _shard(text: str) -> tuple[int, int]:
     index, sep, count = text.partition("/")
     if not (sep and index.isdigit() and count.isdigit() and int(index) < int(count)):
-        raise argparse.ArgumentTypeError(f"{text!r}: expected INDEX/COUNT, e.g. 0/3")
+        raise argparse.ArgumentTypeError(f"{text!r}: expected INDEX/COUNT with INDEX from 0 "
+                                         "to COUNT - 1, e.g. 0/3 (shards 0, 1 and 2 of 3)")
     return int(index), int(count)
 
 
