@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import random
+import secrets
 import time
 from collections import Counter, deque
 from collections.abc import Sequence
@@ -99,6 +100,11 @@ class MembershipService:
             peer_id, address, self.config, rng, incarnation=int(time.time())
         )
         self._peer_id = peer_id
+        # this process's own mark, in our refusal of a message signed with our identity: a
+        # refusal that carries it came from this very node (a bootstrap address that reaches us
+        # under another name), one without it from a twin running with our key
+        self._instance = secrets.token_hex(8)
+        self._said_self: set[str] = set()  # addresses found to reach this node itself
         self._bootstrap = tuple(bootstrap)
         self._said_unanswered: set[str] = set()  # bootstrap addresses warned about (once each)
         self._said_waiting: set[str] = set()  # ... said (info) not to answer yet
@@ -185,6 +191,15 @@ class MembershipService:
                     "peers now send this node's traffic to it; stop it, or give it a key of its "
                     "own (geotrain keygen)")  # fmt: skip
 
+    def _said_dialled_self(self, address: str) -> None:
+        """An address we dialled reached this node itself: said once (not a twin)."""
+        if address in self._said_self:
+            return
+        self._said_self.add(address)
+        log.info("bootstrap_is_self", address=address,
+                 detail="this address reaches this node itself (network.bootstrap names it "
+                 "another way than network.advertise)")  # fmt: skip
+
     async def _watch_dialled(self) -> None:
         """Say so, once, when peers answer our connections but none has dialled ours."""
         await trio.sleep(max(NOT_DIALLED_AFTER_S, NOT_DIALLED_PROBE_PERIODS
@@ -224,7 +239,10 @@ class MembershipService:
         if send.address in self._bootstrap:
             self._said_unanswered.add(send.address)  # it answered: a later silence is a peer's
         if peer.peer_id == self._peer_id:  # (it refused the message: one's own word is no news)
-            self._said_duplicate(send.address)
+            if isinstance(reply, ErrorReply) and f"[instance {self._instance}]" in reply.reason:
+                self._said_dialled_self(send.address)
+            else:
+                self._said_duplicate(send.address)
             return
         if isinstance(reply, Delivered) and reply.messages:
             self._receive_carried(peer, reply.messages)
@@ -337,7 +355,8 @@ class MembershipService:
             message = unwrap_gossip(header)
             sends = self.membership.receive(message, peer.peer_id, trio.current_time())
         except RemoteProtocolError as exc:
-            return self._refuse(peer, "gossip", str(exc))
+            mine = f" [instance {self._instance}]" if peer.peer_id == self._peer_id else ""
+            return self._refuse(peer, "gossip", str(exc) + mine)
         carried: list[Gossip] = []
         for send in sends:
             if send.peer_id == peer.peer_id and is_client_address(send.address):

@@ -443,6 +443,26 @@ def test_a_node_joining_with_the_identity_of_the_node_it_dials_is_refused_at_onc
         assert a.status().exchanges_failed == 0  # the first one serves on
 
 
+def test_a_node_whose_bootstrap_reaches_itself_is_not_taken_for_a_twin(tmp_path, capsys):
+    """A seed list that names the seed itself another way (localhost for 127.0.0.1) dials the
+    node itself: its own refusal came back signed with its identity, and the twin check stopped
+    a node that has no twin."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with pytest.raises(TimeoutError, match="waiting for peers: 0 of 1 live"):
+        geotrain.join(config(tmp_path, "seed", "training.wait_for_peers=1",
+                             f'network.listen="tcp://127.0.0.1:{port}"',
+                             f'network.advertise="tcp://127.0.0.1:{port}"',
+                             f'network.bootstrap=["tcp://localhost:{port}"]'), make_model(),
+                      identity=Identity.generate(), admission=Admission.open_swarm("geotrain"),
+                      ready_timeout_s=4)  # fmt: skip
+    logged = capsys.readouterr()
+    assert "bootstrap_is_self" in logged.out + logged.err
+
+
 def test_a_node_that_stops_by_itself_is_an_error_at_the_next_step(tmp_path):
     model = make_model()
     swarm = joined(tmp_path, "a", model, "training.wait_for_peers=0")
