@@ -440,21 +440,26 @@ async def test_a_joiner_takes_its_donors_buffers_and_a_bad_answer_leaves_its_own
         assert same(fresh.buffers(), kept)
 
 
+@pytest.mark.parametrize("lr", [1.0, torch.tensor(1.0)], ids=["float", "tensor"])
 async def test_a_schedule_that_cannot_go_as_far_as_the_swarms_starts_over_as_it_says(
-        autojump_clock, capsys):  # fmt: skip
+        autojump_clock, capsys, lr):  # fmt: skip
     """A joiner's OneCycleLR of fewer steps than the swarm had taken was stepped to its end
-    and left there (learning rate ~0, the cycle spent) while the log said it started over."""
+    and left there (learning rate ~0, the cycle spent) while the log said it started over. (A
+    tensor lr is set in place by the scheduler: its value is what must come back.)"""
     server = scheduled_trainer(0)
     for _ in range(30):
         server.train_step()
     model, joiner = await library_joiner_synced_from(server)
-    optimizer = torch.optim.SGD(model.parameters(), lr=1.0, momentum=0.9)
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
     scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=0.5, total_steps=20)
-    before = [dict(g, params=None) for g in optimizer.param_groups]
+    before = [{k: float(v) if torch.is_tensor(v) else v for k, v in g.items() if k != "params"}
+              for g in optimizer.param_groups]  # fmt: skip
     joiner.attach(optimizer, scheduler)
     assert "schedule_not_synced" in capsys.readouterr().out
     assert scheduler.last_epoch == 0  # where it was: its 20 steps are the user's to take
-    assert [dict(g, params=None) for g in optimizer.param_groups] == before  # lr and momentum
+    after = [{k: float(v) if torch.is_tensor(v) else v for k, v in g.items() if k != "params"}
+             for g in optimizer.param_groups]  # fmt: skip
+    assert after == before  # lr and momentum
     for _ in range(20):  # the whole cycle still runs
         optimizer.step()
         scheduler.step()

@@ -105,7 +105,8 @@ def advance_schedule(scheduler: Any, steps: int) -> str | None:
     with contextlib.suppress(Exception):  # (a user's lambda object that cannot be copied)
         saved = copy.deepcopy(saved)
     groups = getattr(getattr(scheduler, "optimizer", None), "param_groups", [])
-    hyper = [{k: v for k, v in g.items() if k != "params"} for g in groups]  # (scalars, tuples)
+    hyper = [{k: v.detach().clone() if isinstance(v, torch.Tensor) else v
+              for k, v in g.items() if k != "params"} for g in groups]  # fmt: skip
     with warnings.catch_warnings():  # "step() before optimizer.step()": meant for training
         warnings.simplefilter("ignore")
         try:
@@ -118,6 +119,10 @@ def advance_schedule(scheduler: Any, steps: int) -> str | None:
         except Exception as exc:  # the user's scheduler refused (OneCycleLR past its end, ...)
             scheduler.load_state_dict(saved)  # (it stopped at its end: its steps were spent)
             for group, values in zip(groups, hyper, strict=True):
-                group.update(values)
+                for k, v in values.items():  # (a tensor lr is set in place: keep the tensor)
+                    if isinstance(v, torch.Tensor) and isinstance(group.get(k), torch.Tensor):
+                        group[k].copy_(v)
+                    else:
+                        group[k] = v
             return f"{type(scheduler).__name__}.step() failed: {exc}"
     return None
