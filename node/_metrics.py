@@ -108,7 +108,8 @@ class NodeCollector:
             yield _gauge("geotrain_memory_peak_bytes", "Peak resident memory of the process",
                          s.peak_rss_mb * 1e6)  # fmt: skip
         if s.memory_estimate_mb is not None:
-            yield _gauge("geotrain_memory_estimate_bytes", "Memory the node estimated at start",
+            yield _gauge("geotrain_memory_estimate_bytes",
+                         "Memory the node estimated it needs (at start; a loop's own at wrap())",
                          s.memory_estimate_mb * 1e6)  # fmt: skip
         if s.privacy_epsilon is not None:
             yield _gauge("geotrain_privacy_epsilon_spent",

@@ -273,8 +273,13 @@ class Node:
                                       described=described)  # fmt: skip
         if self._reporter is not None:
             self._reporter.sources.memory_estimate_mb = self.memory.total_gb * 1000
-        log.info("memory_estimate", need_gb=round(self.memory.total_gb, 3),
-                 detail=self.memory.explain(), limit_gb=self.config.limits.memory_gb)  # fmt: skip
+        limit = self.config.limits.memory_gb
+        over = limit is not None and self.memory.total_gb > limit  # (amsgrad's third copy)
+        (log.warning if over else log.info)(
+            "memory_estimate", need_gb=round(self.memory.total_gb, 3),
+            detail=self.memory.explain(), limit_gb=limit,
+            **({"hint": "your optimizer keeps more state than the Adam-sized guess the check "
+                "at join passed: the node may outgrow limits.memory_gb"} if over else {}))
 
     def _make_private(self, trainer: Trainer) -> None:
         """[privacy]: Opacus on the trainer, or a ConfigError saying why it cannot be."""

@@ -197,6 +197,12 @@ def _task_params(items: Iterable[str]) -> dict[str, Any]:
             out[key] = tomllib.loads(f"v = {raw}")["v"]
         except tomllib.TOMLDecodeError:
             out[key] = raw.strip()  # a bare word is taken as a string
+        try:  # (written to scenario.json and run.json: a TOML date would end the run there)
+            json.dumps(out[key])
+        except (TypeError, ValueError):
+            raise ScenarioError(f"--param {item!r}: a {type(out[key]).__name__} is no task "
+                                "parameter: give a number, true/false, a string or a "
+                                "list") from None  # fmt: skip
     return out
 
 

@@ -489,8 +489,8 @@ def run_system(run: dict[str, Any], name: str) -> str:
     return name.rpartition("/")[2]
 
 
-# what must agree for runs to be compared at equal quality
-COMPARABLE = ("task", "metric", "higher_is_better", "peers")
+# what must agree for runs to be compared at equal quality (bytes_source: the same counters)
+COMPARABLE = ("task", "metric", "higher_is_better", "peers", "bytes_source")
 
 
 def compare_runs(outs: list[Path], only: tuple[str, ...] = ()) -> dict[str, Any]:
@@ -506,16 +506,23 @@ def compare_runs(outs: list[Path], only: tuple[str, ...] = ()) -> dict[str, Any]
     for out in outs:
         try:
             run = json.loads((out / "run.json").read_text())
-        except (OSError, ValueError) as exc:
-            raise ValueError(f"{out}: no testbed run there ({exc})") from None
+            systems, n = dict(run["systems"]), int(run["peers"])
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise ValueError(f"{out}: no testbed run there ({type(exc).__name__}: {exc})") from None
+        if not systems:
+            raise ValueError(f"{out}: no system finished in that run (interrupted)")
         runs.append((out, run))
-        for system in run["systems"]:
+        for system in systems:
             if only and system not in only:
                 continue
-            peers = peer_metrics(out, system, run["peers"])
-            samples = bytes_samples(out, system)
-            entries.append((f"{out.name}/{system}", run, _system(run, system, peers, samples),
-                            peers, samples))  # fmt: skip
+            try:
+                peers = peer_metrics(out, system, n)
+                samples = bytes_samples(out, system)
+                entries.append((f"{out.resolve().name}/{system}", run,
+                                _system(run, system, peers, samples), peers, samples))  # fmt: skip
+            except (OSError, ValueError, KeyError, TypeError) as exc:
+                raise ValueError(f"{out}: {system}'s files cannot be read ({type(exc).__name__}: "
+                                 f"{exc})") from None  # fmt: skip
     names = [e[0] for e in entries]
     if len(set(names)) < len(names):
         raise ValueError("two runs share a folder name: copy one under another name")
@@ -534,6 +541,8 @@ def compare_runs(outs: list[Path], only: tuple[str, ...] = ()) -> dict[str, Any]
                   "command": " ".join(run.get("command") or []) or None}
                  for out, run in runs],  # fmt: skip
         "task": first["task"],
+        # a run stopped early compares what it finished (said: its figures end there)
+        "interrupted": [str(out) for out, run in runs if run.get("interrupted")],
         "systems": [e[2] | {"system": e[0]} for e in entries],
         "equal_quality": eq,
     }
@@ -545,6 +554,11 @@ def render_comparison(doc: dict[str, Any]) -> str:
             f"{format_bytes(s.get('bytes_sent_total'), 2)} on the wire, "
             f"{_fmt_metric(s.get('steps_per_s_median'))} steps/s (median peer)"
             for s in doc["systems"]]  # fmt: skip
+    rows += [f"note: {d} was interrupted: its systems that finished are compared"
+             for d in doc.get("interrupted") or []]  # fmt: skip
+    scenarios = sorted({str(r["scenario"]) for r in doc["runs"]})
+    if len(scenarios) > 1:  # (meant, at times: with and without NAT, say)
+        rows.append(f"note: the runs' scenarios differ ({', '.join(scenarios)})")
     eq = doc["equal_quality"]
     if eq is None:
         return "\n".join([*rows, "no level that every system's peers all reached"])

@@ -1020,3 +1020,14 @@ def test_the_memory_estimate_counts_the_wrapped_optimizers_state(tmp_path):
     assert optimizer_state_copies(torch.optim.RMSprop(model.parameters(), centered=True))[0] == 2
     lbfgs = optimizer_state_copies(torch.optim.LBFGS(model.parameters()))
     assert lbfgs == (2.0, "LBFGS's state (2, assumed: an optimizer not known here)")
+
+
+def test_an_optimizer_bigger_than_the_guess_at_join_is_warned_about(tmp_path, capsys):
+    model = nn.Linear(1000, 1000)  # Adam-sized: 0.650 GB; with amsgrad's third copy 0.654 GB
+    with joined(tmp_path, "m", model, "limits.memory_gb=0.652") as swarm:
+        capsys.readouterr()
+        swarm.wrap(torch.optim.Adam(model.parameters(), amsgrad=True))
+        logged = capsys.readouterr()
+    line = next(x for x in (logged.out + logged.err).splitlines()
+                if "memory_estimate" in x and "Adam's state (3)" in x)  # fmt: skip
+    assert "warning" in line and "may outgrow limits.memory_gb" in line, line

@@ -247,7 +247,8 @@ def test_a_forked_child_does_not_keep_the_state_directory_locked(tmp_path):
             os.close(fd)
 
 
-def test_a_node_waiting_while_a_refused_node_removes_the_directory_holds_a_real_lock(tmp_path):
+def test_a_node_waiting_while_a_refused_node_removes_the_directory_holds_a_real_lock(
+        tmp_path, monkeypatch):  # fmt: skip
     """A node refused at start removes the state directory it made (remove_unused). A second
     node that had opened the lock file while the first held it then locked the unlinked file,
     and a third took the directory beside it: two nodes on one directory, unnoticed."""
@@ -255,8 +256,9 @@ def test_a_node_waiting_while_a_refused_node_removes_the_directory_holds_a_real_
     import threading
     import time
 
-    from geotrain.node.state import StateDir, StateDirInUse
+    from geotrain.node.state import StateDir, StateDirInUse, _statedir
 
+    monkeypatch.setattr(_statedir, "LOCK_TRIES", 200)  # (10 s: the second waits, loaded or not)
     state = StateDir(tmp_path / "s").create()
     first = state.lock()
     assert first is not None
@@ -273,6 +275,7 @@ def test_a_node_waiting_while_a_refused_node_removes_the_directory_holds_a_real_
         now = os.stat(state.lock_path)  # the lock file at the path is the one the second holds
         assert (now.st_dev, now.st_ino) == (os.fstat(held.fileno()).st_dev,
                                             os.fstat(held.fileno()).st_ino)  # fmt: skip
+        monkeypatch.setattr(_statedir, "LOCK_TRIES", 2)
         with pytest.raises(StateDirInUse):
             state.lock()  # a third is refused
     finally:

@@ -52,6 +52,7 @@ def test_testbed_is_a_geotrain_command(capsys):
         (["--node-set", "training.params.hidden=8"], "use --param KEY=VALUE"),
         (["--param", "hidden"], "--param 'hidden': expected KEY=VALUE"),
         (["--param", "hiden=8"], "--param hiden: task 'digits-mlp' has no such parameter"),
+        (["--param", "hidden=2024-01-01"], "--param 'hidden=2024-01-01': a date is no task"),
         (["--node-set", "training.slowdown=3"], "use the scenario's [[stragglers]]"),
         (["--node-set", "training.partition=dirichlet"], "use --partition"),
         (["--eval-every-s", "-1"], "--eval-every-s -1.0 (RunOptions.eval_every_s): expected"),

@@ -428,3 +428,12 @@ def test_compare_refuses_runs_of_another_task_or_one_system(tmp_path: Path, caps
     assert 'the runs differ in task ("charlm", "digits-mlp")' in capsys.readouterr().err
     assert main(["testbed", "compare", str(tmp_path / "a"), str(tmp_path / "nowhere")]) == 2
     assert "nowhere: no testbed run there" in capsys.readouterr().err
+    (tmp_path / "b" / "run.json").write_text(json.dumps({**run, "bytes_source": "none"}))
+    assert main(["testbed", "compare", str(tmp_path / "a"), str(tmp_path / "b")]) == 2
+    assert "the runs differ in bytes_source" in capsys.readouterr().err  # other counters
+    (tmp_path / "b" / "run.json").write_text(json.dumps({**run, "systems": {}}))
+    assert main(["testbed", "compare", str(tmp_path / "a"), str(tmp_path / "b")]) == 2
+    assert "b: no system finished in that run (interrupted)" in capsys.readouterr().err
+    (tmp_path / "b" / "run.json").write_text(json.dumps({"scenario": "x"}))
+    assert main(["testbed", "compare", str(tmp_path / "a"), str(tmp_path / "b")]) == 2
+    assert "no testbed run there (KeyError" in capsys.readouterr().err

@@ -52,7 +52,8 @@ class NodeStatus:
     running: bool = True
     peers: tuple[PeerStatus, ...] = field(default_factory=tuple)
     peak_rss_mb: float | None = None  # the node process's peak resident memory
-    memory_estimate_mb: float | None = None  # what the node estimated it needs at start
+    # what the node estimated it needs: at start (a loop of the user's own: again at wrap())
+    memory_estimate_mb: float | None = None
     algorithm_stats: dict[str, float | int] = field(default_factory=dict)  # per-algorithm counters
     algorithm_gauges: tuple[str, ...] = ()  # the names in algorithm_stats that are levels
     certificate_expires_at: float | None = None  # POSIX seconds; None: no certificate (or unknown)
