@@ -557,7 +557,8 @@ def test_a_baselines_end_is_recorded_as_it_was(tmp_path: Path, monkeypatch, code
             pass
 
     monkeypatch.setattr(_run, "ManagedProcess", FakeProcess)
-    monkeypatch.setattr(_run, "_supervise", lambda *a, **k: "exited")
+    # every rank exited by itself: the supervisor asks the baseline what that was
+    monkeypatch.setattr(_run, "_supervise", lambda *a, **k: k["exited_as"]())
     options.out.mkdir()
     said: list[str] = []
     record = _run._run_ddp(options, hosts, None, None, said.append, "localsgd")
