@@ -743,11 +743,16 @@ def _parse_override(item: str) -> tuple[list[str], Any]:
     if not sep or "." not in key:
         raise ConfigError(f"override {item!r} (--set, or join's overrides): expected "
                           "section.key=value")
+    return key.strip().split("."), override_value(raw)
+
+
+def override_value(raw: str) -> Any:
+    """An override's value as TOML (`0.1`, `true`, `["tcp://a:1"]`, `"x"`), or a bare word as
+    the string it is (`uniform`)."""
     try:
-        value = tomllib.loads(f"v = {raw}")["v"]
+        return tomllib.loads(f"v = {raw}")["v"]
     except tomllib.TOMLDecodeError:
-        value = raw  # a bare word is taken as a string
-    return key.strip().split("."), value
+        return raw
 
 
 def config_from_toml(text: str, *, base: Path, overrides: typing.Sequence[str] = ()) -> NodeConfig:

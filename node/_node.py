@@ -252,9 +252,16 @@ class Node:
                                                       described)  # fmt: skip
         if fitted:
             log.warning("memory_fitted", detail=fitted)
-        log.info("memory_estimate", need_gb=round(self.memory.total_gb, 3),
-                 detail=self.memory.explain(), limit_gb=self.config.limits.memory_gb)  # fmt: skip
+        self._say_estimate()
         check_budget(self.config, self.memory)
+
+    def _say_estimate(self, hint: str = "") -> None:
+        """Log the memory estimate (a warning, with `hint`, when it says something is wrong)."""
+        assert self.memory is not None
+        (log.warning if hint else log.info)(
+            "memory_estimate", need_gb=round(self.memory.total_gb, 3),
+            detail=self.memory.explain(), limit_gb=self.config.limits.memory_gb,
+            **({"hint": hint} if hint else {}))  # fmt: skip
 
     def starting(self) -> str:
         """What the node is doing on its way to ready (joining: why join has not returned)."""
@@ -275,11 +282,8 @@ class Node:
             self._reporter.sources.memory_estimate_mb = self.memory.total_gb * 1000
         limit = self.config.limits.memory_gb
         over = limit is not None and self.memory.total_gb > limit  # (amsgrad's third copy)
-        (log.warning if over else log.info)(
-            "memory_estimate", need_gb=round(self.memory.total_gb, 3),
-            detail=self.memory.explain(), limit_gb=limit,
-            **({"hint": "your optimizer keeps more state than the Adam-sized guess the check "
-                "at join passed: the node may outgrow limits.memory_gb"} if over else {}))
+        self._say_estimate("your optimizer keeps more state than the Adam-sized guess the check "
+                           "at join passed: the node may outgrow limits.memory_gb" if over else "")
 
     def _make_private(self, trainer: Trainer) -> None:
         """[privacy]: Opacus on the trainer, or a ConfigError saying why it cannot be."""

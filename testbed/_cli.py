@@ -13,7 +13,6 @@ import os
 import signal
 import sys
 import time
-import tomllib
 from collections.abc import Iterable
 from dataclasses import replace
 from pathlib import Path
@@ -185,7 +184,9 @@ def _scenario_from_args(args: argparse.Namespace) -> TestbedScenario:
 
 def _task_params(items: Iterable[str]) -> dict[str, Any]:
     """`--param KEY=VALUE` items as the scenario's params: a value is TOML (`2`, `0.5`, `true`,
-    `"10m"`), a bare word a string (`size=10m`)."""
+    `"10m"`), a bare word a string (`size=10m`), as a node's --set reads it."""
+    from geotrain.node import override_value
+
     out: dict[str, Any] = {}
     for item in items:
         key, eq, raw = item.partition("=")
@@ -193,10 +194,7 @@ def _task_params(items: Iterable[str]) -> dict[str, Any]:
         if not eq or not key or "." in key or not raw.strip():
             raise ScenarioError(f"--param {item!r}: expected KEY=VALUE, a task parameter such "
                                 "as size=10m")  # fmt: skip
-        try:
-            out[key] = tomllib.loads(f"v = {raw}")["v"]
-        except tomllib.TOMLDecodeError:
-            out[key] = raw.strip()  # a bare word is taken as a string
+        out[key] = override_value(raw.strip())
         try:  # (written to scenario.json and run.json: a TOML date would end the run there)
             json.dumps(out[key])
         except (TypeError, ValueError):

@@ -48,7 +48,7 @@ from ._peers import (
     write_swarm_files,
 )
 from ._scenario import TestbedScenario
-from ._summary import at_or_past, build_summary, render_table
+from ._summary import at_or_past, build_summary, load_jsonl, render_table, train_start
 from ._userspace import UserspaceLinks
 
 STARTUP_TIMEOUT_S = 180.0  # launch -> first step, 2 cores shared by every peer's torch import
@@ -669,20 +669,7 @@ def first_step_began(files: list[Path]) -> float | None:
     any line. (The line comes at the end of the step and its evaluation: DDP's first, with the
     all-reduce's connection set up, was 7 s after it began, so faults counted from the line
     came 7 s later into a baseline's run than into geotrain's, on the summary's time axis.)"""
-    starts = []
-    for f in files:
-        try:
-            with open(f) as fh:
-                for line in fh:  # (a geotrain node's first lines may be of step 0)
-                    record = json.loads(line)
-                    step = record.get("step", 0)
-                    if isinstance(step, int) and step > 0:
-                        rate = record.get("steps_per_s") or 0.0
-                        starts.append(record["t"] - (step / rate if rate > 0 else 0.0))
-                        break
-        except (OSError, ValueError, KeyError, TypeError, AttributeError):
-            continue  # (no line yet, or one half written: the next look reads it)
-    return min(starts) if starts else None
+    return train_start([load_jsonl(f) for f in files])  # (read only until a step shows)
 
 
 def _failed_exits(system: str, peers: Peers, told: set[int], echo: Echo) -> list[str]:
