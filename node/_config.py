@@ -201,6 +201,10 @@ class NetworkConfig:
         are larger is refused with the reason. Raise it (up to max_message_mb - 1) only where
         the swarm's nodes use different chunk_mb.
     handshake_timeout_s: a peer that has not finished the handshake by then is dropped.
+    max_pending_handshakes: inbound connections that may be mid-handshake at once; one more
+        drops the oldest (counted as `too_many_pending`). Each may hold one frame of ~4.3 MB
+        before its handshake ends, so 64 bound that to ~270 MB. A node dialled by hundreds of
+        peers at once (a large swarm's restart) may need more; a small box, fewer.
     reachable: false for a machine that nobody can dial (behind NAT or a firewall that drops
         inbound connections): the node runs in client mode. It dials the bootstrap peers and keeps
         those connections, starts every exchange and state sync itself, announces an address that
@@ -216,6 +220,7 @@ class NetworkConfig:
     chunk_mb: float = 8.0
     peer_chunk_mb: float | None = None
     handshake_timeout_s: float = 10.0
+    max_pending_handshakes: int = 64
     reachable: bool = True
 
     @property
@@ -262,6 +267,12 @@ class NetworkConfig:
             "network.handshake_timeout_s",
             self.handshake_timeout_s,
             "> 0 and <= 600 seconds (it bounds what a stranger's unfinished handshake holds)",
+        )
+        _check(
+            0 < self.max_pending_handshakes <= 4096,
+            "network.max_pending_handshakes",
+            self.max_pending_handshakes,
+            "1..4096 (each may hold a ~4.3 MB frame before its handshake ends)",
         )
         _check(isinstance(self.reachable, bool), "network.reachable", self.reachable,
                "true or false")  # fmt: skip

@@ -363,6 +363,7 @@ class Node:
             listen=net.listen,
             max_message_bytes=net.max_message_mb * 2**20,
             handshake_timeout_s=net.handshake_timeout_s,
+            max_pending_handshakes=net.max_pending_handshakes,
             # parts stay 4 MiB: a default 8 MiB chunk in one message was 1.16x faster on
             # loopback (bench_exchange) but raised a 100M-parameter node's peak by 0.2 model
             # copies (bench_memory: +1.55 vs +1.31), the allocator keeping more free blocks

@@ -75,6 +75,7 @@ def test_overrides_take_toml_values_and_bare_strings():
         ("gossip.diloco.outer_lr=inf", "gossip.diloco.outer_lr = inf: expected a finite number"),
         ("gossip.probe_interval_s=inf", "gossip.probe_interval_s = inf: expected a finite"),
         ("network.handshake_timeout_s=inf", "network.handshake_timeout_s = inf: expected a fin"),
+        ("network.max_pending_handshakes=0", "network.max_pending_handshakes = 0: expected 1..40"),
         ("state.status_every_s=inf", "state.status_every_s = inf: expected a finite number"),
         ("training.shard_index=4", "training.shard_index = 4: expected 0..3"),
         ("gossip.policy=random", "gossip.policy = 'random': expected uniform or ring"),

@@ -162,6 +162,28 @@ async def test_status_over_the_network(tmp_path: Path):
         node.request_stop()
 
 
+async def test_status_of_a_node_of_another_swarm_says_why_once(tmp_path: Path, capsys):
+    # the status client's own transport logged the failed handshake as a warning, and the
+    # command then printed the same reason as its error, the address twice in it
+    from geotrain.node.cli._main import main
+
+    config = config_from_toml(CONFIG, base=tmp_path, overrides=[f'state.dir="{tmp_path}/state"'])
+    node = Node(config, Identity.generate(), Admission.open_swarm("geotrain"))
+    Identity.generate().save(tmp_path / "client.key")
+    client = CONFIG.replace('"unused"', '"client.key"\nswarm_id = "other"')
+    (tmp_path / "client.toml").write_text(client)
+    async with trio.open_nursery() as nursery:
+        address = await nursery.start(node.run)
+        capsys.readouterr()
+        argv = ["status", "--node", address, "--config", str(tmp_path / "client.toml"),
+                "--timeout", "3"]  # fmt: skip
+        assert await trio.to_thread.run_sync(main, argv) == 1
+        err = capsys.readouterr().err
+        node.request_stop()
+    assert err.count("another swarm") == 1, err
+    assert err.count(address) == 1, err
+
+
 def test_status_from_an_address_needs_a_config(capsys):
     from geotrain.node.cli._main import main
 
@@ -183,3 +205,10 @@ def test_status_prints_no_log_lines_of_its_own_transport_unless_asked(tmp_path, 
     err = capsys.readouterr().err
     assert ("transport_listening" in err) == (level == "info"), err
     assert "127.0.0.1:9" in err  # (the failure is said)
+
+
+def test_the_pending_handshake_cap_is_the_configs(tmp_path: Path):
+    config = config_from_toml(CONFIG, base=tmp_path, overrides=[
+        f'state.dir="{tmp_path}/state"', "network.max_pending_handshakes=300"])  # fmt: skip
+    node = Node(config, Identity.generate(), Admission.open_swarm("geotrain"))
+    assert node._transport_config().max_pending_handshakes == 300

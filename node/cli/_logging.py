@@ -28,7 +28,12 @@ class _LineLogger(structlog.PrintLogger):
     fatal = failure = err = error = critical = exception = msg
 
 
-def configure_logging(level: str | None, fmt: LogFormat, stream: TextIO | None = None) -> str:
+def configure_logging(
+    level: str | None,
+    fmt: LogFormat,
+    stream: TextIO | None = None,
+    quiet: frozenset[str] = frozenset(),
+) -> str:
     """Configure structlog for this process.
 
     Args:
@@ -38,6 +43,8 @@ def configure_logging(level: str | None, fmt: LogFormat, stream: TextIO | None =
             `stream` is a terminal, JSON lines otherwise).
         stream: where log lines go; standard error by default, so that standard output stays free
             for a command's own result.
+
+        quiet: events not logged at any level (a command whose result already says them).
 
     Returns:
         The format actually chosen ("console" or "json").
@@ -59,8 +66,14 @@ def configure_logging(level: str | None, fmt: LogFormat, stream: TextIO | None =
         renderer = structlog.dev.ConsoleRenderer(colors=out.isatty())
     else:
         renderer = structlog.processors.JSONRenderer()
+    def drop_quiet(_logger: object, _method: str, event: structlog.types.EventDict):
+        if event.get("event") in quiet:
+            raise structlog.DropEvent
+        return event
+
     structlog.configure(
         processors=[
+            drop_quiet,
             structlog.contextvars.merge_contextvars,
             structlog.processors.add_log_level,
             structlog.processors.TimeStamper(fmt="iso", utc=True),

@@ -86,8 +86,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         sys.path.append(os.getcwd())
     parser = build_parser()
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    # a command's default level comes with events it says itself (`--log-level` shows them all)
+    quiet = frozenset() if args.log_level else getattr(args, "log_quiet_default", frozenset())
     configure_logging(args.log_level or getattr(args, "log_level_default", None),
-                      args.log_format)  # fmt: skip
+                      args.log_format, quiet=quiet)  # fmt: skip
     handler = getattr(args, "handler", None)
     if handler is None:
         parser.print_help()

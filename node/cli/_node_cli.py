@@ -241,5 +241,7 @@ def register_status(sub: argparse._SubParsersAction) -> None:
         metavar="S",
         help=f"with --watch: seconds between refreshes (default {WATCH_INTERVAL_S:g})",
     )
-    # (its own transport's start and handshakes are no news to someone reading a status)
-    p.set_defaults(handler=status, log_level_default="warning")
+    # (its own transport's start and handshakes are no news to someone reading a status, and a
+    # failed handshake is the error it prints)
+    p.set_defaults(handler=status, log_level_default="warning",
+                   log_quiet_default=frozenset({"handshake_failed"}))  # fmt: skip

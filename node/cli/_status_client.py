@@ -99,7 +99,8 @@ async def open_status_client(config: NodeConfig) -> AsyncIterator[AskStatus]:
                     address, StatusRequest(), deadline_s=deadline_s
                 )
             except TransportError as exc:
-                raise ValueError(f"{address}: {exc}") from None
+                said = str(exc)  # (most name the address already)
+                raise ValueError(said if address in said else f"{address}: {said}") from None
             if not isinstance(reply, StatusReply):
                 raise ValueError(f"{address}: answered {type(reply).__name__}, not a status")
             return parse_status(bytes(payload), address)
