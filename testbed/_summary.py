@@ -69,12 +69,31 @@ def time_to_target(peers, target: float, higher_is_better: bool, t0: float) -> f
     return None if hit is None else hit[0]
 
 
+def processes(records: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
+    """A peer's lines split by the process that wrote them (a restart starts a new one): by
+    `pid`, or where the step count fell for lines that carry none."""
+    out: list[list[dict[str, Any]]] = []
+    for r in records:
+        prev = out[-1][-1] if out else None
+        if prev is None or r.get("pid") != prev.get("pid") or (
+                r.get("pid") is None and r.get("step", 0) < prev.get("step", 0)):  # fmt: skip
+            out.append([r])
+        else:
+            out[-1].append(r)
+    return out
+
+
 def steps_per_s(records: list[dict[str, Any]]) -> float | None:
-    """A peer's mean step rate from its first to its last step line (downtime included)."""
-    stepped = [r for r in records if r.get("step", 0) > 0]
-    if len(stepped) < 2 or stepped[-1]["t"] <= stepped[0]["t"]:
-        return None
-    return (stepped[-1]["step"] - stepped[0]["step"]) / (stepped[-1]["t"] - stepped[0]["t"])
+    """A peer's mean step rate while its processes ran: the steps from each process's first to
+    its last step line over the time between them, summed over its processes (a killed peer's
+    downtime is not counted; a restarted one counts its steps afresh)."""
+    steps = seconds = 0.0
+    for proc in processes(records):
+        stepped = [r for r in proc if r.get("step", 0) > 0]
+        if len(stepped) >= 2 and stepped[-1]["t"] > stepped[0]["t"]:
+            steps += stepped[-1]["step"] - stepped[0]["step"]
+            seconds += stepped[-1]["t"] - stepped[0]["t"]
+    return steps / seconds if seconds > 0 else None
 
 
 def bytes_out_series(records: list[dict[str, Any]]) -> list[int]:
@@ -195,7 +214,11 @@ def quality_curve(run: dict[str, Any], system: str, peers) -> list[tuple[float, 
     """The swarm quality of `system` as every figure counts it: honest peers only, kills and
     restarts as the run's stop rule treats them."""
     attackers = attacker_peers(run, system)
-    outages = [d for i, d in enumerate(peer_outages(run, system)) if i not in attackers]
+    downs = peer_outages(run, system)
+    for i in _silent_after_restart(run, system, peers):
+        if downs[i]:  # never evaluated again: it left the swarm at its last kill, as if for good
+            downs[i][-1] = (downs[i][-1][0], None)
+    outages = [d for i, d in enumerate(downs) if i not in attackers]
     return swarm_quality(honest(peers, attackers), run.get("higher_is_better", True), outages)
 
 
@@ -253,31 +276,45 @@ def _fairness(finals: list[float | None], higher_is_better: bool) -> dict[str, A
 
 def utilization(records: list[dict[str, Any]], pinned_s: float, *,
                 without_eval: bool = False) -> float | None:  # fmt: skip
-    """The share of a peer's wall time (first to last step line) spent in its training steps;
+    """The share of a peer's wall time (first to last step line of each of its processes: a
+    killed peer's downtime is not counted, the faults say it) spent in its training steps;
     `without_eval`: of the wall time not spent in held-out evaluations (the testbed's own
     measurement, every 10 s in every system; None from lines written before it was counted).
 
-    A geotrain node measures it (`utilization` in its lines). A baseline's worker does not tell
-    compute from waiting inside its step (DDP's all-reduce runs inside backward); with compute
-    emulation its compute is the pinned time per step, so steps x pinned / wall time; without,
-    None (not measured)."""
+    A geotrain node measures it (`utilization` and `train_s` in its lines): its processes'
+    shares, weighted by the time each ran. A baseline's worker does not tell compute from
+    waiting inside its step (DDP's all-reduce runs inside backward); with compute emulation its
+    compute is the pinned time per step, so steps x pinned / wall time; without, None (not
+    measured)."""
     key = "utilization_without_eval" if without_eval else "utilization"
-    own = next((r[key] for r in reversed(records) if r.get(key) is not None), None)
-    if own is not None:
-        return round(own, 3)
-    if any(r.get("utilization") is not None for r in records):
-        return None  # (a node's lines from before it counted its evaluations)
-    stepped = [r for r in records if r.get("step", 0) > 0]
-    if pinned_s <= 0 or len(stepped) < 2 or stepped[-1]["t"] <= stepped[0]["t"]:
+    procs = processes(records)
+    if any(r.get("utilization") is not None for r in records):  # a geotrain node's own
+        owns = [own for proc in procs
+                if (own := next((r for r in reversed(proc) if r.get(key) is not None), None))]
+        if not owns:
+            return None  # (a node's lines from before it counted its evaluations)
+        if not all(own.get("train_s") for own in owns):  # lines from before train_s: the latest
+            return round(owns[-1][key], 3)
+        busy = sum(own["train_s"] for own in owns)
+        wall = sum(own["train_s"] / own[key] for own in owns if own[key] > 0)
+        return round(min(1.0, busy / wall), 3) if wall > 0 else None
+    if pinned_s <= 0:
         return None
-    wall = stepped[-1]["t"] - stepped[0]["t"]
-    if without_eval:
-        if stepped[-1].get("eval_s") is None or stepped[0].get("eval_s") is None:
-            return None
-        wall -= stepped[-1]["eval_s"] - stepped[0]["eval_s"]
-        if wall <= 0:
-            return None
-    return round(min(1.0, (stepped[-1]["step"] - stepped[0]["step"]) * pinned_s / wall), 3)
+    steps = wall = 0.0
+    for proc in procs:
+        stepped = [r for r in proc if r.get("step", 0) > 0]
+        if len(stepped) < 2 or stepped[-1]["t"] <= stepped[0]["t"]:
+            continue
+        seconds = stepped[-1]["t"] - stepped[0]["t"]
+        if without_eval:
+            if stepped[-1].get("eval_s") is None or stepped[0].get("eval_s") is None:
+                return None
+            seconds -= stepped[-1]["eval_s"] - stepped[0]["eval_s"]
+            if seconds <= 0:
+                continue
+        steps += stepped[-1]["step"] - stepped[0]["step"]
+        wall += seconds
+    return round(min(1.0, steps * pinned_s / wall), 3) if wall > 0 else None
 
 
 def attacker_peers(run: dict[str, Any], system: str) -> set[int]:
@@ -346,8 +383,10 @@ def _system(run: dict[str, Any], system: str, peers, samples) -> dict[str, Any]:
         # peers whose process failed by itself (a baseline's rank that crashed): its figures
         # end there (absent from runs written before it)
         "failed_peers": run["systems"][system].get("failed_peers") or [],
-        # peers restarted by a fault that never reported again: their final figure is from
-        # before their kill (a node slow to start on a loaded machine, one that failed at once)
+        # peers restarted by a fault that never reported a metric again: their final figure is
+        # from before their kill (a node slow to start on a loaded machine, one that failed at
+        # once, one restarted too late to evaluate), and the swarm's levels leave them out
+        # from their kill on
         "silent_after_restart": _silent_after_restart(run, system, peers),
         # seconds trained past the run's duration (a baseline's stop checks come every few
         # steps, and a fault that slows its steps between two lets it run on); counted in its
@@ -357,14 +396,17 @@ def _system(run: dict[str, Any], system: str, peers, samples) -> dict[str, Any]:
 
 
 def _silent_after_restart(run: dict[str, Any], system: str, peers) -> list[int]:
-    """Peers of `system` a restart fault brought back that wrote no record after it."""
+    """Peers of `system` a restart fault brought back that reported no metric after it (no
+    line at all, or steps but no evaluation before the run ended): their last metric is from
+    before their kill, so the swarm's quality counts them as gone from the kill on."""
     silent = set()
     for fault in run.get("faults", []):
         if (fault.get("system") == system and fault.get("action") == "restart"
                 and fault.get("applied") and fault.get("t") is not None):  # fmt: skip
             p = fault.get("peer")
             if isinstance(p, int) and 0 <= p < len(peers) and not any(
-                    r["t"] > fault["t"] for r in peers[p]):  # fmt: skip
+                    r["t"] > fault["t"] and r.get("metric") is not None
+                    for r in peers[p]):  # fmt: skip
                 silent.add(p)
     return sorted(silent)
 
@@ -635,8 +677,9 @@ def _failure_lines(summary: dict[str, Any]) -> list[str]:
     for s in summary["systems"]:
         if s.get("silent_after_restart"):
             lines.append(f"NOT BACK: {s['system']} peers {s['silent_after_restart']} were "
-                         "restarted by a fault and never reported again (see their logs): their "
-                         "final figures are from before their kill")  # fmt: skip
+                         "restarted by a fault and never reported a metric again (see their "
+                         "logs): their final figures are from before their kill, and the "
+                         "levels every peer reached leave them out from it")  # fmt: skip
         if s.get("overran_s"):
             lines.append(f"OVERRAN: {s['system']} stepped {s['overran_s']:g} s past the run's "
                          f"{summary.get('duration_s', 0):g} s, more than a tenth of it and a "

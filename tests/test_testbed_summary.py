@@ -356,6 +356,30 @@ def test_a_peer_never_back_from_its_restart_and_a_system_past_its_duration_are_s
     assert "NOT BACK" not in render_table(summary) and "OVERRAN" not in render_table(summary)
 
 
+def test_a_restarted_peer_is_counted_over_both_of_its_processes(tmp_path: Path):
+    """A stranger's run: a peer killed at 15 s and back at 30 s showed 0.669 steps/s (it ran at
+    ~9.9; the last step of its new process, counted from 0, minus the first of its old one, over
+    the whole run), its utilization was its new process's alone, and a hivemind peer that came
+    back, stepped and never evaluated again kept its pre-kill score as the swarm's: every
+    system was compared at that barely trained level, with no NOT BACK line."""
+    _kill_peer_1(tmp_path, restart_at=6.0)
+    _write_lines(tmp_path / "geotrain" / "peer-01" / "metrics.jsonl", [
+        {"t": T0 + 1, "pid": 11, "step": 10, "metric": 0.5, "utilization": 0.5, "train_s": 0.5},
+        {"t": T0 + 2, "pid": 11, "step": 20, "metric": 0.5, "utilization": 0.5, "train_s": 0.5},
+        {"t": T0 + 7, "pid": 12, "step": 5, "metric": None, "utilization": 1.0, "train_s": 1.0},
+        {"t": T0 + 8, "pid": 12, "step": 15, "metric": None, "utilization": 1.0, "train_s": 1.0},
+    ])  # fmt: skip
+    summary = build_summary(tmp_path)
+    geotrain = summary["systems"][0]
+    assert geotrain["steps_per_s_by_peer"][1] == 10.0  # 10 steps in each process's 1 s
+    assert geotrain["utilization_by_peer"][1] == 0.75  # 1.5 s of steps in 2 s of its processes
+    # it stepped after its restart but never evaluated: said, and gone from the swarm's levels
+    # from its kill on (peer 0 alone, at 0.95 since +2 s), not holding them at its old 0.5
+    assert geotrain["silent_after_restart"] == [1]
+    assert geotrain["time_to_target_s"] == 2.5
+    assert "never reported a metric again" in render_table(summary)
+
+
 def test_a_level_reached_at_the_exit_evaluation_has_the_runs_bytes():
     # a node evaluates once more at its exit, after the meter's last reading: the level's bytes
     # were shown as "-" (null in summary.json) though every byte of the run was metered
