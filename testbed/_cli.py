@@ -278,7 +278,7 @@ def _command_line(parser: argparse.ArgumentParser, args: argparse.Namespace) -> 
 def _sigterm_as_interrupt() -> None:
     def handler(signum, frame):  # noqa: ARG001
         signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second one must not cut the cleanup
-        raise KeyboardInterrupt
+        raise KeyboardInterrupt("SIGTERM")  # (run.json says which: a Ctrl-C's has no message)
 
     signal.signal(signal.SIGTERM, handler)
 
@@ -318,6 +318,10 @@ def cmd_run(args: argparse.Namespace, command: tuple[str, ...] = ()) -> int:
           f"output {out}")  # fmt: skip
     for fault in sc.faults:
         print(f"fault: {fault.describe()}")
+        if fault.at_s >= sc.duration_s:  # (its clock starts at a system's first step)
+            print(f"warning: the fault at t={fault.at_s:g}s is due at or after the run's "
+                  f"{sc.duration_s:g} s (--duration, the scenario's duration_s): it will not "
+                  "happen", file=sys.stderr)  # fmt: skip
     for w in sc.availability:
         print(f"availability: peer {w.peer} online {w.online_s:g} s, away {w.offline_s:g} s, "
               f"first window delayed {w.offset_s:g} s (geotrain only)")  # fmt: skip

@@ -102,7 +102,8 @@ def _field_problems(run: dict[str, Any]) -> list[str]:
     if absent and run.get("interrupted"):  # (a run stopped early writes what it had)
         done = ", ".join(run.get("systems") or {}) or "none"
         return [f"run.json: the run was interrupted ({run['interrupted']}) before it could be "
-                f"reported (systems finished: {done}); it lacks {', '.join(absent)}"]
+                f"reported (systems finished: {done}); what its peers wrote until then is in "
+                "each system's peer logs and metrics lines in this directory"]
     if absent:
         return [f"run.json lacks {', '.join(absent)} (written by an older geotrain?)"]
     peers, systems = run["peers"], run["systems"]

@@ -687,13 +687,16 @@ def _fault_from(item: Any, i: int) -> Fault:
         raise _fail(f"faults[{i}]", sorted(rest),
                     "only at_s, action, peer, regions and, for degrade, the new link's own "
                     f"fields written in the fault's table ({', '.join(LINK_FIELDS)})")
+    for name in ("at_s", "action"):
+        if name not in item:
+            raise _fail(f"faults[{i}].{name}", None, "a value (it is required)")
     regions = item.get("regions")
     if regions is not None and not isinstance(regions, list):
         raise _fail(f"faults[{i}].regions", regions, "a list of two region names")
     try:
         return Fault(
-            at_s=item.get("at_s", -1),
-            action=item.get("action", ""),
+            at_s=item["at_s"],
+            action=item["action"],
             peer=item.get("peer"),
             regions=tuple(regions) if regions is not None else None,  # type: ignore[arg-type]
             link=_link(link_part, f"faults[{i}]") if link_part else None,

@@ -181,7 +181,7 @@ def test_sigterm_mid_run_stops_cleanly_and_leaves_nothing(tmp_path: Path):
     assert list_namespaces(prefix) == [] and list_devices(prefix) == [], log
     # the folder says what happened (it held no run.json: nothing told an interrupted run)
     run = json.loads((out / "run.json").read_text())
-    assert run["interrupted"].startswith("KeyboardInterrupt") and run["systems"] == {}, run
+    assert run["interrupted"] == "KeyboardInterrupt: SIGTERM" and run["systems"] == {}, run
     assert "run stopped early" in log
     assert _processes_mentioning(str(out)) == [], log
     # the nodes were stopped, not just killed: they had time to say so
@@ -240,3 +240,24 @@ def test_a_param_a_task_of_your_own_never_read_is_warned_about(tmp_path, monkeyp
     err = capsys.readouterr().err
     assert "task 'plug_tasks:make' never read params hiden through ctx.param" in err
     assert "(it read: batch_size, hidden, layers)" in err
+
+
+def test_a_fault_due_after_the_duration_is_warned_about(tmp_path, capsys, monkeypatch):
+    """A fault at 400 s in a 60 s run was printed like any other and never happened."""
+    from geotrain.testbed import _run
+
+    def stop_here(options, echo):
+        raise _run.TestbedError("stopped by the test")
+
+    monkeypatch.setattr(_run, "run_testbed", stop_here)
+    out = tmp_path / "out"
+    faults = ("\n[[faults]]\nat_s = 5\naction = \"kill\"\npeer = 1\n"
+              "[[faults]]\nat_s = 400\naction = \"restart\"\npeer = 1\n")  # fmt: skip
+    scenario = tmp_path / "late.toml"
+    scenario.write_text(TINY + faults)
+    assert main(["testbed", "run", "--out", str(out), "--scenario", str(scenario),
+                 "--duration", "60", "--no-link-check"]) == 1  # fmt: skip
+    said = capsys.readouterr()
+    assert "fault: t=400s restart peer 1" in said.out
+    assert said.err.count("will not happen") == 1, said.err
+    assert "fault at t=400s is due at or after the run's 60 s" in said.err

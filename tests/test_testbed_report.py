@@ -300,6 +300,7 @@ def test_an_interrupted_run_is_refused_as_interrupted_not_as_older(tmp_path: Pat
     code, _, err = _report(capsys, str(tmp_path))
     assert code == 2 and "the run was interrupted (KeyboardInterrupt)" in err, err
     assert "systems finished: none" in err and "older" not in err
+    assert "peer logs and metrics" in err and "consensus_distance_final" not in err, err
 
 
 def test_a_torn_run_json_is_refused(tmp_path: Path, capsys):

@@ -117,6 +117,9 @@ def _base() -> dict:
                                     {"at_s": 2, "action": "kill"}]), "faults[1].peer"),
         (lambda d: d.update(faults=[{"at_s": 1, "action": "kill", "peer": 0}]), "faults[0].peer"),
         (lambda d: d.update(faults=[{"at_s": -1, "action": "heal"}]), "faults[0].at_s"),
+        # an empty [[faults]] table was "at_s = -1", a value nobody wrote
+        (lambda d: d.update(faults=[{}]), "faults[0].at_s = None: expected a value (it is req"),
+        (lambda d: d.update(faults=[{"at_s": 3}]), "faults[0].action = None: expected a value"),
         (
             lambda d: d.update(faults=[{"at_s": 1, "action": "partition", "regions": ["x", "y"]}]),
             "faults[0].regions",
