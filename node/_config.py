@@ -795,6 +795,12 @@ def config_from_toml(text: str, *, base: Path, overrides: typing.Sequence[str] =
     for name in doc:
         if name not in sections:
             _fail(name, doc[name], f"one of the sections {sorted(sections)}")
+    privacy = doc.get("privacy")
+    if isinstance(privacy, dict) and "epsilon" not in privacy:  # (off, said: not silently)
+        given = ", ".join(sorted(privacy)) or "nothing"
+        _fail("privacy.epsilon", None, f"a budget: the [privacy] table sets {given} but no "
+              "epsilon, and without one privacy is off (leave the table out to train without "
+              "it)")  # fmt: skip
     hints = typing.get_type_hints(NodeConfig)
     built = {name: _section(hints[name], doc[name], name, base) for name in doc}
     config = NodeConfig(**built)

@@ -57,6 +57,7 @@ from .training import (
     LEDGER_AHEAD_STEPS,
     Diverged,
     LoopTrainer,
+    PrivateTraining,
     Task,
     TaskContext,
     Trainer,
@@ -348,6 +349,7 @@ class Node:
                         "(the node stopped without writing one after them): they stay spent; "
                         f"after a kill it counts up to {LEDGER_AHEAD_STEPS} steps more than were "
                         "taken")  # fmt: skip
+        self._replan_privacy(private)
 
         def write(state: dict) -> None:
             try:
@@ -356,6 +358,40 @@ class Node:
                 raise self._state_dir_error(exc) from None
 
         private.ledger = write
+
+    def _replan_privacy(self, private: PrivateTraining) -> None:
+        """After the spend is restored: a budget raised since it was spent is said; a derived
+        noise is re-derived for what is left of the budget over the steps left of
+        training.max_steps, and refused where it would drown the gradients.
+
+        Raises:
+            ConfigError: the noise would more than double (the budget left is too small for
+                the steps asked): the node would train on noise, and its swarm would mix it in.
+        """
+        p, max_steps = self.config.privacy, self.config.training.max_steps
+        spent = round(private.epsilon(), 4)
+        if private.budget_raised:
+            log.warning("privacy_budget_raised", epsilon_spent=spent, budget=p.epsilon,
+                        detail="the ledger's budget was spent; privacy.epsilon is larger now, so "
+                        "training on this node's data goes on, its spend counted from the "
+                        "ledger's")  # fmt: skip
+        change = private.replan(max_steps)
+        if change is None:
+            return
+        was, now = change
+        left = max_steps - private.steps_in(private.state())
+        if now > 2 * was:
+            raise ConfigError(
+                f"privacy: epsilon {spent:g} of {p.epsilon:g} is spent (the ledger), and "
+                f"spreading the rest over the {left} steps left of training.max_steps "
+                f"({max_steps}) needs noise {now:.3g} where it was {was:.3g}: more than twice "
+                "the noise, the gradients drown in it, and the swarm mixes the result in. "
+                "Raise privacy.epsilon (a new budget), lower training.max_steps, or set "
+                "privacy.noise_multiplier to choose the noise yourself")  # fmt: skip
+        log.warning("privacy_noise_replanned", noise_multiplier=round(now, 4),
+                    was=round(was, 4), epsilon_spent=spent, budget=p.epsilon, steps_left=left,
+                    detail="the noise that spends what is left of the budget over the steps "
+                    "left of training.max_steps")  # fmt: skip
 
     def _transport_config(self) -> TransportConfig:
         net = self.config.network

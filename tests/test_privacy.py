@@ -213,6 +213,12 @@ def test_privacy_settings_are_checked_and_name_the_field():
     ok = config_from_toml(ident + "[training]\nmax_steps = 100\n[privacy]\nepsilon = 8\n",
                           base=base)  # fmt: skip
     assert ok.privacy.epsilon == 8.0 and ok.privacy.delta == 1e-5
+    # a [privacy] table without its epsilon trained with no privacy at all, and said nothing
+    with pytest.raises(ConfigError, match=r"privacy.epsilon = None: expected a budget: the "
+                                          r"\[privacy\] table sets delta, max_grad_norm but no"):
+        config_from_toml(ident + "[privacy]\ndelta = 1e-5\nmax_grad_norm = 1.0\n", base=base)
+    with pytest.raises(ConfigError, match=r"privacy.epsilon = None: .* sets nothing"):
+        config_from_toml(ident + "[privacy]\n", base=base)
 
 
 async def test_status_and_metrics_show_the_spent_epsilon_and_the_node_says_when_it_stops(
@@ -318,3 +324,75 @@ def test_a_killed_node_restarts_with_the_budget_its_steps_after_the_checkpoint_s
         assert "the privacy ledger" in node.log_text() and "cannot be read" in node.log_text()
     finally:
         swarm.stop_all()
+
+
+def test_a_restart_spreads_what_is_left_of_the_budget_over_the_steps_left():
+    """A stranger's swarm: 7.99 of epsilon 8 spent in 3,000 steps, restarted with max_steps
+    raised to 1,000,000; the noise was derived afresh for the whole budget over all of them
+    (15.5 where it had been 1.10) and every model went to chance."""
+    first = make_private(_digits(), epsilon=8.0, planned_steps=300)
+    sigma = first.noise_multiplier
+    half = {"history": [[sigma, first.sample_rate, 150]], "steps": 150, "exhausted": False}
+    # restarted halfway with the same plan: the same noise goes on (not the fresh derivation)
+    again = make_private(_digits(), epsilon=8.0, planned_steps=300)
+    again.load_state(half)
+    assert again.replan(300) is None and again.noise_multiplier == sigma
+    # asked for 100x the steps: what is left over what is left needs far more noise
+    longer = make_private(_digits(), epsilon=8.0, planned_steps=30_000)
+    longer.load_state(half)
+    was, now = longer.replan(30_000)
+    assert was == sigma and now > 2 * sigma
+    assert longer.optimizer.noise_multiplier == now == longer.noise_multiplier
+    # ... and it spends exactly the budget by then, not more
+    assert longer._epsilon_after(30_000 - 150) == pytest.approx(8.0, rel=0.01)
+    assert longer._epsilon_after(30_000 - 150) <= 8.0
+    # a noise the user set is theirs: never re-derived
+    fixed = make_private(_digits(), epsilon=8.0, noise_multiplier=1.0)
+    fixed.load_state({"history": [[1.0, fixed.sample_rate, 100]], "steps": 100})
+    assert fixed.replan(10_000) is None and fixed.noise_multiplier == 1.0
+
+
+def test_a_spent_budget_raised_by_the_operator_trains_again():
+    """After the budget ran out at 2.0, a restart with epsilon 8 kept the spent flag: the node
+    said "epsilon 1.9997, budget 8.0 ... privacy_budget_spent" and trained no more."""
+    spent = make_private(_digits(), epsilon=2.0, noise_multiplier=2.0)
+    k = spent._allowed + 1  # (one step past the budget of 2.0)
+    ledger = {"history": [[2.0, spent.sample_rate, k]], "steps": k, "exhausted": True}
+    spent.load_state(ledger)
+    assert spent.exhausted and not spent.budget_raised and spent.would_exceed()
+    raised = make_private(_digits(), epsilon=8.0, noise_multiplier=2.0)
+    raised.load_state(ledger)
+    assert not raised.exhausted and raised.budget_raised and not raised.would_exceed()
+
+
+async def test_a_node_refuses_to_spread_a_spent_budget_over_far_more_steps(tmp_path, capsys):
+    import re
+
+    from geotrain.node._node import leaf_errors
+
+    toml = ('[identity]\nopen_swarm = true\n[training]\ntask = "digits-mlp"\nmax_steps = 30\n'
+            "num_shards = 8\n[privacy]\nepsilon = 3.0\n[state]\nstatus_every_s = 0.1\n")
+    admission = Admission.open_swarm("geotrain")
+    state = [f'state.dir="{tmp_path / "n"}"']
+    cfg = config_from_toml(toml, base=tmp_path, overrides=state)
+    async with geotrain.open_node(cfg, identity=Identity.generate(), admission=admission) as node:
+        with trio.fail_after(120):  # stopped a third of the way through its 30 steps
+            while node.status().step < 10:
+                await trio.sleep(0.05)
+        node.request_stop()
+        await node.wait_stopped()
+    more = config_from_toml(toml, base=tmp_path, overrides=[*state, "training.max_steps=30000"])
+    with pytest.raises(BaseExceptionGroup) as info:
+        async with geotrain.open_node(more, identity=Identity.generate(), admission=admission):
+            pass
+    [refused] = leaf_errors(info.value)
+    assert isinstance(refused, ConfigError)
+    assert re.search(r"privacy: epsilon .* of 3 is spent .* the 299\d\d steps left of "
+                     r"training.max_steps \(30000\) needs noise", str(refused)), refused
+    # a few more steps than planned: the noise rises a little, and the node says so
+    some = config_from_toml(toml, base=tmp_path, overrides=[*state, "training.max_steps=45"])
+    async with geotrain.open_node(some, identity=Identity.generate(), admission=admission) as node:
+        with trio.fail_after(120):
+            await node.wait_stopped()
+        assert node.status().privacy_epsilon <= 3.0
+    assert "privacy_noise_replanned" in capsys.readouterr().out

@@ -87,6 +87,7 @@ class PrivateTraining:
             ModuleValidator.validate(model, strict=True)
         except Exception as exc:  # opacus.validators.errors.UnsupportedModuleError
             raise PrivacyError(f"Opacus cannot make this model private: {exc}") from exc
+        derived = noise_multiplier is None  # (re-derived for what is left: see replan)
         if noise_multiplier is None:
             if planned_steps < 1:
                 raise PrivacyError("no noise multiplier and no planned steps to derive it from")
@@ -101,6 +102,7 @@ class PrivateTraining:
                     f"steps at delta {delta:g} (Opacus: {exc}); raise privacy.epsilon, or set "
                     "privacy.noise_multiplier") from None
         self.epsilon_budget, self.delta = epsilon, delta
+        self.derived = derived
         self.noise_multiplier, self.sample_rate = float(noise_multiplier), sample_rate
         self.hooks = GradSampleModule(model)  # per-sample gradients of the module's own layers
         self.optimizer = DPOptimizer(
@@ -116,6 +118,7 @@ class PrivateTraining:
         self._rdp_steps: dict[tuple[float, float], np.ndarray] = {}
         self.steps = 0
         self.exhausted = False
+        self.budget_raised = False
         # the node's ledger (a durable write of state(), or None): steps are recorded in it
         # before they are taken; `recorded` is the accountant step count it covers
         self.ledger: Callable[[dict], None] | None = None
@@ -238,13 +241,58 @@ class PrivateTraining:
         return sum(k for _, _, k in _history(state))
 
     def load_state(self, state: dict) -> None:
-        """Restore what `state` returned (from a checkpoint)."""
+        """Restore what `state` returned (from a checkpoint). A budget spent stays spent unless
+        privacy.epsilon was raised since (the operator's decision: the spend goes on counting
+        from the ledger's)."""
         self.accountant.history = _history(state)
         self.steps = int(state.get("steps", 0))
-        self.exhausted = bool(state.get("exhausted", False))
         self._spent = (0, 0.0)
         self._allowed = self._steps_allowed()
+        spent = bool(state.get("exhausted", False))
+        self.exhausted = spent and self._allowed <= 0
+        self.budget_raised = spent and not self.exhausted  # (the node says so at start)
         self.recorded = max(self.recorded, self._accounted())
+
+    def replan(self, planned_steps: int) -> tuple[float, float] | None:
+        """With a derived noise (privacy.noise_multiplier unset) and steps already spent: the
+        noise that spends what is left of the budget in the steps left of `planned_steps`
+        (training.max_steps, counted from the first private step), in place of the one derived
+        at start for the whole budget over all of them. Returns (the last phase's noise, the
+        new one) when it changed by more than 1%, else None (nothing changed).
+
+        A restart with a larger training.max_steps spread the whole budget again over all the
+        steps, ignoring the spend: 7.99 of 8 spent in 3,000 steps, then 1,000,000 asked for,
+        gave noise 15.5 where it had been 1.10, and the swarm's models went to chance."""
+        history = self.accountant.history
+        rest = planned_steps - self._accounted()
+        if not self.derived or not history or rest <= 0 or self.exhausted:
+            return None
+        last = float(history[-1][0])
+        keep = self.noise_multiplier
+
+        def spends_within(sigma: float) -> bool:
+            self.noise_multiplier = sigma
+            try:
+                return self._epsilon_after(rest) <= self.epsilon_budget
+            except (ValueError, OverflowError, RuntimeError):
+                return False
+
+        lo, hi = 1e-3, max(last, keep, 1.0)
+        while not spends_within(hi) and hi < 1e6:
+            lo, hi = hi, hi * 4
+        if not spends_within(hi):  # (nothing left to spend: the steps allowed say so)
+            self.noise_multiplier = keep
+            return None
+        for _ in range(40):  # geometric bisection to ~0.1%
+            mid = (lo * hi) ** 0.5
+            lo, hi = (lo, mid) if spends_within(mid) else (mid, hi)
+            if hi / lo < 1.001:
+                break
+        sigma = hi if abs(hi - last) > 0.01 * last else last
+        self.noise_multiplier = sigma
+        self.optimizer.noise_multiplier = sigma
+        self._allowed = self._steps_allowed()
+        return None if sigma == last else (last, sigma)
 
     def statistics(self) -> PrivacyStatistics:
         return PrivacyStatistics(self.epsilon(), self.epsilon_budget, self.delta,
