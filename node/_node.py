@@ -650,6 +650,7 @@ class Node:
                     membership, self.links, algorithm, self.progress,
                     None if self.memory is None else self.memory.total_gb * 1000,
                     reachable=cfg.network.reachable,
+                    rejected_messages=lambda: self.rejected_messages,
                 ),
                 self.state, cfg.state.status_every_s, lambda: self._running,
             )  # fmt: skip

@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import structlog
@@ -68,6 +68,8 @@ class StatusSources:
     progress: Progress
     memory_estimate_mb: float | None = None
     reachable: bool = True  # network.reachable (False: client mode)
+    # requests refused as malformed, by kind (the node's router and membership)
+    rejected_messages: Callable[[], Mapping[str, int]] = dict
 
 
 class StatusReporter:
@@ -133,6 +135,9 @@ class StatusReporter:
             exchanges_failed=exchanges.failed,
             rejected_updates=exchanges.rejected,
             rejected_by_reason=dict(exchanges.rejected_by_reason),
+            frames_rejected=dict(stats.frames_rejected),
+            handshakes_failed=dict(stats.handshakes_failed),
+            messages_rejected=dict(s.rejected_messages()),
             steps_over_step_time=s.trainer.overran_steps,
             train_s=s.progress.train_s,
             samples=s.progress.samples,

@@ -137,6 +137,22 @@ async def test_a_node_answers_bad_messages_with_errors_and_keeps_serving(tmp_pat
             assert isinstance(await ask(good), Delivered)
         assert node.rejected_messages["gossip"] == 1 and node.rejected_messages["probe"] == 1
         assert node.status().rejected_updates == 1
+        # garbage frames from a connection that never handshakes: refused and counted
+        import pynng
+
+        with pynng.Req0(dial=address, send_timeout=2000) as raw:
+            await raw.asend(b"\xc3not a frame")
+            with trio.fail_after(10):
+                while not node.status().frames_rejected:
+                    await trio.sleep(0.05)
+        # ... and `geotrain status` says what was refused (it was in the metrics only)
+        status = node.status().to_json()
+        assert status["messages_rejected"] == {"gossip": 1, "probe": 1}
+        from geotrain.node.state import render_status
+
+        shown = render_status(status)
+        assert "refused   frames 1 (unexpected 1)" in shown, shown
+        assert "messages 2 (gossip 1, probe 1)" in shown, shown
         assert node.status().rejected_by_reason == {"decode": 1}  # what metrics label it
         node.request_stop()
 

@@ -85,6 +85,12 @@ class NodeStatus:
     steps_over_step_time: int = 0  # compute emulation: steps whose compute overran the pinned time
     # steps in a row whose loss was NaN or inf (the loss field is null then: JSON has no NaN)
     nonfinite_losses: int = 0
+    # what the network sent that was refused, by reason (as the metrics count them): frames
+    # that failed to open (garbage, replays, ...), handshakes that failed either way (strangers,
+    # other swarms, timeouts, dead peers dialled), requests refused as malformed, by kind
+    frames_rejected: dict[str, int] = field(default_factory=dict)
+    handshakes_failed: dict[str, int] = field(default_factory=dict)
+    messages_rejected: dict[str, int] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         data = asdict(self)
@@ -184,6 +190,19 @@ def _not_dialled_line(data: dict[str, Any]) -> list[str]:
             "set network.reachable = false (client mode)"]
 
 
+def _refused_line(data: dict[str, Any]) -> list[str]:
+    """What the network sent that was refused, when anything was (older status files: nothing)."""
+    cells = []
+    for key, name in (("frames_rejected", "frames"), ("handshakes_failed", "handshakes failed"),
+                      ("messages_rejected", "messages")):  # fmt: skip
+        counts = data.get(key)
+        if not isinstance(counts, dict) or not any(counts.values()):
+            continue
+        split = ", ".join(f"{reason} {n}" for reason, n in sorted(counts.items()) if n)
+        cells.append(f"{name} {sum(counts.values())} ({split})")
+    return ["refused   " + "  ".join(cells)] if cells else []
+
+
 def _loss_cell(data: dict[str, Any]) -> str:
     bad = data.get("nonfinite_losses") or 0
     return f"NaN/inf ({_fmt(bad)} steps in a row)" if bad else _fmt(data.get("loss"), ".4f")
@@ -246,6 +265,7 @@ def render_status(data: dict[str, Any]) -> str:
         *_certificate_line(data.get("certificate_expires_at")),
         *_privacy_line(data),
         *_not_dialled_line(data),
+        *_refused_line(data),
         "",
         f"{'peer':<14}{'state':<9}{'address':<28}{'rtt ms':>8}{'Mbit/s':>9}  {'codec':<16}"
         f"{'ok':>5}{'failed':>7}",
