@@ -92,6 +92,15 @@ class _Router:
     def __init__(self) -> None:
         self._routes: dict[type[Header], Handler] = {}
         self.rejected: Counter[str] = Counter()
+        self._held: dict[type[Header], str] = {}  # kinds answered "busy" for now, and why
+
+    def hold(self, part, reason: str) -> None:
+        """Answer `part`'s requests "busy" (`reason`) until release(): not refused, nothing
+        counted against the asking peer, which tries again later."""
+        self._held.update(dict.fromkeys(part.handles, reason))
+
+    def release(self) -> None:
+        self._held.clear()
 
     def add(self, part) -> None:
         for kind in part.handles:
@@ -104,6 +113,9 @@ class _Router:
     ) -> tuple[Header, bytes]:
         handler = self._routes.get(type(header))
         if handler is not None:
+            held = self._held.get(type(header))
+            if held is not None:
+                return ErrorReply(code="busy", reason=held), b""
             return await handler(peer, header, payload)
         if not self._routes:  # still starting: the peer may retry
             return ErrorReply(code="busy", reason="node starting"), b""
@@ -656,6 +668,10 @@ class Node:
             )  # fmt: skip
             for part in (membership, state_sync, self._reporter, algorithm):
                 self.router.add(part)
+            # its model is not the swarm's yet: a peer's exchange would be refused by the norm
+            # check and counted against that honest peer
+            if self._will_fetch(ckpt, membership):
+                self.router.hold(algorithm, "starting: fetching the swarm's model (state sync)")
             self._checkpointer, self._token = checkpointer, trio.lowlevel.current_trio_token()
             self._transport = transport
             self._write_node_info()
@@ -759,11 +775,12 @@ class Node:
                                   f"{t.wait_for_peers} live (training.wait_for_peers; "
                                   f"network.bootstrap: {boot})")  # fmt: skip
         await membership.wait_for_peers(t.wait_for_peers, t.wait_for_peers_s, self._stop)
-        # a checkpoint of step 0 (a run stopped before its first step) holds nothing learned:
-        # the swarm's state is still fetched, as for a node that never ran
-        if (ckpt is None or ckpt.step == 0) and cfg.gossip.state_sync and membership.bootstrap:
+        if self._will_fetch(ckpt, membership):
             self._starting = lambda: "fetching the swarm's model from a peer (state sync)"
-            await state_sync.fetch(self._stop)
+            try:
+                await state_sync.fetch(self._stop)
+            finally:
+                self.router.release()
         cadence = {"eval_every": t.eval_every, "eval_every_s": t.eval_every_s,
                    "checkpoint_every": cfg.state.checkpoint_every,
                    "stop": self._stop}  # fmt: skip
@@ -783,6 +800,13 @@ class Node:
         private = getattr(self.trainer, "private", None)
         if private is not None:  # a clean stop: the steps counted ahead are given back
             await trio.to_thread.run_sync(private.settle)
+
+    def _will_fetch(self, ckpt, membership: MembershipService) -> bool:
+        """Whether the node fetches the swarm's state before its first step: it has nothing
+        learned (no checkpoint, or one of step 0: a run stopped before its first step), state
+        sync is on and there are peers to fetch from."""
+        return ((ckpt is None or ckpt.step == 0) and self.config.gossip.state_sync
+                and bool(membership.bootstrap))  # fmt: skip
 
     def _write_node_info(self) -> None:
         info = {"peer_id": self.identity.peer_id, "address": self.address, "pid": os.getpid()}

@@ -228,3 +228,35 @@ def test_the_pending_handshake_cap_is_the_configs(tmp_path: Path):
         f'state.dir="{tmp_path}/state"', "network.max_pending_handshakes=300"])  # fmt: skip
     node = Node(config, Identity.generate(), Admission.open_swarm("geotrain"))
     assert node._transport_config().max_pending_handshakes == 300
+
+
+async def test_a_node_fetching_the_swarms_model_answers_exchanges_busy_until_it_has_it():
+    """A restarted node with no checkpoint served exchanges before its state sync and refused
+    an honest peer's model by the norm check (its own was fresh), six times in 3 s, each
+    counted against that peer."""
+    from geotrain.node._node import _Router
+    from geotrain.node.transport import PeerInfo
+
+    served = []
+
+    class Part:
+        handles = (Exchange,)
+
+        async def handle(self, peer, header, payload):
+            served.append(header)
+            return Delivered(), b""
+
+    router = _Router()
+    part = Part()
+    router.add(part)
+    router.hold(part, "starting: fetching the swarm's model (state sync)")
+    peer = PeerInfo(peer_id="gt" + "a" * 50, public_key=b"", address="tcp://127.0.0.1:1",
+                    direction="inbound")  # fmt: skip
+    header = Exchange(algorithm="adpsgd", codec="none", step=0, xid=1, plan=0, chunk_numel=1,
+                      chunks=1)  # fmt: skip
+    reply, _ = await router.handle(peer, header, memoryview(b""))
+    assert isinstance(reply, ErrorReply) and reply.code == "busy" and "state sync" in reply.reason
+    assert served == [] and not router.rejected  # (busy: nothing counted against the peer)
+    router.release()
+    reply, _ = await router.handle(peer, header, memoryview(b""))
+    assert isinstance(reply, Delivered) and served == [header]
