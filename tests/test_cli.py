@@ -320,3 +320,24 @@ def test_ctrl_c_while_the_command_line_imports_exits_130_without_a_traceback(mon
     monkeypatch.delitem(sys.modules, "geotrain.node.cli")
     monkeypatch.setattr(sys, "meta_path", [Interrupted(), *sys.meta_path])
     assert geotrain._console() == 130
+
+
+def test_a_librarys_warning_is_a_json_log_line_with_json_logs():
+    # Opacus' multi-line UserWarning came out raw among the JSON lines and broke log shippers
+    import io
+    import json
+    import warnings
+
+    from geotrain.node.cli._logging import configure_logging, warnings_as_log_lines
+
+    out = io.StringIO()
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        configure_logging("info", "json", stream=out)
+        warnings_as_log_lines()
+        warnings.warn("Full backward hook is firing\nwhen gradients are computed", UserWarning,
+                      stacklevel=1)
+    [line] = out.getvalue().splitlines()
+    record = json.loads(line)
+    assert record["event"] == "python_warning" and record["category"] == "UserWarning"
+    assert record["message"].startswith("Full backward hook is firing")

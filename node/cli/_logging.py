@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import sys
+import warnings
 from typing import Literal, TextIO
 
 import structlog
@@ -86,3 +87,16 @@ def configure_logging(
         cache_logger_on_first_use=False,
     )
     return chosen
+
+
+def warnings_as_log_lines() -> None:
+    """Python warnings (a library's: Opacus' multi-line UserWarnings) become `python_warning`
+    log lines, so that a JSON log stays one JSON object per line. For the CLI's own process
+    only: a program of the user's keeps its own warnings."""
+
+    def show(message, category, filename, lineno, file=None, line=None) -> None:  # noqa: ARG001
+        structlog.get_logger().warning("python_warning", category=category.__name__,
+                                       message=str(message).strip(),
+                                       where=f"{filename}:{lineno}")  # fmt: skip
+
+    warnings.showwarning = show

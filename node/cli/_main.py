@@ -16,7 +16,7 @@ from importlib import metadata
 import structlog
 
 from ._identity_cli import register_keygen, register_swarm
-from ._logging import LOG_FORMATS, LOG_LEVELS, configure_logging
+from ._logging import LOG_FORMATS, LOG_LEVELS, configure_logging, warnings_as_log_lines
 from ._node_cli import register_node, register_status
 
 COMMAND_GROUP = "geotrain.commands"
@@ -88,8 +88,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     # a command's default level comes with events it says itself (`--log-level` shows them all)
     quiet = frozenset() if args.log_level else getattr(args, "log_quiet_default", frozenset())
-    configure_logging(args.log_level or getattr(args, "log_level_default", None),
-                      args.log_format, quiet=quiet)  # fmt: skip
+    chosen = configure_logging(args.log_level or getattr(args, "log_level_default", None),
+                               args.log_format, quiet=quiet)  # fmt: skip
+    if chosen == "json":
+        warnings_as_log_lines()
     handler = getattr(args, "handler", None)
     if handler is None:
         parser.print_help()
