@@ -396,3 +396,21 @@ async def test_a_node_refuses_to_spread_a_spent_budget_over_far_more_steps(tmp_p
             await node.wait_stopped()
         assert node.status().privacy_epsilon <= 3.0
     assert "privacy_noise_replanned" in capsys.readouterr().out
+
+
+def test_a_node_restarted_spent_keeps_the_pace_of_its_private_steps():
+    """Restarted with its budget spent, a node paced its mixing-only steps by their own waits:
+    19 steps/s where its private steps had gone at 10 (a stranger's run), so its exchanges
+    came twice as often and max_steps came early."""
+    trainer = _digits()
+    private = make_private(trainer, epsilon=2.0, noise_multiplier=2.0)
+    for _ in range(3):
+        trainer.train_step()
+    assert private.step_s is not None and private.state()["step_s"] == private.step_s
+    k = private._allowed + 3  # (past the budget: spent)
+    ledger = {"history": [[2.0, private.sample_rate, k]], "steps": k, "exhausted": True,
+              "step_s": 0.2}  # fmt: skip
+    restarted = _digits()
+    make_private(restarted, epsilon=2.0, noise_multiplier=2.0).load_state(ledger)
+    results = [restarted.train_step() for _ in range(3)]
+    assert all(0.19 <= r.seconds < 0.5 for r in results), [r.seconds for r in results]

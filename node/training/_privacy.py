@@ -119,6 +119,9 @@ class PrivateTraining:
         self.steps = 0
         self.exhausted = False
         self.budget_raised = False
+        # seconds a private step took (a running mean; kept in the ledger): what a mixing-only
+        # step waits once the budget is spent, also after a restart that took none
+        self.step_s: float | None = None
         # the node's ledger (a durable write of state(), or None): steps are recorded in it
         # before they are taken; `recorded` is the accountant step count it covers
         self.ledger: Callable[[dict], None] | None = None
@@ -216,6 +219,11 @@ class PrivateTraining:
     def _accounted(self) -> int:
         return sum(int(k) for _, _, k in self.accountant.history)
 
+    def observe_step(self, seconds: float) -> None:
+        """A private step took `seconds` (its whole time: compute, noise, pinned pacing)."""
+        if math.isfinite(seconds) and seconds > 0:
+            self.step_s = seconds if self.step_s is None else 0.9 * self.step_s + 0.1 * seconds
+
     def stepped(self) -> None:
         """Account for one private step just taken."""
         self.accountant.step(noise_multiplier=self.noise_multiplier, sample_rate=self.sample_rate)
@@ -229,7 +237,8 @@ class PrivateTraining:
         history = [[float(n), float(q), int(k)] for n, q, k in self.accountant.history]
         if ahead:
             history.append([self.noise_multiplier, self.sample_rate, int(ahead)])
-        return {"history": history, "steps": self.steps + ahead, "exhausted": self.exhausted}
+        return {"history": history, "steps": self.steps + ahead, "exhausted": self.exhausted,
+                "step_s": self.step_s}
 
     @staticmethod
     def steps_in(state: Any) -> int:
@@ -248,6 +257,9 @@ class PrivateTraining:
         self.steps = int(state.get("steps", 0))
         self._spent = (0, 0.0)
         self._allowed = self._steps_allowed()
+        step_s = state.get("step_s")
+        if isinstance(step_s, int | float) and math.isfinite(step_s) and 0 < step_s <= 3600:
+            self.step_s = float(step_s)
         spent = bool(state.get("exhausted", False))
         self.exhausted = spent and self._allowed <= 0
         self.budget_raised = spent and not self.exhausted  # (the node says so at start)
@@ -410,14 +422,16 @@ def _prepend(first: Any, rest):
 
 def mixing_only_step(trainer: Trainer, started: float, said: list[bool], log: Any) -> float:
     """What a step is once the budget is spent: no batch, no gradient; wait about as long as a
-    step took (so exchanges keep their pace) and say so once. Returns the seconds waited."""
+    private step took (so exchanges keep their pace; the ledger keeps that time, so a node
+    restarted spent keeps it too: it measured its own waits, and went at 19 steps/s where its
+    steps had gone at 10) and say so once. Returns the seconds waited."""
     if not said[0]:
         said[0] = True
         stats = trainer.private.statistics()  # type: ignore[union-attr]
         log.warning("privacy_budget_spent", epsilon=round(stats.epsilon_spent, 4),
                     budget=stats.epsilon_budget, delta=stats.delta, steps=stats.private_steps,
                     detail="no more training on this node's data; it keeps mixing")  # fmt: skip
-    interval = trainer.step_interval_s() or 0.01
+    interval = trainer.private.step_s or trainer.step_interval_s() or 0.01  # type: ignore[union-attr]
     wait = min(1.0, interval) if math.isfinite(interval) else 0.01
     time.sleep(wait)
     return time.perf_counter() - started

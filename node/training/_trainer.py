@@ -158,7 +158,10 @@ class Trainer(LoopTrainer):
                 self._sleep(pinned - compute)
         elif self.slowdown > 1.0:
             self._sleep((self.slowdown - 1.0) * compute)
-        return dataclasses.replace(result, seconds=time.perf_counter() - started, samples=samples)
+        seconds = time.perf_counter() - started
+        if self.private is not None:  # (the pace of its mixing-only steps once it is spent)
+            self.private.observe_step(seconds)
+        return dataclasses.replace(result, seconds=seconds, samples=samples)
 
     def mix(
         self,
