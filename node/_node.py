@@ -57,7 +57,6 @@ from .training import (
     LEDGER_AHEAD_STEPS,
     Diverged,
     LoopTrainer,
-    PrivateTraining,
     Task,
     TaskContext,
     Trainer,
@@ -361,7 +360,6 @@ class Node:
                         "(the node stopped without writing one after them): they stay spent; "
                         f"after a kill it counts up to {LEDGER_AHEAD_STEPS} steps more than were "
                         "taken")  # fmt: skip
-        self._replan_privacy(private)
 
         def write(state: dict) -> None:
             try:
@@ -371,7 +369,7 @@ class Node:
 
         private.ledger = write
 
-    def _replan_privacy(self, private: PrivateTraining) -> None:
+    async def _replan_privacy(self, trainer: Trainer) -> None:
         """After the spend is restored: a budget raised since it was spent is said; a derived
         noise is re-derived for what is left of the budget over the steps left of
         training.max_steps, and refused where it would drown the gradients.
@@ -380,18 +378,21 @@ class Node:
             ConfigError: the noise would more than double (the budget left is too small for
                 the steps asked): the node would train on noise, and its swarm would mix it in.
         """
-        p, max_steps = self.config.privacy, self.config.training.max_steps
-        spent = round(private.epsilon(), 4)
+        private, p = trainer.private, self.config.privacy
+        if private is None:
+            return
+        max_steps = self.config.training.max_steps
         if private.budget_raised:
-            log.warning("privacy_budget_raised", epsilon_spent=spent, budget=p.epsilon,
-                        detail="the ledger's budget was spent; privacy.epsilon is larger now, so "
-                        "training on this node's data goes on, its spend counted from the "
-                        "ledger's")  # fmt: skip
-        change = private.replan(max_steps)
+            log.warning("privacy_budget_raised", epsilon_spent=round(private.epsilon(), 4),
+                        budget=p.epsilon, detail="the ledger's budget was spent; privacy.epsilon "
+                        "is larger now, so training on this node's data goes on, its spend "
+                        "counted from the ledger's")  # fmt: skip
+        left = max_steps - trainer.step
+        change = await trio.to_thread.run_sync(private.replan, left)
         if change is None:
             return
         was, now = change
-        left = max_steps - private.steps_in(private.state())
+        spent = round(private.epsilon(), 4)
         if now > 2 * was:
             raise ConfigError(
                 f"privacy: epsilon {spent:g} of {p.epsilon:g} is spent (the ledger), and "
@@ -648,6 +649,7 @@ class Node:
                              "swarm.step")  # fmt: skip
             if isinstance(trainer, Trainer):
                 self._open_privacy_ledger(trainer)
+                await self._replan_privacy(trainer)
             state_sync = StateSync(
                 trainer, algorithm, cfg.gossip.algorithm, transport, membership, self.links,
                 self.rng, chunk_numel=cfg.network.chunk_numel,

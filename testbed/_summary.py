@@ -214,11 +214,7 @@ def quality_curve(run: dict[str, Any], system: str, peers) -> list[tuple[float, 
     """The swarm quality of `system` as every figure counts it: honest peers only, kills and
     restarts as the run's stop rule treats them."""
     attackers = attacker_peers(run, system)
-    downs = peer_outages(run, system)
-    for i in _silent_after_restart(run, system, peers):
-        if downs[i]:  # never evaluated again: it left the swarm at its last kill, as if for good
-            downs[i][-1] = (downs[i][-1][0], None)
-    outages = [d for i, d in enumerate(downs) if i not in attackers]
+    outages = [d for i, d in enumerate(peer_outages(run, system)) if i not in attackers]
     return swarm_quality(honest(peers, attackers), run.get("higher_is_better", True), outages)
 
 
@@ -293,10 +289,12 @@ def utilization(records: list[dict[str, Any]], pinned_s: float, *,
                 if (own := next((r for r in reversed(proc) if r.get(key) is not None), None))]
         if not owns:
             return None  # (a node's lines from before it counted its evaluations)
-        if not all(own.get("train_s") for own in owns):  # lines from before train_s: the latest
+        if any(own.get("train_s") is None for own in owns):  # lines from before train_s
             return round(owns[-1][key], 3)
-        busy = sum(own["train_s"] for own in owns)
-        wall = sum(own["train_s"] / own[key] for own in owns if own[key] > 0)
+        # (a process that ended within its first step has nothing to weigh: left out)
+        timed = [own for own in owns if own["train_s"] > 0 and own[key] > 0]
+        busy = sum(own["train_s"] for own in timed)
+        wall = sum(own["train_s"] / own[key] for own in timed)
         return round(min(1.0, busy / wall), 3) if wall > 0 else None
     if pinned_s <= 0:
         return None
@@ -385,8 +383,7 @@ def _system(run: dict[str, Any], system: str, peers, samples) -> dict[str, Any]:
         "failed_peers": run["systems"][system].get("failed_peers") or [],
         # peers restarted by a fault that never reported a metric again: their final figure is
         # from before their kill (a node slow to start on a loaded machine, one that failed at
-        # once, one restarted too late to evaluate), and the swarm's levels leave them out
-        # from their kill on
+        # once, one restarted too late to evaluate); the system sets no equal-quality level
         "silent_after_restart": _silent_after_restart(run, system, peers),
         # seconds trained past the run's duration (a baseline's stop checks come every few
         # steps, and a fault that slows its steps between two lets it run on); counted in its
@@ -398,7 +395,7 @@ def _system(run: dict[str, Any], system: str, peers, samples) -> dict[str, Any]:
 def _silent_after_restart(run: dict[str, Any], system: str, peers) -> list[int]:
     """Peers of `system` a restart fault brought back that reported no metric after it (no
     line at all, or steps but no evaluation before the run ended): their last metric is from
-    before their kill, so the swarm's quality counts them as gone from the kill on."""
+    before their kill, and the swarm's level is unknown from that kill on."""
     silent = set()
     for fault in run.get("faults", []):
         if (fault.get("system") == system and fault.get("action") == "restart"
@@ -495,8 +492,14 @@ def _equal_quality(entries: list[tuple[str, dict[str, Any], dict[str, Any], list
     metrics lines, its bytes samples), from one run or several."""
     bests = [s["best_swarm_metric"] for _, _, s, _, _ in entries
              if s["best_swarm_metric"] is not None]  # fmt: skip
+    # a system with a peer that never reported after its restart has no level from that kill
+    # on: its best is where the kill froze it (a stranger's hivemind run set every system's
+    # level at 0.358, barely trained, that way), so the others set the level where they can
+    known = [s["best_swarm_metric"] for _, _, s, _, _ in entries
+             if s["best_swarm_metric"] is not None and not s.get("silent_after_restart")]
     if len(entries) < 2 or not bests:
         return None
+    bests = known or bests
     level = min(bests) if higher else max(bests)
     curves, starts = {}, []
     for name, run, _, peers, samples in entries:
@@ -678,8 +681,9 @@ def _failure_lines(summary: dict[str, Any]) -> list[str]:
         if s.get("silent_after_restart"):
             lines.append(f"NOT BACK: {s['system']} peers {s['silent_after_restart']} were "
                          "restarted by a fault and never reported a metric again (see their "
-                         "logs): their final figures are from before their kill, and the "
-                         "levels every peer reached leave them out from it")  # fmt: skip
+                         "logs): their final figures are from before their kill, the system's "
+                         "level is unknown from it, and the other systems set the level of "
+                         "the comparison at equal quality")  # fmt: skip
         if s.get("overran_s"):
             lines.append(f"OVERRAN: {s['system']} stepped {s['overran_s']:g} s past the run's "
                          f"{summary.get('duration_s', 0):g} s, more than a tenth of it and a "

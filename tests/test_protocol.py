@@ -260,3 +260,43 @@ async def test_a_node_fetching_the_swarms_model_answers_exchanges_busy_until_it_
     router.release()
     reply, _ = await router.handle(peer, header, memoryview(b""))
     assert isinstance(reply, Delivered) and served == [header]
+
+
+async def test_a_node_holds_its_exchanges_through_its_start_up_fetch(tmp_path: Path, monkeypatch):
+    # the node's own wiring of the hold above: from its start until its state sync returns
+    from geotrain.node._state_sync import StateSync
+
+    fetched = trio.Event()
+
+    async def slow_fetch(self, stop):
+        await fetched.wait()
+        return False
+
+    monkeypatch.setattr(StateSync, "fetch", slow_fetch)
+    config = config_from_toml(CONFIG, base=tmp_path, overrides=[
+        f'state.dir="{tmp_path}/state"', 'network.bootstrap=["tcp://127.0.0.1:9"]'])  # fmt: skip
+    node = Node(config, Identity.generate(), Admission.open_swarm("geotrain"))
+    async with trio.open_nursery() as nursery:
+        address = await nursery.start(node.run)
+        async with open_transport(
+            TransportConfig(), Identity.generate(), Admission.open_swarm("geotrain"),
+            lambda *_: None, codec=node_header_codec(),
+        ) as client:  # fmt: skip
+            plan = node.algorithm.plan(node.algorithm.ctx.chunk_numel)
+            opening = Exchange(algorithm="adpsgd", codec="none", step=0, xid=1, plan=plan.digest,
+                               chunk_numel=plan.chunk_numel, chunks=len(plan))  # fmt: skip
+
+            async def ask():
+                reply, _, _ = await client.request(address, opening, b"", deadline_s=10)
+                return reply
+
+            held = await ask()
+            assert isinstance(held, ErrorReply) and held.code == "busy", held
+            assert "state sync" in held.reason
+            fetched.set()
+            with trio.fail_after(30):
+                while node.trainer.step < 1:
+                    await trio.sleep(0.05)
+            after = await ask()
+            assert not (isinstance(after, ErrorReply) and "state sync" in after.reason), after
+        node.request_stop()

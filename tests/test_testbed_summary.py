@@ -373,10 +373,13 @@ def test_a_restarted_peer_is_counted_over_both_of_its_processes(tmp_path: Path):
     geotrain = summary["systems"][0]
     assert geotrain["steps_per_s_by_peer"][1] == 10.0  # 10 steps in each process's 1 s
     assert geotrain["utilization_by_peer"][1] == 0.75  # 1.5 s of steps in 2 s of its processes
-    # it stepped after its restart but never evaluated: said, and gone from the swarm's levels
-    # from its kill on (peer 0 alone, at 0.95 since +2 s), not holding them at its old 0.5
+    # it stepped after its restart but never evaluated: said, the run's level unknown from its
+    # kill (as the run's own stop rule held it), and the level of the comparison at equal
+    # quality is ddp's best (0.6), not geotrain's frozen 0.5
     assert geotrain["silent_after_restart"] == [1]
-    assert geotrain["time_to_target_s"] == 2.5
+    assert geotrain["time_to_target_s"] is None and geotrain["best_swarm_metric"] == 0.5
+    assert summary["equal_quality"]["level"] == 0.6
+    assert summary["equal_quality"]["systems"]["geotrain"]["time_s"] is None
     assert "never reported a metric again" in render_table(summary)
 
 

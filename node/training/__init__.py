@@ -10,7 +10,6 @@ from ._loop import LoopTrainer as LoopTrainer
 from ._privacy import LEDGER_AHEAD_STEPS as LEDGER_AHEAD_STEPS
 from ._privacy import PrivacyError as PrivacyError
 from ._privacy import PrivacyStatistics as PrivacyStatistics
-from ._privacy import PrivateTraining as PrivateTraining
 from ._privacy import make_private as make_private
 from ._recipe import Recipe as Recipe
 from ._tasks import PARTITIONS as PARTITIONS

@@ -238,7 +238,7 @@ class PrivateTraining:
         if ahead:
             history.append([self.noise_multiplier, self.sample_rate, int(ahead)])
         return {"history": history, "steps": self.steps + ahead, "exhausted": self.exhausted,
-                "step_s": self.step_s}
+                "step_s": self.step_s, "budget": self.epsilon_budget}
 
     @staticmethod
     def steps_in(state: Any) -> int:
@@ -252,7 +252,7 @@ class PrivateTraining:
     def load_state(self, state: dict) -> None:
         """Restore what `state` returned (from a checkpoint). A budget spent stays spent unless
         privacy.epsilon was raised since (the operator's decision: the spend goes on counting
-        from the ledger's)."""
+        from the ledger's; a ledger that does not say its budget keeps it spent)."""
         self.accountant.history = _history(state)
         self.steps = int(state.get("steps", 0))
         self._spent = (0, 0.0)
@@ -260,51 +260,60 @@ class PrivateTraining:
         step_s = state.get("step_s")
         if isinstance(step_s, int | float) and math.isfinite(step_s) and 0 < step_s <= 3600:
             self.step_s = float(step_s)
-        spent = bool(state.get("exhausted", False))
-        self.exhausted = spent and self._allowed <= 0
-        self.budget_raised = spent and not self.exhausted  # (the node says so at start)
+        spent, budget = bool(state.get("exhausted", False)), state.get("budget")
+        raised = (spent and isinstance(budget, int | float) and not isinstance(budget, bool)
+                  and self.epsilon_budget > budget)  # fmt: skip
+        self.exhausted, self.budget_raised = spent and not raised, raised
         self.recorded = max(self.recorded, self._accounted())
 
-    def replan(self, planned_steps: int) -> tuple[float, float] | None:
+    def replan(self, steps_left: int) -> tuple[float, float] | None:
         """With a derived noise (privacy.noise_multiplier unset) and steps already spent: the
-        noise that spends what is left of the budget in the steps left of `planned_steps`
-        (training.max_steps, counted from the first private step), in place of the one derived
-        at start for the whole budget over all of them. Returns (the last phase's noise, the
-        new one) when it changed by more than 1%, else None (nothing changed).
+        noise for the `steps_left` steps the node will still take (training.max_steps less its
+        step), in place of the one derived at start for the whole budget over all of them.
+        The last phase's noise is kept when what is left of the budget pays for those steps at
+        it; a larger one is found when not (returned as (the last noise, the new one)); when not
+        even one more step fits at the last noise, the budget is spent (exhausted). Returns
+        None when the noise is the last one. Blocking (each noise tried costs an accountant
+        computation, 0.1-0.5 s): run it in a worker thread.
 
         A restart with a larger training.max_steps spread the whole budget again over all the
         steps, ignoring the spend: 7.99 of 8 spent in 3,000 steps, then 1,000,000 asked for,
         gave noise 15.5 where it had been 1.10, and the swarm's models went to chance."""
         history = self.accountant.history
-        rest = planned_steps - self._accounted()
-        if not self.derived or not history or rest <= 0 or self.exhausted:
+        if not self.derived or not history or steps_left <= 0 or self.exhausted:
             return None
         last = float(history[-1][0])
-        keep = self.noise_multiplier
 
-        def spends_within(sigma: float) -> bool:
+        def fits(sigma: float, steps: int = steps_left) -> bool:
             self.noise_multiplier = sigma
             try:
-                return self._epsilon_after(rest) <= self.epsilon_budget
-            except (ValueError, OverflowError, RuntimeError):
+                return self._epsilon_after(steps) <= self.epsilon_budget
+            except (ValueError, OverflowError, RuntimeError, MemoryError):  # out of its range
                 return False
 
-        lo, hi = 1e-3, max(last, keep, 1.0)
-        while not spends_within(hi) and hi < 1e6:
-            lo, hi = hi, hi * 4
-        if not spends_within(hi):  # (nothing left to spend: the steps allowed say so)
-            self.noise_multiplier = keep
+        def use(sigma: float) -> None:
+            self.noise_multiplier = self.optimizer.noise_multiplier = sigma
+            self._allowed = self._steps_allowed()
+
+        if fits(last):
+            use(last)
             return None
-        for _ in range(40):  # geometric bisection to ~0.1%
+        if not fits(last, 1):  # not one more step at the noise it had: spent
+            use(last)
+            self.exhausted = True
+            return None
+        lo, hi = last, 2 * last
+        while not fits(hi) and hi < 1e6:
+            lo, hi = hi, 2 * hi
+        if not fits(hi):
+            use(last)
+            self.exhausted = True
+            return None
+        while hi / lo > 1.01:  # geometric bisection: the least noise that fits, to 1%
             mid = (lo * hi) ** 0.5
-            lo, hi = (lo, mid) if spends_within(mid) else (mid, hi)
-            if hi / lo < 1.001:
-                break
-        sigma = hi if abs(hi - last) > 0.01 * last else last
-        self.noise_multiplier = sigma
-        self.optimizer.noise_multiplier = sigma
-        self._allowed = self._steps_allowed()
-        return None if sigma == last else (last, sigma)
+            lo, hi = (lo, mid) if fits(mid) else (mid, hi)
+        use(hi)
+        return last, hi
 
     def statistics(self) -> PrivacyStatistics:
         return PrivacyStatistics(self.epsilon(), self.epsilon_budget, self.delta,
