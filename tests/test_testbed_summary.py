@@ -368,6 +368,8 @@ def test_a_restarted_peer_is_counted_over_both_of_its_processes(tmp_path: Path):
         {"t": T0 + 2, "pid": 11, "step": 20, "metric": 0.5, "utilization": 0.5, "train_s": 0.5},
         {"t": T0 + 7, "pid": 12, "step": 5, "metric": None, "utilization": 1.0, "train_s": 1.0},
         {"t": T0 + 8, "pid": 12, "step": 15, "metric": None, "utilization": 1.0, "train_s": 1.0},
+        # a third process killed within its first step: nothing to weigh, not a zero
+        {"t": T0 + 9, "pid": 13, "step": 0, "metric": None, "utilization": 0.0, "train_s": 0.0},
     ])  # fmt: skip
     summary = build_summary(tmp_path)
     geotrain = summary["systems"][0]
