@@ -211,12 +211,7 @@ def run_testbed(options: RunOptions, echo: Echo = print) -> dict[str, Any]:
     try:
         _run_systems(options, run, choice, echo)
     except BaseException as exc:  # Ctrl-C, SIGTERM, a failed peer: keep what finished
-        run["interrupted"] = (f"{type(exc).__name__}: {exc}"[:300] if str(exc)
-                              else type(exc).__name__)  # (Ctrl-C's has no message)
-        (out / "run.json").write_text(json.dumps(run, indent=2) + "\n")
-        done = ", ".join(run["systems"]) or "none"
-        echo(f"run stopped early ({run['interrupted']}); run.json records the systems that "
-             f"finished: {done}")  # fmt: skip
+        _stopped_early(options, run, exc, echo)
         raise
     run["consensus_distance_final"] = _final_consensus(
         out / "geotrain", sc.n_peers, set(sc.attackers))
@@ -226,6 +221,41 @@ def run_testbed(options: RunOptions, echo: Echo = print) -> dict[str, Any]:
     _plot(out, echo)
     echo(render_table(summary))
     return summary
+
+
+def _stopped_early(options: RunOptions, run: dict[str, Any], exc: BaseException,
+                   echo: Echo) -> None:  # fmt: skip
+    """A run stopped before its end: run.json records the systems that finished and the one
+    that was running (`stopped`: "interrupted", its figures up to the stop), and the summary of
+    those is written and printed, so a long run cut short still says what it measured."""
+    out = options.out
+    run["interrupted"] = (f"{type(exc).__name__}: {exc}"[:300] if str(exc)
+                          else type(exc).__name__)  # (Ctrl-C's has no message)
+    running = run.pop("in_progress", None)
+    done = ", ".join(run["systems"]) or "none"
+    if running is not None:
+        run["systems"][running["system"]] = {"launch_t": running["launch_t"],
+                                             "stopped": "interrupted"}  # fmt: skip
+    if run["systems"]:
+        run["consensus_distance_final"] = None
+        if "geotrain" in run["systems"]:
+            with contextlib.suppress(Exception):  # (the nodes' checkpoints at their stop)
+                run["consensus_distance_final"] = _final_consensus(
+                    out / "geotrain", options.scenario.n_peers, set(options.scenario.attackers))
+    (out / "run.json").write_text(json.dumps(run, indent=2) + "\n")
+    stopped = f"; stopped while it ran: {running['system']}" if running is not None else ""
+    echo(f"run stopped early ({run['interrupted']}); run.json records the systems that "
+         f"finished: {done}{stopped}")  # fmt: skip
+    if not run["systems"] or not run.get("links"):
+        return
+    try:
+        summary = build_summary(out)
+    except Exception as problem:  # (a partial run: nothing more to say than run.json does)
+        echo(f"no summary of the part that ran: {type(problem).__name__}: {problem}")
+        return
+    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    echo("what ran, up to the stop (`geotrain testbed report` renders it again, with plots):")
+    echo(render_table(summary))
 
 
 def _run_systems(options: RunOptions, run: dict[str, Any], choice: BackendChoice,
@@ -249,7 +279,9 @@ def _run_systems(options: RunOptions, run: dict[str, Any], choice: BackendChoice
         run["bytes_source"] = meter.source
         faults = FaultRunner(sc, links, echo)
         run["faults"] = faults.applied_all  # (kept up to date: a run stopped early has them)
+        run["in_progress"] = {"system": "geotrain", "launch_t": time.time()}
         run["systems"]["geotrain"] = _run_geotrain(options, hosts, meter, faults, echo)
+        del run["in_progress"]
         faults.reset()
         run["nat"] = _leave_nat(nat, sc, echo)
         if sc.availability and options.baselines:
@@ -257,12 +289,14 @@ def _run_systems(options: RunOptions, run: dict[str, Any], choice: BackendChoice
         for baseline in options.baselines:
             faults = FaultRunner(sc, links, echo, system=baseline, applied=faults.applied_all)
             run["faults"] = faults.applied_all
+            run["in_progress"] = {"system": baseline, "launch_t": time.time()}
             if baseline in ("ddp", "localsgd"):
                 run["systems"][baseline] = _run_ddp(options, hosts, meter, faults, echo, baseline)
             else:
                 run["systems"][baseline] = _run_hivemind(
                     baseline, options, hosts, meter, faults, echo
                 )
+            del run["in_progress"]
             faults.reset()
         run["faults"] = faults.applied_all
 

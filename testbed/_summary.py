@@ -677,6 +677,8 @@ def _failure_lines(summary: dict[str, Any]) -> list[str]:
     lines = [f"FAILED: {s['system']} peers {s['failed_peers']} exited with an error (see their "
              "logs): its figures end where they failed" for s in summary["systems"]
              if s.get("failed_peers")]  # fmt: skip
+    lines += [f"INTERRUPTED: {s['system']} was running when the run was stopped: its figures "
+              "end there" for s in summary["systems"] if s.get("stopped") == "interrupted"]
     for s in summary["systems"]:
         if s.get("silent_after_restart"):
             lines.append(f"NOT BACK: {s['system']} peers {s['silent_after_restart']} were "

@@ -170,6 +170,7 @@ def test_sigterm_mid_run_stops_cleanly_and_leaves_nothing(tmp_path: Path):
             if "training started" in line or time.monotonic() > deadline:
                 break
         assert prefix is not None and "training started" in lines[-1], "".join(lines)
+        time.sleep(3)  # (a few status lines of its nodes to report)
         proc.send_signal(signal.SIGTERM)
         rest, _ = proc.communicate(timeout=90)
     finally:
@@ -181,8 +182,15 @@ def test_sigterm_mid_run_stops_cleanly_and_leaves_nothing(tmp_path: Path):
     assert list_namespaces(prefix) == [] and list_devices(prefix) == [], log
     # the folder says what happened (it held no run.json: nothing told an interrupted run)
     run = json.loads((out / "run.json").read_text())
-    assert run["interrupted"] == "KeyboardInterrupt: SIGTERM" and run["systems"] == {}, run
-    assert "run stopped early" in log
+    assert run["interrupted"] == "KeyboardInterrupt: SIGTERM", run
+    # ... and what ran until then is reported: a long run cut short kept no figures at all
+    assert run["systems"]["geotrain"]["stopped"] == "interrupted", run
+    assert "run stopped early" in log and "stopped while it ran: geotrain" in log
+    assert "INTERRUPTED: geotrain was running when the run was stopped" in log, log
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["systems"][0]["stopped"] == "interrupted"
+    assert summary["systems"][0]["steps_per_s_median"], summary["systems"][0]
+    assert main(["testbed", "report", str(out)]) == 0
     assert _processes_mentioning(str(out)) == [], log
     # the nodes were stopped, not just killed: they had time to say so
     node_log = (out / "geotrain" / "peer-00.log").read_text()
