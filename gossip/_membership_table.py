@@ -30,6 +30,9 @@ class MemberState(StrEnum):
 
 
 _LIVE = (MemberState.ALIVE, MemberState.SUSPECT)
+# a member that said it left, heard from at an older incarnation this long after: not a
+# message in flight before the leave, but another process of its identity (a twin) still on
+TWIN_AFTER_LEFT_S = 10.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,8 +48,9 @@ class Member:
 
 @dataclass(frozen=True, slots=True)
 class MembershipEvent:
-    """Something node/ may log: kind is joined, suspected, dead, left, refuted, or duplicate
-    (another node claims this node's identity at `address`)."""
+    """Something node/ may log: kind is joined, suspected, dead, left, refuted, duplicate
+    (another node claims this node's identity at `address`), or twin (a member that said it
+    left still talks to us from an older process of its identity: it is alive again)."""
 
     kind: str
     peer_id: str
@@ -251,8 +255,11 @@ class MembershipTable:
         event), not fought over (raising our incarnation above it would start a race between
         the two).
         """
+        # (a client's twin announces the same address, client://<its ID>: any newer
+        # incarnation of ours is another process then)
         if (u.state == "alive" and u.incarnation > self.incarnation
-                and u.address != self.self_address):  # fmt: skip
+                and (u.address != self.self_address
+                     or is_client_address(self.self_address))):  # fmt: skip
             self._events.append(MembershipEvent("duplicate", self.self_id, u.incarnation, now,
                                                 u.address))  # fmt: skip
         if self.left or (u.state == "alive" and u.incarnation <= self.incarnation):
@@ -311,8 +318,15 @@ class MembershipTable:
         a suspicion, could keep out for good) returns at its word.
         """
         r = self._records.get(peer_id)
-        if r is None or (r.state is MemberState.LEFT and r.left_said and inc <= r.incarnation):
+        if r is None:
             return
+        if r.state is MemberState.LEFT and r.left_said and inc <= r.incarnation:
+            # an older process of its identity still talking well after the newer one said it
+            # left (two processes with one key file: a client's twin is not seen by address)
+            # is alive: it was shown "left" for good while it exchanged on
+            if not (inc < r.incarnation and now - r.changed_at > TWIN_AFTER_LEFT_S):
+                return
+            self._events.append(MembershipEvent("twin", peer_id, inc, now, address))
         if r.state is MemberState.ALIVE and inc <= r.incarnation:
             if inc < r.incarnation:
                 r.incarnation = inc

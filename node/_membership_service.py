@@ -176,6 +176,12 @@ class MembershipService:
             if event.kind == "duplicate":
                 self._said_duplicate(event.address)
                 continue
+            if event.kind == "twin":
+                log.warning("peer_twin", peer=event.peer_id[:12], incarnation=event.incarnation,
+                            detail="this peer said it left, but another process with its "
+                            "identity (its key file) still talks to us: taken as alive again; "
+                            "two processes with one key share one place in the swarm")  # fmt: skip
+                continue
             if event.kind in ("dead", "left"):
                 self._mailbox.pop(event.peer_id, None)
             log.info(f"peer_{event.kind}", peer=event.peer_id[:12], incarnation=event.incarnation)

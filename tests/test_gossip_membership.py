@@ -562,3 +562,43 @@ def test_our_own_failed_probe_confirms_a_suspicion_heard_first():
     assert "me" in node._table._records["p2"].suspecters
     said = [u for u in node._table.piggyback(10) if u.peer_id == "p2"]
     assert said == [MemberUpdate("p2", "addr-p2", "suspect", 0, origin="me")]
+
+
+def test_a_twin_that_left_does_not_leave_the_other_process_of_its_identity_shown_left():
+    """Two processes of one client identity (a home user's script started twice): when one
+    left, peers showed the identity "left" for good while the other exchanged on for minutes;
+    a client's twin announces the very same address, so nothing said there were two."""
+    from geotrain.gossip._membership_table import TWIN_AFTER_LEFT_S, MembershipTable
+    from geotrain.gossip._messages import client_address
+
+    table = MembershipTable("p0", "addr0", 1, CONFIG)
+    home = client_address("p7")
+    table.apply_own_word("p7", home, 100, 0.0)  # not known yet: nothing
+    table.apply(MemberUpdate("p7", home, "alive", 100), 0.0, "p1")  # heard of it
+    table.apply_own_word("p7", home, 200, 1.0)  # the twin, started later
+    table.apply(MemberUpdate("p7", home, "left", 200), 2.0, "p7")  # the twin leaves
+    assert table.get("p7").state is MemberState.LEFT
+    table.apply_own_word("p7", home, 100, 3.0)  # in flight before the leave: still left
+    assert table.get("p7").state is MemberState.LEFT
+    table.apply_own_word("p7", home, 100, 3.0 + TWIN_AFTER_LEFT_S)  # still talking: alive
+    assert table.get("p7").state is MemberState.ALIVE
+    assert [e.kind for e in table.drain_events()][-2:] == ["twin", "joined"]
+    # a restarted member (a newer process) that said it left stays left at its old word
+    table.apply(MemberUpdate("p7", home, "left", 300), 20.0, "p7")
+    table.apply_own_word("p7", home, 300, 40.0)
+    assert table.get("p7").state is MemberState.LEFT
+
+
+def test_a_clients_twin_is_said_though_it_announces_the_same_address():
+    from geotrain.gossip._membership_table import MembershipTable
+    from geotrain.gossip._messages import client_address
+
+    home = client_address("p7")
+    table = MembershipTable("p7", home, 100, CONFIG)
+    table.apply(MemberUpdate("p7", home, "alive", 200), 1.0, "p0")
+    said = [e for e in table.drain_events() if e.kind == "duplicate"]
+    assert said and said[0].address == home
+    # a reachable node at its own address, at a newer incarnation: its own restart, not said
+    reachable = MembershipTable("p8", "addr8", 100, CONFIG)
+    reachable.apply(MemberUpdate("p8", "addr8", "alive", 200), 1.0, "p0")
+    assert not [e for e in reachable.drain_events() if e.kind == "duplicate"]
