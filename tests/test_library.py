@@ -137,6 +137,30 @@ def test_a_restarted_loop_resumes_its_model_optimizer_and_scheduler(tmp_path):
         assert adamw.state and scheduler.last_epoch == 60
 
 
+def test_a_resume_says_the_checkpoints_optimizer_settings_replace_the_loops_own(tmp_path):
+    """A home user restarted their script with --lr 1e-3 after a run at 3e-3: the checkpoint's
+    optimizer state (its settings in it, as torch's load_state_dict has them) trained on at
+    3e-3, and nothing said so."""
+    from structlog.testing import capture_logs
+
+    model = make_model()
+    with joined(tmp_path, "r", model) as swarm:
+        train(swarm, model, 20, 0)  # AdamW, lr 0.01, weight decay 0.01, a cosine schedule
+    with joined(tmp_path, "r", model) as swarm:
+        adamw = torch.optim.AdamW(model.parameters(), lr=0.001, weight_decay=0.01)
+        scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(adamw, T_max=20)
+        with capture_logs() as logs:
+            swarm.wrap(adamw, scheduler)
+    [said] = [e for e in logs if e["event"] == "optimizer_settings_from_checkpoint"]
+    assert said["changed"] == {"group 0: lr": {"given": 0.001, "checkpoint": 0.01}}, said
+    assert adamw.param_groups[0]["initial_lr"] == 0.01  # (what torch does: said, not changed)
+    with joined(tmp_path, "r", model) as swarm:  # the same settings again: nothing to say
+        adamw = torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.01)
+        with capture_logs() as logs:
+            swarm.wrap(adamw, torch.optim.lr_scheduler.CosineAnnealingLR(adamw, T_max=20))
+    assert not [e for e in logs if e["event"] == "optimizer_settings_from_checkpoint"]
+
+
 def test_every_checkpoint_holds_the_schedule_of_its_own_step(tmp_path):
     """The loop steps its schedule after opt.step(), as the README's does: a checkpoint taken
     as soon as the step was reported held the scheduler one step behind whenever it won the race

@@ -539,8 +539,10 @@ class LoopTrainer(OptimizerSync):
                 else:
                     self._move_schedule(scheduler, meta.get("schedule_steps"))
             else:  # (a ValueError keeps it: a wrap of the right optimizer still gets it)
+                given = _group_settings(optimizer)
                 optimizer_from_checkpoint(optimizer, tensors, meta,
                                           self.optimizer_names(optimizer))  # fmt: skip
+                _say_settings_replaced(given, _group_settings(optimizer))
             self._optimizer_state = None
         state = self._scheduler_state
         if scheduler is not None and isinstance(state, dict):
@@ -668,3 +670,31 @@ def _jsonable(value: Any) -> Any:
 def _lr_of(scheduler: Any) -> float | None:
     last = getattr(scheduler, "_last_lr", None)
     return float(last[0]) if isinstance(last, list) and last else None
+
+
+def _group_settings(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
+    """Each parameter group's settings (a scheduler's `initial_lr` standing for `lr`)."""
+    out = []
+    for group in optimizer.param_groups:
+        settings = {k: v for k, v in group.items() if k not in ("params", "lr", "initial_lr")
+                    and isinstance(v, int | float | bool | tuple)}  # fmt: skip
+        settings["lr"] = group.get("initial_lr", group.get("lr"))
+        out.append(settings)
+    return out
+
+
+def _say_settings_replaced(given: list[dict[str, Any]], restored: list[dict[str, Any]]) -> None:
+    """A resume loads the checkpoint's optimizer settings over the ones the loop gave (as torch's
+    load_state_dict does): a restart with a new learning rate trained on at the old one, and
+    nothing said so."""
+    changed = {f"group {i}: {key}": {"given": mine.get(key), "checkpoint": theirs[key]}
+               for i, (mine, theirs) in enumerate(zip(given, restored, strict=False))
+               for key in theirs if mine.get(key) != theirs[key]}  # fmt: skip
+    if changed:
+        log.warning("optimizer_settings_from_checkpoint", changed=changed,
+                    detail="the checkpoint's optimizer state carries its settings, and they "
+                    "replace the ones your optimizer was made with (as torch's "
+                    "load_state_dict does; a scheduler restored from it keeps its base rates "
+                    "too). To change them on a resume, set them after wrap() (for a group: "
+                    "group['lr'] = ..., and a scheduler's base_lrs), or start in another "
+                    "state.dir")  # fmt: skip
