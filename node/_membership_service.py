@@ -140,6 +140,11 @@ class MembershipService:
         """Whether this node warned `not_dialled` and still nobody has dialled it (status)."""
         return self._not_dialled_warned and not self._transport.statistics().inbound_handshakes_ok
 
+    def unanswered_bootstrap(self) -> list[str]:
+        """The bootstrap addresses warned about as unanswered, while this node knows no live
+        peer (status: a typo'd port looked like an empty swarm)."""
+        return [] if self.live_count() else sorted(self._said_unanswered)
+
     def live_count(self) -> int:
         """Peers believed alive, client-mode peers known second-hand included."""
         return self.membership.live_count()

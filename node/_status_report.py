@@ -154,6 +154,7 @@ class StatusReporter:
             memory_estimate_mb=s.memory_estimate_mb,
             certificate_expires_at=s.transport.certificate_expires_at,
             not_dialled=s.membership.not_dialled_back(),
+            bootstrap_unanswered=s.membership.unanswered_bootstrap(),
             reachable=s.reachable,
         )
 

@@ -399,16 +399,20 @@ async def test_a_state_dir_that_cannot_be_used_is_one_config_error(tmp_path):
             pass
 
 
-async def _logs_until_bootstrap_warning(cfg, event: str = "bootstrap_unanswered") -> list:
-    """A node of `cfg` in swarm "geotrain", run until it logs `event`, then stopped; its logs."""
+async def _logs_until_bootstrap_warning(cfg, event: str = "bootstrap_unanswered",
+                                        statuses: list | None = None) -> list:  # fmt: skip
+    """A node of `cfg` in swarm "geotrain", run until it logs `event`, then stopped; its logs
+    (and its status then, appended to `statuses`)."""
     from structlog.testing import capture_logs
 
     with capture_logs() as logs:
         async with geotrain.open_node(cfg, identity=Identity.generate(),
-                                      admission=Admission.open_swarm("geotrain")):  # fmt: skip
+                                      admission=Admission.open_swarm("geotrain")) as node:
             with trio.fail_after(30):
                 while not [e for e in logs if e["event"] == event]:
                     await trio.sleep(0.1)
+            if statuses is not None:
+                statuses.append(node.status().to_json())
     return logs
 
 
@@ -424,13 +428,19 @@ async def test_a_bootstrap_address_nobody_answers_at_is_named_in_a_warning(
     monkeypatch.setattr(_membership_service, "BOOTSTRAP_PATIENCE_S", 1.5)
     nowhere = "tcp://127.0.0.1:9"
     cfg = config(tmp_path, "w", f'network.bootstrap=["{nowhere}"]', "training.max_steps=5")
-    logs = await _logs_until_bootstrap_warning(cfg)
+    statuses: list = []
+    logs = await _logs_until_bootstrap_warning(cfg, statuses=statuses)
     events = [e for e in logs if e["event"] in ("bootstrap_waiting", "bootstrap_unanswered")]
     assert [e["event"] for e in events] == ["bootstrap_waiting", "bootstrap_unanswered"]
     assert events[0]["log_level"] == "info" and events[0]["address"] == nowhere
     said = events[1]
     assert said["address"] == nowhere and said["log_level"] == "warning"
     assert said["waited_s"] >= 1.5
+    # ... and `geotrain status` says it: it showed an empty swarm, no word of the bootstrap
+    from geotrain.node.state import render_status
+
+    assert statuses[0]["bootstrap_unanswered"] == [nowhere]
+    assert f"network.bootstrap never answered ({nowhere})" in render_status(statuses[0])
 
 
 async def test_a_node_stopped_while_it_waits_for_its_bootstrap_does_not_say_it_trains(tmp_path):

@@ -76,6 +76,9 @@ class NodeStatus:
     # peers accepted this node's connections but none dialled it back (behind NAT, configured
     # reachable): the node warned `not_dialled`
     not_dialled: bool = False
+    # network.bootstrap addresses that never answered, while the node knows no live peer (it
+    # trains alone): a typo'd address or port, a node not up, another swarm
+    bootstrap_unanswered: list[str] = field(default_factory=list)
     # network.reachable: False for a node in client mode (behind NAT: it dials, nobody dials
     # it; its address is its loopback listener for local status only)
     reachable: bool = True
@@ -184,6 +187,11 @@ def _privacy_line(data: dict[str, Any]) -> list[str]:
 
 
 def _not_dialled_line(data: dict[str, Any]) -> list[str]:
+    unanswered = data.get("bootstrap_unanswered")
+    if isinstance(unanswered, list) and unanswered:
+        return [f"reach     network.bootstrap never answered ({', '.join(map(str, unanswered))}) "
+                "and no peer is known: training alone; is a node of this swarm listening "
+                "there?"]  # fmt: skip
     if not data.get("not_dialled"):
         return []
     return [f"reach     no peer could dial {data['address']}: behind NAT or a firewall? "
