@@ -155,6 +155,7 @@ class StatusReporter:
             certificate_expires_at=s.transport.certificate_expires_at,
             not_dialled=s.membership.not_dialled_back(),
             bootstrap_unanswered=s.membership.unanswered_bootstrap(),
+            written_at=time.time(),
             reachable=s.reachable,
         )
 

@@ -79,6 +79,9 @@ class NodeStatus:
     # network.bootstrap addresses that never answered, while the node knows no live peer (it
     # trains alone): a typo'd address or port, a node not up, another swarm
     bootstrap_unanswered: list[str] = field(default_factory=list)
+    # POSIX time of this snapshot: a status that stopped changing while its node still holds
+    # its state directory (a laptop asleep, a SIGSTOP, a hung node) is said to be stale
+    written_at: float | None = None
     # network.reachable: False for a node in client mode (behind NAT: it dials, nobody dials
     # it; its address is its loopback listener for local status only)
     reachable: bool = True
@@ -198,6 +201,21 @@ def _not_dialled_line(data: dict[str, Any]) -> list[str]:
             "set network.reachable = false (client mode)"]
 
 
+STALE_AFTER_S = 30.0  # a running node's status this old is said to be stale
+
+
+def _stale_line(data: dict[str, Any]) -> list[str]:
+    written = data.get("written_at")
+    if not data.get("running", True) or not isinstance(written, int | float):
+        return []
+    age = time.time() - written
+    if age <= STALE_AFTER_S:
+        return []
+    return [f"stale     written {age:.0f} s ago by a node that still holds its state directory: "
+            "paused (a machine asleep, SIGSTOP), hung, or too busy to write it; these figures "
+            "are from then"]
+
+
 def _refused_line(data: dict[str, Any]) -> list[str]:
     """What the network sent that was refused, when anything was (older status files: nothing)."""
     cells = []
@@ -274,6 +292,7 @@ def render_status(data: dict[str, Any]) -> str:
         *_privacy_line(data),
         *_not_dialled_line(data),
         *_refused_line(data),
+        *_stale_line(data),
         "",
         f"{'peer':<14}{'state':<9}{'address':<28}{'rtt ms':>8}{'Mbit/s':>9}  {'codec':<16}"
         f"{'ok':>5}{'failed':>7}",
