@@ -47,3 +47,24 @@ def test_refusals_name_the_problem_and_write_nothing(tmp_path, capsys):
     assert main(["node", "init", str(tmp_path / "b"), "--advertise", "tcp://h:2"]) == 1
     assert "already there, refusing to overwrite" in capsys.readouterr().err
     assert (tmp_path / "b" / "node.key").read_bytes() == key
+
+
+def test_a_client_folder_is_client_mode_with_its_bootstrap(tmp_path, capsys):
+    """A home user behind NAT edited three lines of the reachable template by hand."""
+    folder = tmp_path / "home"
+    assert main(["node", "init", str(folder), "--client",
+                 "--bootstrap", "tcp://198.18.0.1:7000"]) == 0  # fmt: skip
+    config = load_config(folder / "node.toml", ())
+    assert config.network.reachable is False and config.network.advertise is None
+    assert config.network.listen == "tcp://127.0.0.1:0"
+    assert config.network.bootstrap == ("tcp://198.18.0.1:7000",)
+    capsys.readouterr()
+    # a client needs a member to dial, and takes no address of its own
+    assert main(["node", "init", str(tmp_path / "c"), "--client"]) == 2
+    assert "network.bootstrap = []: expected at least one reachable peer" in capsys.readouterr().err
+    assert main(["node", "init", str(tmp_path / "c"), "--client", "--advertise", "tcp://h:1",
+                 "--bootstrap", "tcp://198.18.0.1:7000"]) == 2  # fmt: skip
+    assert "--client: a client is dialled by nobody" in capsys.readouterr().err
+    assert main(["node", "init", str(tmp_path / "c")]) == 2  # neither
+    assert "--advertise tcp://HOST:PORT" in capsys.readouterr().err
+    assert not (tmp_path / "c").exists()

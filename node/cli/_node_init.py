@@ -21,14 +21,7 @@ swarm = "swarm.json"                 # the swarm's public file, from the operato
 certificate = "member.cert.json"     # this node's membership, from `geotrain swarm admit`
 
 [network]
-listen = "{listen}"
-# the address other machines dial to reach this one
-advertise = "{advertise}"
-# running members to join through; empty for the first machine
-bootstrap = [{bootstrap}]
-# behind NAT (nobody can dial this machine)? reachable = false, listen = "tcp://127.0.0.1:0",
-# no advertise, and a bootstrap list of reachable members (README: Behind NAT)
-
+{network}
 [training]
 # a built-in task, or "my_package.tasks:my_task" (see README: Your own task)
 task = "{task}"
@@ -48,6 +41,27 @@ dir = "state"                        # checkpoints, status.json, metrics.jsonl
 """
 
 
+REACHABLE = """\
+listen = "{listen}"
+# the address other machines dial to reach this one
+advertise = "{advertise}"
+# running members to join through; empty for the first machine
+bootstrap = [{bootstrap}]
+# behind NAT (nobody can dial this machine)? `geotrain node init --client`, or reachable =
+# false, listen = "tcp://127.0.0.1:0", no advertise, and a bootstrap list of reachable members
+# (README: Behind NAT)
+"""
+
+CLIENT = """\
+# client mode (README: Behind NAT): nobody can dial this machine, so it dials the members
+# below, keeps those connections and starts every exchange itself
+reachable = false
+listen = "tcp://127.0.0.1:0"         # loopback only: for `geotrain status` on this machine
+# reachable members to join through (at least one)
+bootstrap = [{bootstrap}]
+"""
+
+
 def _shard(text: str) -> tuple[int, int]:
     index, sep, count = text.partition("/")
     if not (sep and index.isdigit() and count.isdigit() and int(index) < int(count)):
@@ -59,11 +73,24 @@ def _shard(text: str) -> tuple[int, int]:
 def node_init(args: argparse.Namespace) -> int:
     folder: Path = args.dir
     config_path, key_path = folder / "node.toml", folder / "node.key"
-    port = args.advertise.rpartition(":")[2]
+    bootstrap = ", ".join(f'"{b}"' for b in args.bootstrap)
+    if args.client:
+        if args.advertise or args.listen:
+            print("geotrain node init: --client: a client is dialled by nobody, so it takes no "
+                  "--advertise and listens on loopback (no --listen)", file=sys.stderr)
+            return 2
+        network = CLIENT.format(bootstrap=bootstrap)
+    elif not args.advertise:
+        print("geotrain node init: --advertise tcp://HOST:PORT (the address other machines "
+              "dial), or --client for a machine nobody can dial (behind NAT)", file=sys.stderr)
+        return 2
+    else:
+        port = args.advertise.rpartition(":")[2]
+        network = REACHABLE.format(listen=args.listen or f"tcp://0.0.0.0:{port}",
+                                   advertise=args.advertise, bootstrap=bootstrap)  # fmt: skip
     text = TEMPLATE.format(
-        config=config_path, listen=args.listen or f"tcp://0.0.0.0:{port}",
-        advertise=args.advertise, bootstrap=", ".join(f'"{b}"' for b in args.bootstrap),
-        task=args.task, shard_index=args.shard[0], num_shards=args.shard[1],
+        config=config_path, network=network, task=args.task, shard_index=args.shard[0],
+        num_shards=args.shard[1],
     )  # fmt: skip
     try:
         config_from_toml(text, base=folder)
@@ -102,8 +129,10 @@ def register_node_init(node_sub: argparse._SubParsersAction) -> None:
     """Add `geotrain node init` to the `node` command's subcommands."""
     p = node_sub.add_parser("init", help="create a node folder: a key and a commented node.toml")
     p.add_argument("dir", type=Path, help="the folder to create (or an empty one)")
-    p.add_argument("--advertise", required=True, metavar="tcp://HOST:PORT",
-                   help="the address other machines dial to reach this node")  # fmt: skip
+    p.add_argument("--advertise", metavar="tcp://HOST:PORT",
+                   help="the address other machines dial to reach this node (or --client)")
+    p.add_argument("--client", action="store_true",
+                   help="a machine nobody can dial (behind NAT): client mode, with --bootstrap")
     p.add_argument("--listen", default=None, metavar="tcp://HOST:PORT",
                    help="where to listen (default: 0.0.0.0, the advertised port)")  # fmt: skip
     p.add_argument("--bootstrap", action="append", default=[], metavar="tcp://HOST:PORT",
