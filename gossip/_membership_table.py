@@ -71,6 +71,9 @@ class _Record:
     suspecters: list[str] = field(default_factory=list)  # distinct origins, first one first
     vouchers: list[str] = field(default_factory=list)  # the sender that brought each origin
     left_said: bool = False  # LEFT by its own word (hearsay's LEFT yields to its own word)
+    # revived as a twin over its LEFT at this incarnation: hearsay of that leave (others keep
+    # it for dead_retention_s) no longer applies (it flipped the record left and alive)
+    revived_over: int = -1
 
 
 class MembershipTable:
@@ -327,6 +330,7 @@ class MembershipTable:
             if not (inc < r.incarnation and now - r.changed_at > TWIN_AFTER_LEFT_S):
                 return
             self._events.append(MembershipEvent("twin", peer_id, inc, now, address))
+            r.revived_over = r.incarnation
         if r.state is MemberState.ALIVE and inc <= r.incarnation:
             if inc < r.incarnation:
                 r.incarnation = inc
@@ -357,6 +361,8 @@ class MembershipTable:
             self._apply_alive(r, u, now)
         elif state is MemberState.SUSPECT:
             self._apply_suspect(r, u, now, sender)
+        elif state is MemberState.LEFT and u.incarnation <= r.revived_over:
+            pass  # the twin's leave, which we overruled (others still gossip it)
         elif u.incarnation >= r.incarnation and r.state not in (state, MemberState.LEFT):
             # dead or left: hearsay never raises a member's incarnation (a made-up 2^53 - 1 put
             # it where its own word could never beat it: a live member cut off for good, even

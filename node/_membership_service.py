@@ -107,8 +107,10 @@ class MembershipService:
         self._said_self: set[str] = set()  # addresses found to reach this node itself
         self._bootstrap = tuple(bootstrap)
         self._said_unanswered: set[str] = set()  # bootstrap addresses warned about (once each)
+        self._answered: set[str] = set()  # bootstrap addresses that answered once
         self._said_waiting: set[str] = set()  # ... said (info) not to answer yet
         self._said_duplicates: set[str] = set()  # addresses of nodes running with our identity
+        self._dialled_twins: set[str] = set()  # of those, the ones we dialled ourselves
         self._started_at: float | None = None
         self._address = address
         self._transport = transport
@@ -143,7 +145,7 @@ class MembershipService:
     def unanswered_bootstrap(self) -> list[str]:
         """The bootstrap addresses warned about as unanswered, while this node knows no live
         peer (status: a typo'd port looked like an empty swarm)."""
-        return [] if self.live_count() else sorted(self._said_unanswered)
+        return [] if self.live_count() else sorted(self._said_unanswered - self._answered)
 
     def live_count(self) -> int:
         """Peers believed alive, client-mode peers known second-hand included."""
@@ -249,10 +251,12 @@ class MembershipService:
             return
         if send.address in self._bootstrap:
             self._said_unanswered.add(send.address)  # it answered: a later silence is a peer's
+            self._answered.add(send.address)
         if peer.peer_id == self._peer_id:  # (it refused the message: one's own word is no news)
             if isinstance(reply, ErrorReply) and f"[instance {self._instance}]" in reply.reason:
                 self._said_dialled_self(send.address)
             else:
+                self._dialled_twins.add(send.address)
                 self._said_duplicate(send.address)
             return
         if isinstance(reply, Delivered) and reply.messages:
@@ -327,8 +331,9 @@ class MembershipService:
                  limit_s=limit_s)  # fmt: skip
         with trio.move_on_after(limit_s):
             while self.live_count() < want and not stop.is_set():
-                if self._said_duplicates and not self.live_count():
-                    twin = sorted(self._said_duplicates)[0]
+                # (only a twin we dialled: membership hearsay of one is said, never fatal)
+                if self._dialled_twins and not self.live_count():
+                    twin = sorted(self._dialled_twins)[0]
                     raise IdentityInUse(
                         f"identity: the node at {twin} runs with this node's identity (the same "
                         "key file): give one of them a key of its own (geotrain keygen, or "

@@ -156,6 +156,7 @@ class StatusReporter:
             not_dialled=s.membership.not_dialled_back(),
             bootstrap_unanswered=s.membership.unanswered_bootstrap(),
             written_at=time.time(),
+            status_every_s=self._every_s,
             reachable=s.reachable,
         )
 

@@ -233,16 +233,17 @@ def _stopped_early(options: RunOptions, run: dict[str, Any], exc: BaseException,
                           else type(exc).__name__)  # (Ctrl-C's has no message)
     running = run.pop("in_progress", None)
     done = ", ".join(run["systems"]) or "none"
-    if running is not None:
-        run["systems"][running["system"]] = {"launch_t": running["launch_t"],
-                                             "stopped": "interrupted"}  # fmt: skip
+    if running is not None:  # (a user's stop, or a failure of the system itself)
+        how = "interrupted" if isinstance(exc, KeyboardInterrupt) else "failed"
+        run["systems"][running["system"]] = {"launch_t": running["launch_t"], "stopped": how}
     if run["systems"]:
         run["consensus_distance_final"] = None
-        if "geotrain" in run["systems"]:
-            with contextlib.suppress(Exception):  # (the nodes' checkpoints at their stop)
-                run["consensus_distance_final"] = _final_consensus(
-                    out / "geotrain", options.scenario.n_peers, set(options.scenario.attackers))
-    (out / "run.json").write_text(json.dumps(run, indent=2) + "\n")
+    (out / "run.json").write_text(json.dumps(run, indent=2) + "\n")  # (first: a second Ctrl-C)
+    if "geotrain" in run["systems"]:
+        with contextlib.suppress(Exception):  # (the nodes' checkpoints at their stop)
+            run["consensus_distance_final"] = _final_consensus(
+                out / "geotrain", options.scenario.n_peers, set(options.scenario.attackers))
+            (out / "run.json").write_text(json.dumps(run, indent=2) + "\n")
     stopped = f"; stopped while it ran: {running['system']}" if running is not None else ""
     echo(f"run stopped early ({run['interrupted']}); run.json records the systems that "
          f"finished: {done}{stopped}")  # fmt: skip

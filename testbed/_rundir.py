@@ -127,7 +127,9 @@ def _field_problems(run: dict[str, Any]) -> list[str]:
 
 def _metrics_problems(path: Path, run: dict[str, Any]) -> list[str]:
     problems = []
-    for system in run["systems"]:
+    for system, info in run["systems"].items():
+        if isinstance(info, dict) and info.get("stopped") in ("interrupted", "failed"):
+            continue  # (cut short, maybe before its peers wrote anything: what is there counts)
         files = metrics_paths(path, system, run["peers"])
         absent = [(i, f) for i, f in enumerate(files) if not f.is_file()]
         if absent:

@@ -496,7 +496,8 @@ def _equal_quality(entries: list[tuple[str, dict[str, Any], dict[str, Any], list
     # on: its best is where the kill froze it (a stranger's hivemind run set every system's
     # level at 0.358, barely trained, that way), so the others set the level where they can
     known = [s["best_swarm_metric"] for _, _, s, _, _ in entries
-             if s["best_swarm_metric"] is not None and not s.get("silent_after_restart")]
+             if s["best_swarm_metric"] is not None and not s.get("silent_after_restart")
+             and s.get("stopped") not in CUT_SHORT]  # (nor one stopped with the run)
     if len(entries) < 2 or not bests:
         return None
     bests = known or bests
@@ -599,7 +600,8 @@ def render_comparison(doc: dict[str, Any]) -> str:
             f"{format_bytes(s.get('bytes_sent_total'), 2)} on the wire, "
             f"{_fmt_metric(s.get('steps_per_s_median'))} steps/s (median peer)"
             for s in doc["systems"]]  # fmt: skip
-    rows += [f"note: {d} was interrupted: its systems that finished are compared"
+    rows += [f"note: {d} was interrupted: its systems that finished are compared, and the "
+             "one that was running up to the stop (it sets no level)"
              for d in doc.get("interrupted") or []]  # fmt: skip
     scenarios = sorted({str(r["scenario"]) for r in doc["runs"]})
     if len(scenarios) > 1:  # (meant, at times: with and without NAT, say)
@@ -677,8 +679,10 @@ def _failure_lines(summary: dict[str, Any]) -> list[str]:
     lines = [f"FAILED: {s['system']} peers {s['failed_peers']} exited with an error (see their "
              "logs): its figures end where they failed" for s in summary["systems"]
              if s.get("failed_peers")]  # fmt: skip
-    lines += [f"INTERRUPTED: {s['system']} was running when the run was stopped: its figures "
-              "end there" for s in summary["systems"] if s.get("stopped") == "interrupted"]
+    lines += [f"{s['stopped'].upper()}: {s['system']} was running when the run "
+              f"{'was stopped' if s['stopped'] == 'interrupted' else 'failed'}: its figures end "
+              "there, and it sets no level at equal quality" for s in summary["systems"]
+              if s.get("stopped") in CUT_SHORT]  # fmt: skip
     for s in summary["systems"]:
         if s.get("silent_after_restart"):
             lines.append(f"NOT BACK: {s['system']} peers {s['silent_after_restart']} were "
@@ -737,15 +741,20 @@ def render_table(summary: dict[str, Any]) -> str:
     return "\n".join(lines + comparison_notes(summary))
 
 
+CUT_SHORT = ("interrupted", "failed")  # a system the run stopped while it ran: partial figures
+
+
 def _ratios(systems: list[dict[str, Any]]) -> list[str]:
     """geotrain against each baseline: time to target and bytes of the whole runs."""
     by = {s["system"]: s for s in systems}
     if "geotrain" not in by:
         return []
     g, out = by["geotrain"], []
+    if g.get("stopped") in CUT_SHORT:
+        return []
     for name, d in by.items():
-        if name == "geotrain":
-            continue
+        if name == "geotrain" or d.get("stopped") in CUT_SHORT:
+            continue  # (a system cut short has no whole run to set beside the other's)
         label = "DDP" if name == "ddp" else name
         if g["time_to_target_s"] and d["time_to_target_s"]:
             ratio = d["time_to_target_s"] / g["time_to_target_s"]

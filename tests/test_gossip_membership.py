@@ -583,8 +583,13 @@ def test_a_twin_that_left_does_not_leave_the_other_process_of_its_identity_shown
     table.apply_own_word("p7", home, 100, 3.0 + TWIN_AFTER_LEFT_S)  # still talking: alive
     assert table.get("p7").state is MemberState.ALIVE
     assert [e.kind for e in table.drain_events()][-2:] == ["twin", "joined"]
-    # a restarted member (a newer process) that said it left stays left at its old word
+    # the others still gossip the twin's leave (for dead_retention_s): it no longer applies
+    table.apply(MemberUpdate("p7", home, "left", 200), 15.0, "p1")
+    assert table.get("p7").state is MemberState.ALIVE
+    # a member that said it left is not brought back by its own word at that incarnation, nor
+    # by an older one's within the first seconds (a message in flight before the leave)
     table.apply(MemberUpdate("p7", home, "left", 300), 20.0, "p7")
+    table.apply_own_word("p7", home, 250, 25.0)
     table.apply_own_word("p7", home, 300, 40.0)
     assert table.get("p7").state is MemberState.LEFT
 

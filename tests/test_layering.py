@@ -189,6 +189,8 @@ def test_every_package_folder_is_installed():
     folders = {module_of(p.relative_to(ROOT).as_posix()) for package in PACKAGES
                for p in (ROOT / package).rglob("__init__.py")}  # fmt: skip
     data = set(tool["package-data"]) - folders  # (folders of data files only, no code)
+    assert all((ROOT / module.removeprefix("geotrain.").replace(".", "/")).is_dir()
+               for module in data), data  # fmt: skip
     assert folders and folders | {"geotrain"} | data == listed
 
 

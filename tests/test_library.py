@@ -1055,3 +1055,26 @@ def test_an_optimizer_bigger_than_the_guess_at_join_is_warned_about(tmp_path, ca
     line = next(x for x in (logged.out + logged.err).splitlines()
                 if "memory_estimate" in x and "Adam's state (3)" in x)  # fmt: skip
     assert "warning" in line and "may outgrow limits.memory_gb" in line, line
+
+
+def test_a_one_cycle_resume_with_the_same_settings_says_nothing(tmp_path):
+    # OneCycleLR moves SGD's momentum each step: the one given at wrap (its max) differs from a
+    # checkpoint's mid-cycle one on every resume, and that is the schedule's doing
+    from structlog.testing import capture_logs
+
+    def one_cycle(model):
+        sgd = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+        return sgd, torch.optim.lr_scheduler.OneCycleLR(sgd, max_lr=0.1, total_steps=100)
+
+    model = make_model()
+    with joined(tmp_path, "c", model) as swarm:
+        sgd, schedule = one_cycle(model)
+        opt = swarm.wrap(sgd, schedule)
+        for _ in range(10):
+            model(torch.randn(4, 8)).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+            schedule.step()
+    with joined(tmp_path, "c", model) as swarm, capture_logs() as logs:
+        swarm.wrap(*one_cycle(model))
+    assert not [e for e in logs if e["event"] == "optimizer_settings_from_checkpoint"], logs

@@ -482,17 +482,19 @@ def test_the_plain_status_shows_small_traffic_and_the_algorithm_s_own_counters()
     shown = render_status(status.to_json())
     assert "traffic   in 31.5 kB  out 2.9 kB" in shown
     assert "diloco    outer_steps 2  partners_missing 1  last_partner None  mode fast" in shown
-    assert "stale" not in shown  # (no written_at: a status from before it was written)
-    # a laptop's lid closed on a running node: its status kept showing it stepping, unsaid
+    assert "stale" not in shown  # (asked over the network, or no age known: fresh)
+    # a laptop's lid closed on a running node: its status file kept showing it stepping, unsaid
     import dataclasses
-    import time
 
-    old = dataclasses.replace(status, written_at=time.time() - 65)
-    assert "stale     written 65 s ago by a node that still holds" in render_status(old.to_json())
-    fresh = dataclasses.replace(status, written_at=time.time() - 2)
-    assert "stale" not in render_status(fresh.to_json())
-    stopped = dataclasses.replace(old, running=False)  # (a stopped node's status is its last)
-    assert "stale" not in render_status(stopped.to_json())
+    data = status.to_json()
+    assert "stale     written 65 s ago by a node that said it was running" in render_status(
+        data, age_s=65.2)  # fmt: skip
+    assert "stale" not in render_status(data, age_s=2.0)
+    slow = dataclasses.replace(status, status_every_s=60.0).to_json()  # written every minute
+    assert "stale" not in render_status(slow, age_s=65.0)
+    assert "stale" in render_status(slow, age_s=200.0)
+    stopped = dataclasses.replace(status, running=False).to_json()  # its last status: not stale
+    assert "stale" not in render_status(stopped, age_s=65.0)
 
 
 def test_connections_that_trickle_a_byte_at_a_time_do_not_hold_the_metrics_port(monkeypatch):

@@ -466,3 +466,18 @@ def test_compare_refuses_runs_of_another_task_or_one_system(tmp_path: Path, caps
     (tmp_path / "b" / "run.json").write_text(json.dumps({"scenario": "x"}))
     assert main(["testbed", "compare", str(tmp_path / "a"), str(tmp_path / "b")]) == 2
     assert "no testbed run there (KeyError" in capsys.readouterr().err
+
+
+def test_a_system_the_run_was_stopped_in_sets_no_level_and_no_ratio(tmp_path: Path):
+    """A run interrupted 3 s into DDP: its summary had DDP's barely trained level set the
+    comparison for every system, and 'geotrain reached it, DDP did not' beside it."""
+    _fake_run(tmp_path)
+    run = json.loads((tmp_path / "run.json").read_text())
+    run["systems"]["ddp"]["stopped"] = "interrupted"
+    run["interrupted"] = "KeyboardInterrupt"
+    (tmp_path / "run.json").write_text(json.dumps(run))
+    summary = build_summary(tmp_path)
+    assert summary["equal_quality"]["level"] == 0.95  # geotrain's best, not ddp's 0.6
+    table = render_table(summary)
+    assert "INTERRUPTED: ddp was running when the run was stopped" in table
+    assert "DDP did not" not in table and "geotrain/DDP" not in table

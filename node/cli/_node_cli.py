@@ -177,14 +177,15 @@ def status(args: argparse.Namespace) -> int:
             from ._status_watch import run_watch  # rich is imported only by the watch
 
             return run_watch(args.node, args.interval or WATCH_INTERVAL_S, config, args.timeout)
+        age_s = None  # (asked over the network: fresh)
         if config is not None:
             data = trio.run(fetch_status, args.node, config, args.timeout)
         else:
-            data, _ = StatusFile.of(Path(args.node)).read()
+            data, age_s = StatusFile.of(Path(args.node)).read()
     except ValueError as exc:  # ConfigError is a ValueError
         print(f"geotrain status: {exc}", file=sys.stderr)
         return 1
-    print(json.dumps(data, indent=1) if args.json else render_status(data))
+    print(json.dumps(data, indent=1) if args.json else render_status(data, age_s))
     return 0
 
 

@@ -82,6 +82,7 @@ class NodeStatus:
     # POSIX time of this snapshot: a status that stopped changing while its node still holds
     # its state directory (a laptop asleep, a SIGSTOP, a hung node) is said to be stale
     written_at: float | None = None
+    status_every_s: float | None = None  # how often the node writes it (state.status_every_s)
     # network.reachable: False for a node in client mode (behind NAT: it dials, nobody dials
     # it; its address is its loopback listener for local status only)
     reachable: bool = True
@@ -201,19 +202,21 @@ def _not_dialled_line(data: dict[str, Any]) -> list[str]:
             "set network.reachable = false (client mode)"]
 
 
-STALE_AFTER_S = 30.0  # a running node's status this old is said to be stale
+STALE_AFTER_S = 30.0  # a running node's status this old (or 3 of its intervals) is stale
 
 
-def _stale_line(data: dict[str, Any]) -> list[str]:
-    written = data.get("written_at")
-    if not data.get("running", True) or not isinstance(written, int | float):
+def _stale_line(data: dict[str, Any], age_s: float | None) -> list[str]:
+    """A status file a running node stopped rewriting (`age_s`: how old the file was when read;
+    None for a status asked over the network, which is fresh)."""
+    if age_s is None or not data.get("running", True):
         return []
-    age = time.time() - written
-    if age <= STALE_AFTER_S:
+    every = data.get("status_every_s")
+    limit = max(STALE_AFTER_S, 3 * every if isinstance(every, int | float) else 0.0)
+    if age_s <= limit:
         return []
-    return [f"stale     written {age:.0f} s ago by a node that still holds its state directory: "
-            "paused (a machine asleep, SIGSTOP), hung, or too busy to write it; these figures "
-            "are from then"]
+    return [f"stale     written {age_s:.0f} s ago by a node that said it was running: paused (a "
+            "machine asleep, SIGSTOP), hung, or too busy to write it; these figures are from "
+            "then"]
 
 
 def _refused_line(data: dict[str, Any]) -> list[str]:
@@ -274,8 +277,10 @@ def _address_cell(peer: dict[str, Any]) -> str:
     return text[:24] + "..." if text.startswith("client://") and len(text) > 27 else text
 
 
-def render_status(data: dict[str, Any]) -> str:
-    """A human-readable status: the node's numbers, then one row per known peer."""
+def render_status(data: dict[str, Any], age_s: float | None = None) -> str:
+    """A human-readable status: the node's numbers, then one row per known peer. `age_s`: how
+    old the status file was when read (a stale one is said); None for one asked over the
+    network."""
     get = data.get
     lines = [
         f"node      {data['peer_id']}  {data['address']}  pid {_fmt(get('pid'))}"
@@ -292,7 +297,7 @@ def render_status(data: dict[str, Any]) -> str:
         *_privacy_line(data),
         *_not_dialled_line(data),
         *_refused_line(data),
-        *_stale_line(data),
+        *_stale_line(data, age_s),
         "",
         f"{'peer':<14}{'state':<9}{'address':<28}{'rtt ms':>8}{'Mbit/s':>9}  {'codec':<16}"
         f"{'ok':>5}{'failed':>7}",

@@ -676,8 +676,11 @@ def _group_settings(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
     """Each parameter group's settings (a scheduler's `initial_lr` standing for `lr`)."""
     out = []
     for group in optimizer.param_groups:
-        settings = {k: v for k, v in group.items() if k not in ("params", "lr", "initial_lr")
-                    and isinstance(v, int | float | bool | tuple)}  # fmt: skip
+        skip = {"params", "lr", "initial_lr"}
+        if "max_momentum" in group:  # (OneCycleLR, CyclicLR: their schedule moves these)
+            skip |= {"momentum", "betas"}
+        settings = {k: tuple(v) if isinstance(v, list) else v for k, v in group.items()
+                    if k not in skip and isinstance(v, int | float | bool | tuple | list)}
         settings["lr"] = group.get("initial_lr", group.get("lr"))
         out.append(settings)
     return out
@@ -689,7 +692,7 @@ def _say_settings_replaced(given: list[dict[str, Any]], restored: list[dict[str,
     nothing said so."""
     changed = {f"group {i}: {key}": {"given": mine.get(key), "checkpoint": theirs[key]}
                for i, (mine, theirs) in enumerate(zip(given, restored, strict=False))
-               for key in theirs if mine.get(key) != theirs[key]}  # fmt: skip
+               for key in theirs if key in mine and mine[key] != theirs[key]}  # fmt: skip
     if changed:
         log.warning("optimizer_settings_from_checkpoint", changed=changed,
                     detail="the checkpoint's optimizer state carries its settings, and they "
