@@ -110,6 +110,7 @@ def synthetic_linreg(ctx: TaskContext) -> Task:
         higher_is_better=False,
         default_target=0.02,
         lr=0.05,
+        train_size=len(mine),
     )
 
 
