@@ -173,13 +173,9 @@ def _check_address(name: str, addr: Any, *, dialled: bool) -> None:
     host, sep, port = addr[len("tcp://") :].rpartition(":")
     ok = bool(sep) and "/" not in host and port.isdigit() and int(port) <= 65535
     if ok and dialled and host.strip("[]") in _UNSPECIFIED_HOSTS - {""}:
-        _check(False, name, addr, f"{expected}: {host} is where a node listens (every "
-               "interface), not an address anyone can dial; give this machine's address or "
-               "name")  # fmt: skip
-    if ok and dialled:
-        ok = int(port) > 0
-    elif ok:
-        ok = host != ""
+        _fail(name, addr, f"{expected}: {host} is where a node listens (every interface), not "
+              "an address anyone can dial; give this machine's address or name")  # fmt: skip
+    ok = ok and host != "" and (int(port) > 0 or not dialled)
     _check(ok, name, addr, expected + (" (port 1..65535)" if dialled else " (port 0..65535)"))
 
 
