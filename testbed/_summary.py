@@ -83,17 +83,23 @@ def processes(records: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
     return out
 
 
+def stepped_spans(records: list[dict[str, Any]]) -> list[tuple[dict, dict]]:
+    """(first, last) step line of each of a peer's processes that stepped over some time."""
+    spans = []
+    for proc in processes(records):
+        stepped = [r for r in proc if r.get("step", 0) > 0]
+        if len(stepped) >= 2 and stepped[-1]["t"] > stepped[0]["t"]:
+            spans.append((stepped[0], stepped[-1]))
+    return spans
+
+
 def steps_per_s(records: list[dict[str, Any]]) -> float | None:
     """A peer's mean step rate while its processes ran: the steps from each process's first to
     its last step line over the time between them, summed over its processes (a killed peer's
     downtime is not counted; a restarted one counts its steps afresh)."""
-    steps = seconds = 0.0
-    for proc in processes(records):
-        stepped = [r for r in proc if r.get("step", 0) > 0]
-        if len(stepped) >= 2 and stepped[-1]["t"] > stepped[0]["t"]:
-            steps += stepped[-1]["step"] - stepped[0]["step"]
-            seconds += stepped[-1]["t"] - stepped[0]["t"]
-    return steps / seconds if seconds > 0 else None
+    spans = stepped_spans(records)
+    seconds = sum(last["t"] - first["t"] for first, last in spans)
+    return sum(last["step"] - first["step"] for first, last in spans) / seconds if spans else None
 
 
 def bytes_out_series(records: list[dict[str, Any]]) -> list[int]:
@@ -283,9 +289,8 @@ def utilization(records: list[dict[str, Any]], pinned_s: float, *,
     compute is the pinned time per step, so steps x pinned / wall time; without, None (not
     measured)."""
     key = "utilization_without_eval" if without_eval else "utilization"
-    procs = processes(records)
     if any(r.get("utilization") is not None for r in records):  # a geotrain node's own
-        owns = [own for proc in procs
+        owns = [own for proc in processes(records)
                 if (own := next((r for r in reversed(proc) if r.get(key) is not None), None))]
         if not owns:
             return None  # (a node's lines from before it counted its evaluations)
@@ -299,18 +304,15 @@ def utilization(records: list[dict[str, Any]], pinned_s: float, *,
     if pinned_s <= 0:
         return None
     steps = wall = 0.0
-    for proc in procs:
-        stepped = [r for r in proc if r.get("step", 0) > 0]
-        if len(stepped) < 2 or stepped[-1]["t"] <= stepped[0]["t"]:
-            continue
-        seconds = stepped[-1]["t"] - stepped[0]["t"]
+    for first, last in stepped_spans(records):
+        seconds = last["t"] - first["t"]
         if without_eval:
-            if stepped[-1].get("eval_s") is None or stepped[0].get("eval_s") is None:
+            if last.get("eval_s") is None or first.get("eval_s") is None:
                 return None
-            seconds -= stepped[-1]["eval_s"] - stepped[0]["eval_s"]
+            seconds -= last["eval_s"] - first["eval_s"]
             if seconds <= 0:
                 continue
-        steps += stepped[-1]["step"] - stepped[0]["step"]
+        steps += last["step"] - first["step"]
         wall += seconds
     return round(min(1.0, steps * pinned_s / wall), 3) if wall > 0 else None
 
