@@ -41,7 +41,6 @@ class NodeCollector:
         snapshot: returns the node's status now (called in the HTTP server's thread; it must do
             the hop to the node's loop itself).
         checkpoint_age_s: seconds since the last checkpoint, or None before the first.
-        refusals: what the node refused from the network, by kind and reason.
         checkpoint_failures: checkpoint writes that failed (a full disk).
     """
 
@@ -49,13 +48,11 @@ class NodeCollector:
         self,
         snapshot: Callable[[], NodeStatus],
         checkpoint_age_s: Callable[[], float | None] = lambda: None,
-        refusals: Callable[[], Mapping[str, Mapping[str, int]]] = dict,
         checkpoint_failures: Callable[[], int] = lambda: 0,
     ) -> None:
         self._snapshot = snapshot
         self._checkpoint_failures = checkpoint_failures
         self._checkpoint_age_s = checkpoint_age_s
-        self._refusals = refusals
         self._labels = PeerLabels()
 
     def collect(self) -> Iterator:
@@ -102,7 +99,8 @@ class NodeCollector:
             rejected.add_metric([reason], n)
         yield rejected
         yield from _peers(s, self._labels)
-        yield from _refusals(self._refusals())
+        yield from _refusals({"handshakes": s.handshakes_failed, "frames": s.frames_rejected,
+                              "messages": s.messages_rejected})  # fmt: skip
         yield _gauge("geotrain_elapsed_seconds", "Seconds since the node started", s.elapsed_s)
         if s.peak_rss_mb is not None:
             yield _gauge("geotrain_memory_peak_bytes", "Peak resident memory of the process",

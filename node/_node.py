@@ -382,17 +382,18 @@ class Node:
         if private is None:
             return
         max_steps = self.config.training.max_steps
-        if private.budget_raised:
-            log.warning("privacy_budget_raised", epsilon_spent=round(private.epsilon(), 4),
-                        budget=p.epsilon, detail="the ledger's budget was spent; privacy.epsilon "
-                        "is larger now, so training on this node's data goes on, its spend "
-                        "counted from the ledger's")  # fmt: skip
         left = max_steps - trainer.step
-        change = await trio.to_thread.run_sync(private.replan, left)
+        # (accountant work: in a worker thread, both)
+        change, spent = await trio.to_thread.run_sync(
+            lambda: (private.replan(left), round(private.epsilon(), 4)))
+        if private.budget_raised:
+            log.warning("privacy_budget_raised", epsilon_spent=spent, budget=p.epsilon,
+                        detail="the ledger's budget was spent; privacy.epsilon is larger now, so "
+                        "training on this node's data goes on, its spend counted from the "
+                        "ledger's")  # fmt: skip
         if change is None:
             return
         was, now = change
-        spent = round(private.epsilon(), 4)
         if now > 2 * was:
             raise ConfigError(
                 f"privacy: epsilon {spent:g} of {p.epsilon:g} is spent (the ledger), and "
@@ -569,7 +570,7 @@ class Node:
         if listen is None or self.metrics is not None:
             return
         self.metrics = MetricsServer(listen, NodeCollector(
-            self._metrics_snapshot, self._age, self._metrics_refusals,
+            self._metrics_snapshot, self._age,
             lambda: self._checkpointer.failures if self._checkpointer is not None else 0))
         log.info("metrics_listening", address=f"{listen.rpartition(':')[0]}:{self.metrics.port}")
 
@@ -578,20 +579,6 @@ class Node:
         if self._token is None or self._reporter is None:
             raise RuntimeError("the node is not running (yet)")
         return trio.from_thread.run_sync(self._reporter.snapshot, trio_token=self._token)
-
-    def _metrics_refusals(self) -> dict[str, dict[str, int]]:
-        """What the node refused from the network, by reason (a hop to the node's loop)."""
-
-        def read() -> dict[str, dict[str, int]]:
-            stats = transport.statistics()
-            return {"handshakes": dict(stats.handshakes_failed),
-                    "frames": dict(stats.frames_rejected),
-                    "messages": dict(self.rejected_messages)}  # fmt: skip
-
-        transport = self._transport
-        if self._token is None or transport is None:
-            raise RuntimeError("the node is not running (yet)")
-        return trio.from_thread.run_sync(read, trio_token=self._token)
 
     def _age(self) -> float | None:
         at = self._checkpointer.written_at if self._checkpointer is not None else None

@@ -155,7 +155,6 @@ class StatusReporter:
             certificate_expires_at=s.transport.certificate_expires_at,
             not_dialled=s.membership.not_dialled_back(),
             bootstrap_unanswered=s.membership.unanswered_bootstrap(),
-            written_at=time.time(),
             status_every_s=self._every_s,
             reachable=s.reachable,
         )

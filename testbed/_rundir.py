@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ._summary import metrics_paths
+from ._summary import CUT_SHORT, metrics_paths
 
 # run.json fields that build_summary and the plots read; a run.json without one of them was
 # written by an older geotrain (or by hand) and gives no report.
@@ -128,7 +128,7 @@ def _field_problems(run: dict[str, Any]) -> list[str]:
 def _metrics_problems(path: Path, run: dict[str, Any]) -> list[str]:
     problems = []
     for system, info in run["systems"].items():
-        if isinstance(info, dict) and info.get("stopped") in ("interrupted", "failed"):
+        if isinstance(info, dict) and info.get("stopped") in CUT_SHORT:
             continue  # (cut short, maybe before its peers wrote anything: what is there counts)
         files = metrics_paths(path, system, run["peers"])
         absent = [(i, f) for i, f in enumerate(files) if not f.is_file()]

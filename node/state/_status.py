@@ -79,9 +79,6 @@ class NodeStatus:
     # network.bootstrap addresses that never answered, while the node knows no live peer (it
     # trains alone): a typo'd address or port, a node not up, another swarm
     bootstrap_unanswered: list[str] = field(default_factory=list)
-    # POSIX time of this snapshot: a status that stopped changing while its node still holds
-    # its state directory (a laptop asleep, a SIGSTOP, a hung node) is said to be stale
-    written_at: float | None = None
     status_every_s: float | None = None  # how often the node writes it (state.status_every_s)
     # network.reachable: False for a node in client mode (behind NAT: it dials, nobody dials
     # it; its address is its loopback listener for local status only)

@@ -130,17 +130,19 @@ class PrivateTraining:
         self._spent: tuple[int, float] = (0, 0.0)  # (accounted steps, epsilon) of the last query
         self._allowed = self._steps_allowed()  # private steps the budget allows from here
 
-    def _epsilon_after(self, more: int) -> float:
-        """Epsilon the accountant gives for its history plus `more` steps at this mechanism."""
+    def _epsilon_after(self, more: int, noise: float | None = None) -> float:
+        """Epsilon the accountant gives for its history plus `more` steps at this mechanism (or
+        at noise multiplier `noise`)."""
+        noise = self.noise_multiplier if noise is None else noise
         if self._rdp is not None:  # the RDP accountant's own figures, without its slow part
-            return self._rdp_epsilon_after(more)
+            return self._rdp_epsilon_after(more, noise)
         probe = type(self.accountant)()
         probe.history = [*self.accountant.history]
         if more:
-            probe.history.append((self.noise_multiplier, self.sample_rate, more))
+            probe.history.append((noise, self.sample_rate, more))
         return probe.get_epsilon(self.delta) if probe.history else 0.0
 
-    def _rdp_epsilon_after(self, more: int) -> float:
+    def _rdp_epsilon_after(self, more: int, noise: float) -> float:
         """What RDPAccountant.get_epsilon gives for the history plus `more` steps, in
         microseconds instead of 20-250 ms a query: a step's Renyi divergence at each order is
         computed once (opacus' compute_rdp is that times the steps), so the binary search over
@@ -149,7 +151,7 @@ class PrivateTraining:
         if not history and not more:
             return 0.0
         rdp = sum((k * self._rdp_of(n, q) for n, q, k in history), np.zeros(len(self._orders)))
-        rdp = rdp + more * self._rdp_of(self.noise_multiplier, self.sample_rate)
+        rdp = rdp + more * self._rdp_of(noise, self.sample_rate)
         eps, _ = analysis.get_privacy_spent(orders=self._orders, rdp=rdp, delta=self.delta)
         return float(eps)
 
@@ -285,15 +287,15 @@ class PrivateTraining:
         last = float(history[-1][0])
 
         def fits(sigma: float, steps: int = steps_left) -> bool:
-            self.noise_multiplier = sigma
             try:
-                return self._epsilon_after(steps) <= self.epsilon_budget
+                return self._epsilon_after(steps, sigma) <= self.epsilon_budget
             except (ValueError, OverflowError, RuntimeError, MemoryError):  # out of its range
                 return False
 
         def use(sigma: float) -> None:
-            self.noise_multiplier = self.optimizer.noise_multiplier = sigma
-            self._allowed = self._steps_allowed()
+            if sigma != self.noise_multiplier:  # (load_state counted the steps at the other)
+                self.noise_multiplier = self.optimizer.noise_multiplier = sigma
+                self._allowed = self._steps_allowed()
 
         if fits(last):
             use(last)
