@@ -99,7 +99,6 @@ class MembershipService:
         self.membership = Membership(
             peer_id, address, self.config, rng, incarnation=int(time.time())
         )
-        self._peer_id = peer_id
         # this process's own mark, in our refusal of a message signed with our identity: a
         # refusal that carries it came from this very node (a bootstrap address that reaches us
         # under another name), one without it from a twin running with our key
@@ -252,7 +251,8 @@ class MembershipService:
         if send.address in self._bootstrap:
             self._said_unanswered.add(send.address)  # it answered: a later silence is a peer's
             self._answered.add(send.address)
-        if peer.peer_id == self._peer_id:  # (it refused the message: one's own word is no news)
+        # (a node of our own identity refused the message: one's own word is no news)
+        if peer.peer_id == self.membership.self_id:
             if isinstance(reply, ErrorReply) and f"[instance {self._instance}]" in reply.reason:
                 self._said_dialled_self(send.address)
             else:
@@ -371,7 +371,8 @@ class MembershipService:
             message = unwrap_gossip(header)
             sends = self.membership.receive(message, peer.peer_id, trio.current_time())
         except RemoteProtocolError as exc:
-            mine = f" [instance {self._instance}]" if peer.peer_id == self._peer_id else ""
+            ours = peer.peer_id == self.membership.self_id
+            mine = f" [instance {self._instance}]" if ours else ""
             return self._refuse(peer, "gossip", str(exc) + mine)
         carried: list[Gossip] = []
         for send in sends:
