@@ -49,12 +49,17 @@ def build(layers: int, frozen: bool) -> nn.Module:
 
 
 def run(layers: int, frozen: bool, steps: int) -> dict:
+    # Two nodes' checkpoints of a 10^8 base are ~0.4 GB: the folder goes when the run ends.
+    with tempfile.TemporaryDirectory(prefix="bench_frozen.") as tmp:
+        return _run(Path(tmp), layers, frozen, steps)
+
+
+def _run(tmp: Path, layers: int, frozen: bool, steps: int) -> dict:
     import geotrain
     from geotrain.node import Admission, Identity, config_from_toml
 
     from ._memory import peak_rss_mb
 
-    tmp = Path(tempfile.mkdtemp(prefix="bench_frozen."))
 
     def join(name: str, model: nn.Module, *overrides: str) -> geotrain.Swarm:
         config = config_from_toml(CONFIG, base=tmp,
