@@ -60,6 +60,7 @@ from .training import (
     Task,
     TaskContext,
     Trainer,
+    UnknownTaskParam,
     resolve_device,
     resolve_task,
 )
@@ -245,17 +246,14 @@ class Node:
 
     @staticmethod
     def _check_params(task: str, ctx: TaskContext) -> None:
-        """A [training.params] key the task never asked for: refused for a built-in task (it
-        was ignored: a typo'd hidden size trained the default one), warned for a plugin (it
-        may read ctx.params itself)."""
-        unasked = ctx.unasked()
-        if not unasked:
-            return
-        known = ", ".join(sorted(ctx.asked)) or "none"
-        if ":" not in task:
-            raise ConfigError(f"training.params.{unasked[0]}: task {task!r} has no such "
-                              f"parameter (its parameters: {known})")  # fmt: skip
-        log.warning("task_params_unused", task=task, unused=unasked, asked=sorted(ctx.asked))
+        """A [training.params] key the task never asked for: refused for a built-in task,
+        warned for a plugin."""
+        try:
+            unasked = ctx.check_unasked(task)
+        except UnknownTaskParam as exc:
+            raise ConfigError(f"training.params.{exc.key}: {exc}") from None
+        if unasked:
+            log.warning("task_params_unused", task=task, unused=unasked, asked=sorted(ctx.asked))
 
     def _fit_memory(self, trainer: LoopTrainer, optimizer: str | None, described: str = "") -> None:
         """Estimate the memory this node needs, lower the algorithm's settings that grow with it

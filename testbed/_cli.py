@@ -234,17 +234,17 @@ def _task_target(
     """(target, metric name, higher is better) from the task itself (imports torch); `given`:
     the params --param set (an unknown one is named as the option)."""
     from geotrain.node import TaskContext, resolve_task
+    from geotrain.node.training import UnknownTaskParam
 
     ctx = TaskContext(params=dict(sc.params))
     task = resolve_task(sc.task)(ctx)
-    if ctx.unasked() and ":" not in sc.task:  # (as a node refuses it, but before anything runs)
-        known = ", ".join(sorted(ctx.asked)) or "none"
-        key = ctx.unasked()[0]
-        where = f"--param {key}" if key in set(given) else f"scenario.params.{key}"
-        raise ScenarioError(f"{where}: task {sc.task!r} has no such parameter (its parameters: "
-                            f"{known})")  # fmt: skip
-    if ctx.unasked():  # a task of the user's own may read ctx.params itself: said, not refused
-        print(f"warning: task {sc.task!r} never read params {', '.join(ctx.unasked())} through "
+    try:  # (as a node checks them, but before anything runs)
+        unasked = ctx.check_unasked(sc.task)
+    except UnknownTaskParam as exc:
+        where = f"--param {exc.key}" if exc.key in set(given) else f"scenario.params.{exc.key}"
+        raise ScenarioError(f"{where}: {exc}") from None
+    if unasked:  # a task of the user's own may read ctx.params itself: said, not refused
+        print(f"warning: task {sc.task!r} never read params {', '.join(unasked)} through "
               f"ctx.param (it read: {', '.join(sorted(ctx.asked)) or 'none'}): a typo?",
               file=sys.stderr)  # fmt: skip
     if target is not None and not math.isfinite(target):
@@ -343,7 +343,7 @@ def cmd_run(args: argparse.Namespace, command: tuple[str, ...] = ()) -> int:
 
 def cmd_report(args: argparse.Namespace) -> int:
     from ._plots import render_plots
-    from ._rundir import RunDirError, open_run_dir
+    from ._rundir import RunDirError, open_run_dir, write_json
     from ._summary import build_summary, render_table
 
     try:
@@ -353,7 +353,7 @@ def cmd_report(args: argparse.Namespace) -> int:
         for problem in exc.problems:
             print(f"geotrain testbed report: {problem}", file=sys.stderr)
         return 2
-    (args.dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    write_json(args.dir / "summary.json", summary)
     for path in render_plots(args.dir):
         print(f"plot: {path}")
     print(render_table(summary))

@@ -47,6 +47,7 @@ from ._peers import (
     wait_for_address,
     write_swarm_files,
 )
+from ._rundir import write_json
 from ._scenario import TestbedScenario
 from ._summary import at_or_past, build_summary, load_jsonl, render_table, train_start
 from ._userspace import UserspaceLinks
@@ -193,7 +194,7 @@ def run_testbed(options: RunOptions, echo: Echo = print) -> dict[str, Any]:
     echo(f"emulation: {choice.backend} ({choice.reason})")
     if sc.rate_scale != 1.0:
         echo(f"NOTE: link rates scaled to {sc.rate_scale:g}x the published figures")
-    (out / "scenario.json").write_text(json.dumps(sc.to_json(), indent=2) + "\n")
+    write_json(out / "scenario.json", sc.to_json())
     run: dict[str, Any] = {
         "scenario": sc.name, "emulation": choice.backend, "emulation_reason": choice.reason,
         "peers": sc.n_peers, "task": sc.task, "params": dict(sc.params),
@@ -215,9 +216,9 @@ def run_testbed(options: RunOptions, echo: Echo = print) -> dict[str, Any]:
         raise
     run["consensus_distance_final"] = _final_consensus(
         out / "geotrain", sc.n_peers, set(sc.attackers))
-    (out / "run.json").write_text(json.dumps(run, indent=2) + "\n")
+    write_json(out / "run.json", run)
     summary = build_summary(out)
-    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    write_json(out / "summary.json", summary)
     _plot(out, echo)
     echo(render_table(summary))
     return summary
@@ -238,12 +239,12 @@ def _stopped_early(options: RunOptions, run: dict[str, Any], exc: BaseException,
         run["systems"][running["system"]] = {"launch_t": running["launch_t"], "stopped": how}
     if run["systems"]:
         run["consensus_distance_final"] = None
-    (out / "run.json").write_text(json.dumps(run, indent=2) + "\n")  # (first: a second Ctrl-C)
+    write_json(out / "run.json", run)  # (first: a second Ctrl-C)
     if "geotrain" in run["systems"]:
         with contextlib.suppress(Exception):  # (the nodes' checkpoints at their stop)
             run["consensus_distance_final"] = _final_consensus(
                 out / "geotrain", options.scenario.n_peers, set(options.scenario.attackers))
-            (out / "run.json").write_text(json.dumps(run, indent=2) + "\n")
+            write_json(out / "run.json", run)
     stopped = f"; stopped while it ran: {running['system']}" if running is not None else ""
     echo(f"run stopped early ({run['interrupted']}); run.json records the systems that "
          f"finished: {done}{stopped}")  # fmt: skip
@@ -254,7 +255,7 @@ def _stopped_early(options: RunOptions, run: dict[str, Any], exc: BaseException,
     except Exception as problem:  # (a partial run: nothing more to say than run.json does)
         echo(f"no summary of the part that ran: {type(problem).__name__}: {problem}")
         return
-    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    write_json(out / "summary.json", summary)
     echo("what ran, up to the stop (`geotrain testbed report` renders it again, with plots):")
     echo(render_table(summary))
 

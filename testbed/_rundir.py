@@ -12,7 +12,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from geotrain.node.state import write_atomically
+
 from ._summary import CUT_SHORT, metrics_paths
+
+
+def write_json(path: Path, doc: Any) -> None:
+    """A run folder's JSON file (scenario, run, summary), indented, replaced whole: a second
+    Ctrl-C while it is written leaves the old file, never half of the new one."""
+    write_atomically(path, (json.dumps(doc, indent=2) + "\n").encode())
 
 # run.json fields that build_summary and the plots read; a run.json without one of them was
 # written by an older geotrain (or by hand) and gives no report.

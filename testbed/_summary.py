@@ -506,7 +506,8 @@ def _equal_quality(entries: list[tuple[str, dict[str, Any], dict[str, Any], list
     level = min(bests) if higher else max(bests)
     curves, starts = {}, []
     for name, run, _, peers, samples in entries:
-        curve = quality_curve(run, run_system(run, name), peers)
+        # (the system of "geotrain", or of "RUN/geotrain" in a comparison of runs)
+        curve = quality_curve(run, name.rpartition("/")[2], peers)
         curves[name] = (curve, samples, train_start(peers))
         if curve:
             starts.append(curve[0][1])
@@ -529,12 +530,6 @@ def _equal_quality(entries: list[tuple[str, dict[str, Any], dict[str, Any], list
             "meaning": "every peer at or past the best level all systems reached (time_s: the "
                        "first time; held_time_s: from when it stayed there to the end, None "
                        "when it ended short of it)"}  # fmt: skip
-
-
-def run_system(run: dict[str, Any], name: str) -> str:
-    """The system of `run` an entry `name` stands for ("geotrain", or "RUN/geotrain" in a
-    comparison of runs)."""
-    return name.rpartition("/")[2]
 
 
 # what must agree for runs to be compared at equal quality (bytes_source: the same counters)

@@ -387,6 +387,24 @@ async def test_a_task_parameter_the_task_does_not_have_is_refused_naming_it(tmp_
     assert not (tmp_path / "p").exists()  # refused before it wrote anything: no state dir left
 
 
+async def test_a_plugin_task_parameter_never_read_is_warned_about_not_refused(tmp_path,
+                                                                               monkeypatch):
+    """A task of the user's own may read ctx.params itself: an unread key is said, and the node
+    trains."""
+    (tmp_path / "own_tasks.py").write_text(
+        "from geotrain.node import resolve_task\n"
+        "def make(ctx):\n"
+        "    ctx.param('features', 8, int)\n"
+        "    return resolve_task('synthetic-linreg')(ctx)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    logs = await _logs_of_a_short_run(
+        config(tmp_path, "w", 'training.task="own_tasks:make"', "training.params.featurs=16",
+               "training.max_steps=2"))  # fmt: skip
+    said = [e for e in logs if e["event"] == "task_params_unused"]
+    assert len(said) == 1 and said[0]["unused"] == ["featurs"], said
+    assert "features" in said[0]["asked"]
+
+
 async def test_a_state_dir_that_cannot_be_used_is_one_config_error(tmp_path):
     """A file where state.dir should be (or a read-only folder) was an OSError traceback."""
     from geotrain.node import ConfigError

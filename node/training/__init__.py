@@ -17,6 +17,7 @@ from ._tasks import Task as Task
 from ._tasks import TaskContext as TaskContext
 from ._tasks import TaskError as TaskError
 from ._tasks import TaskFunction as TaskFunction
+from ._tasks import UnknownTaskParam as UnknownTaskParam
 from ._tasks import batch_samples as batch_samples
 from ._tasks import endless_batches as endless_batches
 from ._tasks import resolve_task as resolve_task

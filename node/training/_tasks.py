@@ -17,6 +17,14 @@ PARTITIONS = ("iid", "dirichlet")
 TaskParams = Mapping[str, int | float | str | bool]
 
 
+class UnknownTaskParam(ValueError):
+    """A parameter given to a built-in task that has no such parameter (`key` names it)."""
+
+    def __init__(self, key: str, message: str) -> None:
+        super().__init__(message)
+        self.key = key
+
+
 @dataclass(frozen=True)
 class TaskContext:
     """What a task function is told about the node it runs on.
@@ -71,6 +79,21 @@ class TaskContext:
     def unasked(self) -> list[str]:
         """Given parameters the task never asked for through `param` (typos, most likely)."""
         return sorted(set(self.params) - self.asked)
+
+    def check_unasked(self, task: str) -> list[str]:
+        """The given parameters task `task` (after it ran on this context) never asked for:
+        refused for a built-in task (one was ignored: a typo'd hidden size trained the default
+        one), returned for a plugin's, to be warned about (it may read `params` itself).
+
+        Raises:
+            UnknownTaskParam: a built-in task's unasked parameter (the first).
+        """
+        unasked = self.unasked()
+        if unasked and ":" not in task:
+            known = ", ".join(sorted(self.asked)) or "none"
+            raise UnknownTaskParam(unasked[0], f"task {task!r} has no such parameter (its "
+                                               f"parameters: {known})")  # fmt: skip
+        return unasked
 
 
 @dataclass
