@@ -525,6 +525,11 @@ class Node:
             if self._state_lock is None:
                 self._state_lock = self.state.lock()
                 self.state.create()  # (a node refused at start that held it before removed it)
+                if self._state_lock is not None:  # (no flock: another node may be writing)
+                    count, size = self.state.remove_left_temp_files()
+                    if count:
+                        log.info("left_temp_files_removed", count=count, mb=round(size / 1e6, 1),
+                                 reason="an earlier node here was killed while it wrote them")
         except OSError as exc:  # read-only, a file in the way, no permission, no space
             raise self._state_dir_error(exc) from None
 

@@ -405,6 +405,26 @@ async def test_a_plugin_task_parameter_never_read_is_warned_about_not_refused(tm
     assert "features" in said[0]["asked"]
 
 
+async def test_temp_files_a_killed_node_left_are_removed_at_the_next_start(tmp_path):
+    """kill -9 mid-write left hidden .tmp files (a whole checkpoint each) that no restart
+    removed; a user's own file of another name stays."""
+    ckpts = tmp_path / "w" / "checkpoints"
+    ckpts.mkdir(parents=True)
+    left = [ckpts / ".ckpt-0000000040.safetensors.ogu3mypv.tmp",
+            tmp_path / "w" / ".status.json.5m8yz24_.tmp"]  # fmt: skip
+    for path in left:
+        path.write_bytes(b"x" * 50_000)
+    kept = [tmp_path / "w" / ".notes.tmp", ckpts / "mine.tmp"]
+    for path in kept:
+        path.write_text("the user's")
+    logs = await _logs_of_a_short_run(config(tmp_path, "w", "training.max_steps=2"))
+    assert not any(p.exists() for p in left)
+    assert all(p.exists() for p in kept)
+    said = [e for e in logs if e["event"] == "left_temp_files_removed"]
+    assert len(said) == 1 and said[0]["count"] == 2 and said[0]["mb"] == 0.1, said
+    assert not list(ckpts.glob(".*.tmp"))  # (nor one of this run's own)
+
+
 async def test_a_state_dir_that_cannot_be_used_is_one_config_error(tmp_path):
     """A file where state.dir should be (or a read-only folder) was an OSError traceback."""
     from geotrain.node import ConfigError

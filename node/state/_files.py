@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -15,6 +16,20 @@ def _fsync_dir(directory: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+# the name of write_atomically's temporary file (mkstemp's 8 random characters)
+_TEMP_NAME = re.compile(r"\..+\.[a-z0-9_]{8}\.tmp")
+
+
+def left_temp_files(directory: Path) -> list[Path]:
+    """The temporary files write_atomically left in `directory` when its process was killed
+    mid-write (a whole checkpoint's size each; hidden from a plain `ls`)."""
+    try:
+        entries = list(directory.iterdir())
+    except OSError:
+        return []
+    return [p for p in entries if _TEMP_NAME.fullmatch(p.name) and p.is_file()]
 
 
 def write_atomically(path: Path, data: bytes | Callable[[BinaryIO], None]) -> None:

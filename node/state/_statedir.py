@@ -12,6 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO, NoReturn
 
+from ._files import left_temp_files
+
 LOCK_TRIES = 10  # 0.5 s in all
 
 # The lock files this process holds. A forked child (a DataLoader worker, a user's subprocess
@@ -165,6 +167,18 @@ class StateDir:
         self.root.mkdir(parents=True, exist_ok=True)
         self.checkpoints.mkdir(exist_ok=True)
         return self
+
+    def remove_left_temp_files(self) -> tuple[int, int]:
+        """Remove the temporary files an earlier node here left when it was killed mid-write
+        (a checkpoint's, status.json's): (how many, their bytes). Call it holding the lock: a
+        running node's temporary file is in use."""
+        count = size = 0
+        for path in left_temp_files(self.root) + left_temp_files(self.checkpoints):
+            with contextlib.suppress(OSError):
+                nbytes = path.stat().st_size
+                path.unlink()
+                count, size = count + 1, size + nbytes
+        return count, size
 
     def remove_unused(self) -> None:
         """Remove what `create` and `lock` made, for a node refused before it wrote anything
