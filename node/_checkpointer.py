@@ -6,6 +6,7 @@
 # were of this one.
 from __future__ import annotations
 
+import errno
 import time
 
 import structlog
@@ -14,11 +15,13 @@ import trio
 
 from geotrain.gossip import LinkTable, all_finite
 
+from ._limits import open_files
 from .algorithms import Algorithm
 from .state import Checkpoint, CheckpointStore
 from .training import LoopClosed, Trainer
 
 LAYOUT = 2  # 1: adpsgd's error feedback as "ef/..." beside the model; 2: all of it under "algo/"
+SAY_WRITTEN_EVERY_S = 600.0  # a periodic checkpoint is logged at info at most this often
 log = structlog.get_logger()
 
 
@@ -70,6 +73,7 @@ class Checkpointer:
         self._written_step = -1
         self.final_failed = False  # the checkpoint at stop could not be written
         self.written_at: float | None = None  # time.monotonic() of the last write
+        self._said_at: float | None = None  # ... and of the last one logged at info
         self.failures = 0  # writes that failed (OSError: a full disk) or were refused (NaN)
 
     def restore(self, ckpt: Checkpoint) -> None:
@@ -153,13 +157,12 @@ class Checkpointer:
                           directory=str(self._store.directory), final=True,
                           hint="the node stops WITHOUT its final checkpoint: a restart resumes "
                           f"from the newest one on disk (step {self._written_step}; -1: none), "
-                          "the steps after it are lost (free space, or see the error)")  # fmt: skip
+                          f"the steps after it are lost ({_cause(exc)})")  # fmt: skip
                 return
             log.error("checkpoint_failed", step=self._trainer.step, error=str(exc),
                       directory=str(self._store.directory),
                       hint="training goes on and the previous checkpoint is kept; the next "
-                      "one is tried at the next checkpoint_every (free space, or see the "
-                      "error)")  # fmt: skip
+                      f"one is tried at the next checkpoint_every ({_cause(exc)})")  # fmt: skip
             return
         if bad:
             self.failures += 1
@@ -169,5 +172,21 @@ class Checkpointer:
                       "newest good one")  # fmt: skip
             return
         self._written_step = step
-        self.written_at = time.monotonic()
-        log.info("checkpoint_written", step=step, seconds=round(seconds, 3))
+        self.written_at = now = time.monotonic()
+        # every write at debug, the final one and one every SAY_WRITTEN_EVERY_S at info: a fast
+        # task's checkpoint every 200 steps was 98% of a node's log lines
+        loud = final or self._said_at is None or now - self._said_at >= SAY_WRITTEN_EVERY_S
+        if loud:
+            self._said_at = now
+        (log.info if loud else log.debug)("checkpoint_written", step=step,
+                                          seconds=round(seconds, 3))  # fmt: skip
+
+
+def _cause(exc: OSError) -> str:
+    """What an operator does about a failed checkpoint write."""
+    if exc.errno in (errno.EMFILE, errno.ENFILE):
+        files, limit = open_files()
+        return (f"the process has {files} files open of its limit {limit}: many idle "
+                "connections to the node's port hold one each until they time out (~16 s); "
+                "`geotrain status` shows the count")  # fmt: skip
+    return "free space, or see the error"

@@ -571,18 +571,23 @@ class StateConfig:
     checkpoint_every: write a checkpoint every this many steps (and always on shutdown).
     keep: how many checkpoints to keep.
     status_every_s: how often status.json and a metrics line are written.
+    metrics_max_mb: metrics.jsonl past this size becomes metrics.jsonl.1 (one kept: at most
+        twice this on disk; ~1 KB a line, ~90 MB a day at status_every_s = 1); 0: no
+        metrics.jsonl at all (status.json and the Prometheus endpoint still say the figures).
     """
 
     dir: Path = Path("state")
     checkpoint_every: int = 200
     keep: int = 3
     status_every_s: float = 1.0
+    metrics_max_mb: float = 64.0
 
     def __post_init__(self) -> None:
         check_types(self, "state")
         _check(self.checkpoint_every >= 1, "state.checkpoint_every", self.checkpoint_every, ">= 1")
         _check(self.keep >= 1, "state.keep", self.keep, ">= 1")
         _check(self.status_every_s > 0, "state.status_every_s", self.status_every_s, "> 0")
+        _check(self.metrics_max_mb >= 0, "state.metrics_max_mb", self.metrics_max_mb, ">= 0")
 
 
 @dataclass(frozen=True)

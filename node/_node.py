@@ -35,6 +35,7 @@ from ._checkpointer import Checkpointer, load_checkpoint
 from ._config import ConfigError, NodeConfig, TrainingConfig, preset_overrides
 from ._credentials import load_identity
 from ._driver import LoopDriver, TrainingDriver
+from ._limits import raise_open_files_limit
 from ._membership_service import MembershipService
 from ._memory import (
     LOOP_OPTIMIZER,
@@ -444,6 +445,7 @@ class Node:
             self._warn_preset_overridden()
             self._warn_codec_for_models()
             tune_allocator()
+            raise_open_files_limit()
             self._start_metrics()  # first: a port in use stops the node before it writes a file
             made = not self.state.root.exists()
             try:
@@ -657,6 +659,7 @@ class Node:
                     rejected_messages=lambda: self.rejected_messages,
                 ),
                 self.state, cfg.state.status_every_s, lambda: self._running,
+                metrics_max_bytes=int(cfg.state.metrics_max_mb * 1e6),
             )  # fmt: skip
             for part in (membership, state_sync, self._reporter, algorithm):
                 self.router.add(part)

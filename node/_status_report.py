@@ -16,11 +16,19 @@ import trio
 
 from geotrain.gossip import LinkTable
 
+from ._limits import open_files
 from ._membership_service import MembershipService
 from ._memory import peak_rss_mb
 from ._protocol import StatusReply, StatusRequest
 from .algorithms import Algorithm
-from .state import NodeStatus, PeerStatus, StateDir, append_metrics, write_status
+from .state import (
+    METRICS_MAX_BYTES,
+    NodeStatus,
+    PeerStatus,
+    StateDir,
+    append_metrics,
+    write_status,
+)
 from .training import Trainer
 from .transport import Header, PeerInfo, Transport
 
@@ -83,11 +91,13 @@ class StatusReporter:
     handles = (StatusRequest,)
 
     def __init__(
-        self, sources: StatusSources, state: StateDir, every_s: float, running: Callable[[], bool]
+        self, sources: StatusSources, state: StateDir, every_s: float, running: Callable[[], bool],
+        metrics_max_bytes: int = METRICS_MAX_BYTES,
     ) -> None:
         self.sources = sources
         self._state = state
         self._every_s = every_s
+        self._metrics_max_bytes = metrics_max_bytes  # (0: no metrics.jsonl)
         self._running = running
         self._started = time.monotonic()
         self._lock = trio.Lock()
@@ -115,6 +125,7 @@ class StatusReporter:
             )
         stats = s.transport.statistics()
         interval = s.trainer.step_interval_s()
+        files = open_files()
         return NodeStatus(
             peer_id=s.peer_id,
             address=s.address,
@@ -151,6 +162,8 @@ class StatusReporter:
             running=self._running(),
             peers=tuple(peers),
             peak_rss_mb=peak_rss_mb(),
+            open_files=files[0],
+            open_files_limit=files[1],
             memory_estimate_mb=s.memory_estimate_mb,
             certificate_expires_at=s.transport.certificate_expires_at,
             not_dialled=s.membership.not_dialled_back(),
@@ -169,7 +182,8 @@ class StatusReporter:
 
         def write() -> None:
             write_status(self._state.status, status)
-            append_metrics(self._state.metrics, record)
+            if self._metrics_max_bytes:
+                append_metrics(self._state.metrics, record, self._metrics_max_bytes)
 
         async with self._lock:
             try:

@@ -168,6 +168,9 @@ def _scenario_from_args(args: argparse.Namespace) -> TestbedScenario:
         key = item.partition("=")[0].strip()
         shared = SHARED_TRAINING.get(
             "training.params" if key.startswith("training.params.") else key)
+        if key in TESTBED_STATE:
+            raise ScenarioError(f"--node-set {item!r}: the testbed sets this for every node: "
+                                f"{TESTBED_STATE[key]}")  # fmt: skip
         compared = getattr(args, "baseline", "ddp") != "none"  # (a geotrain-only sweep: fine)
         if shared is not None and compared:  # (the table compared geotrain on another job)
             raise ScenarioError(f"--node-set {item!r}: every system of the run gets this from the "
@@ -217,6 +220,14 @@ SHARED_TRAINING = {
     "training.num_shards": "--peers",
     "training.threads": "nothing: every peer of every system trains on one thread",
 }  # (not the recipe's lr, optimizer, ...: each system may be run at its own best settings)
+
+
+# [state] settings the testbed sets itself (its figures are read from what they make)
+TESTBED_STATE = {
+    "state.dir": "each peer's folder in the run's output directory",
+    "state.status_every_s": "1 s: each peer's curves are sampled from its metrics.jsonl",
+    "state.metrics_max_mb": "the summary reads each peer's whole metrics.jsonl",
+}
 
 
 def _preset_algorithm(name: str) -> dict[str, str]:

@@ -430,7 +430,8 @@ def _node_config(options: RunOptions, host, files, state: Path, bootstrap: list[
         # state_sync off: every peer starts from the same seeded model, as the DDP ranks do (a
         # restarted peer resumes from its own checkpoint either way)
         "gossip": {"algorithm": sc.algorithm, "state_sync": False},
-        "state": {"dir": state, "status_every_s": 1.0},
+        # (the summary reads each peer's whole metrics.jsonl: never rotated, however long the run)
+        "state": {"dir": state, "status_every_s": 1.0, "metrics_max_mb": 1e6},
     }  # fmt: skip
 
 

@@ -81,6 +81,7 @@ def test_overrides_take_toml_values_and_bare_strings():
         ('network.advertise="tcp://:5000"', "network.advertise = 'tcp://:5000': expected an addr"),
         ('network.bootstrap=["tcp://:5000"]', "network.bootstrap = 'tcp://:5000': expected an ad"),
         ("state.status_every_s=inf", "state.status_every_s = inf: expected a finite number"),
+        ("state.metrics_max_mb=-1", "state.metrics_max_mb = -1.0: expected >= 0"),
         ("training.shard_index=4", "training.shard_index = 4: expected 0..3"),
         ("gossip.policy=random", "gossip.policy = 'random': expected uniform or ring"),
         ("gossip.exchange_every=0", "gossip.exchange_every = 0: expected >= 1"),

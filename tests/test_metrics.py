@@ -503,6 +503,14 @@ def test_the_plain_status_shows_small_traffic_and_the_algorithm_s_own_counters()
     assert "stale" in render_status(slow, age_s=200.0)
     stopped = dataclasses.replace(status, running=False).to_json()  # its last status: not stale
     assert "stale" not in render_status(stopped, age_s=65.0)
+    # the README said status shows the peak memory: only --json and --watch did
+    assert "process" not in shown  # (an older node's status: neither figure)
+    used = dataclasses.replace(status, peak_rss_mb=431.4, memory_estimate_mb=520.0,
+                               open_files=19, open_files_limit=65536)  # fmt: skip
+    assert ("process   memory peak 431 MB (estimated 520 MB)  open files 19 of 65536"
+            in render_status(used.to_json()))  # fmt: skip
+    flooded = dataclasses.replace(used, open_files=250, open_files_limit=256)
+    assert "open files 250 of 256  NEAR THE LIMIT" in render_status(flooded.to_json())
 
 
 def test_connections_that_trickle_a_byte_at_a_time_do_not_hold_the_metrics_port(monkeypatch):

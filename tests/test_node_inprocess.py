@@ -425,6 +425,20 @@ async def test_temp_files_a_killed_node_left_are_removed_at_the_next_start(tmp_p
     assert not list(ckpts.glob(".*.tmp"))  # (nor one of this run's own)
 
 
+@pytest.mark.parametrize("max_mb", [0, 0.002])
+async def test_the_metrics_file_keeps_to_its_setting_or_is_not_written(tmp_path, max_mb):
+    """metrics.jsonl could take up to 128 MB of a small disk, whatever the operator wanted."""
+    await _logs_of_a_short_run(config(tmp_path, "m", f"state.metrics_max_mb={max_mb}",
+                                      "state.status_every_s=0.01", "training.max_steps=400"))
+    state = tmp_path / "m"
+    assert (state / "status.json").exists()
+    if not max_mb:
+        assert not (state / "metrics.jsonl").exists()
+        return
+    assert (state / "metrics.jsonl.1").stat().st_size >= 2000  # rotated at 2 kB
+    assert (state / "metrics.jsonl").stat().st_size < 2000 + 4000
+
+
 async def test_a_state_dir_that_cannot_be_used_is_one_config_error(tmp_path):
     """A file where state.dir should be (or a read-only folder) was an OSError traceback."""
     from geotrain.node import ConfigError

@@ -55,6 +55,8 @@ def test_testbed_is_a_geotrain_command(capsys):
         (["--param", "hidden=2024-01-01"], "--param 'hidden=2024-01-01': a date is no task"),
         (["--node-set", "training.slowdown=3"], "use the scenario's [[stragglers]]"),
         (["--node-set", "training.partition=dirichlet"], "use --partition"),
+        # the summary is read from each peer's whole metrics.jsonl
+        (["--node-set", "state.metrics_max_mb=0"], "the testbed sets this for every node"),
         (["--eval-every-s", "-1"], "--eval-every-s -1.0 (RunOptions.eval_every_s): expected"),
     ],
 )

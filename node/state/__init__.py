@@ -8,6 +8,7 @@ from importlib import import_module
 from ._files import write_atomically as write_atomically
 from ._statedir import StateDir as StateDir
 from ._statedir import StateDirInUse as StateDirInUse
+from ._status import METRICS_MAX_BYTES as METRICS_MAX_BYTES
 from ._status import NodeStatus as NodeStatus
 from ._status import PeerStatus as PeerStatus
 from ._status import append_metrics as append_metrics

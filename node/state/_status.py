@@ -95,6 +95,10 @@ class NodeStatus:
     frames_rejected: dict[str, int] = field(default_factory=dict)
     handshakes_failed: dict[str, int] = field(default_factory=dict)
     messages_rejected: dict[str, int] = field(default_factory=dict)
+    # file descriptors the node's process has open, and its limit (None: not known); idle
+    # connections to the node's port hold one each until nng drops them
+    open_files: int | None = None
+    open_files_limit: int | None = None
 
     def to_json(self) -> dict[str, Any]:
         data = asdict(self)
@@ -229,6 +233,25 @@ def _refused_line(data: dict[str, Any]) -> list[str]:
     return ["refused   " + "  ".join(cells)] if cells else []
 
 
+FILES_WARN_SHARE = 0.8  # open files past this share of the limit are said loudly
+
+
+def _process_line(data: dict[str, Any]) -> list[str]:
+    """The node process's memory (peak, against its estimate) and open files (against the
+    limit), where the status says them."""
+    cells = []
+    if isinstance(data.get("peak_rss_mb"), int | float):
+        cells.append(f"memory peak {data['peak_rss_mb']:.0f} MB (estimated "
+                     f"{_fmt(data.get('memory_estimate_mb'), '.0f')} MB)")  # fmt: skip
+    count, limit = data.get("open_files"), data.get("open_files_limit")
+    if isinstance(count, int):
+        near = (isinstance(limit, int) and limit > 0 and count >= FILES_WARN_SHARE * limit)
+        cells.append(f"open files {count} of {_fmt(limit)}" + (
+            "  NEAR THE LIMIT: idle connections to the node's port? checkpoints fail at it"
+            if near else ""))  # fmt: skip
+    return ["process   " + "  ".join(cells)] if cells else []
+
+
 def _loss_cell(data: dict[str, Any]) -> str:
     bad = data.get("nonfinite_losses") or 0
     return f"NaN/inf ({_fmt(bad)} steps in a row)" if bad else _fmt(data.get("loss"), ".4f")
@@ -294,6 +317,7 @@ def render_status(data: dict[str, Any], age_s: float | None = None) -> str:
         *_privacy_line(data),
         *_not_dialled_line(data),
         *_refused_line(data),
+        *_process_line(data),
         *_stale_line(data, age_s),
         "",
         f"{'peer':<14}{'state':<9}{'address':<28}{'rtt ms':>8}{'Mbit/s':>9}  {'codec':<16}"
