@@ -13,6 +13,7 @@ import atexit
 import contextlib
 import numbers
 import os
+import signal
 import threading
 import time
 from collections.abc import Callable
@@ -150,6 +151,7 @@ class Swarm:
         self._warn_never_wrapped()  # (first: the loop's close applies the mixes that came)
         self._loop.close()
         interrupted = _stop_and_wait(self._token, self._stop, self._box, timeout_s)
+        _default_sigterm()  # (once stopped, and no swarm is open: SIGTERM ends it as before)
         error = self._box.pop("error", None)
         if interrupted is not None:  # (after the node stopped: see _stop_and_wait)
             raise interrupted
@@ -344,19 +346,23 @@ def join(
             box["ended"].set()
 
     thread = threading.Thread(target=run, name="geotrain-node", daemon=True)
+    _exit_on_sigterm()
     thread.start()
     try:
         in_time = ready.wait(ready_timeout_s)
     except BaseException:  # Ctrl-C while waiting: the node stops first, then it goes on
         _stop_unready(node, box)
+        _default_sigterm()
         raise
     if not in_time:
         doing = node.starting()
         _stop_unready(node, box)
+        _default_sigterm()
         raise TimeoutError(f"the node was not ready within {ready_timeout_s} s (stopped): "
                            f"it was {doing}")  # fmt: skip
     if "error" in box:
         thread.join(10)
+        _default_sigterm()
         error = box["error"]
         raise _leaf(error) from error
     loop.start()
@@ -427,6 +433,31 @@ def _stop_and_wait(
 
 
 _open_swarms: set[Swarm] = set()  # (held here: a swarm whose node runs is open whoever holds it)
+
+
+def _sigterm_exits(signum: int, frame: Any) -> None:
+    raise SystemExit(128 + signum)
+
+
+def _exit_on_sigterm() -> None:
+    """SIGTERM (systemd, `kill`, a scheduler, `timeout`) ended a program that joined without
+    its exit handlers: the node was cut off, no checkpoint, no leave. A program without a
+    SIGTERM handler of its own gets one that exits (143) as the end of a script does, closing
+    its swarms; set in the main thread only (Python runs handlers there)."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    with contextlib.suppress(ValueError, OSError):
+        if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+            signal.signal(signal.SIGTERM, _sigterm_exits)
+
+
+def _default_sigterm() -> None:
+    """Put SIGTERM's default back once no swarm is open, where _exit_on_sigterm set it."""
+    if _open_swarms or threading.current_thread() is not threading.main_thread():
+        return
+    with contextlib.suppress(ValueError, OSError):
+        if signal.getsignal(signal.SIGTERM) is _sigterm_exits:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
 @atexit.register

@@ -109,6 +109,12 @@ class NodeCollector:
             yield _gauge("geotrain_memory_estimate_bytes",
                          "Memory the node estimated it needs (at start; a loop's own at wrap())",
                          s.memory_estimate_mb * 1e6)  # fmt: skip
+        if s.open_files is not None:
+            yield _gauge("geotrain_open_files", "File descriptors the process has open (idle "
+                         "connections to the node's port hold one each)", s.open_files)
+        if s.open_files_limit is not None:
+            yield _gauge("geotrain_open_files_limit", "The process's soft limit on open files",
+                         s.open_files_limit)  # fmt: skip
         if s.privacy_epsilon is not None:
             yield _gauge("geotrain_privacy_epsilon_spent",
                          "Differential privacy: epsilon spent on this node's data",

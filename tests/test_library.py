@@ -820,9 +820,12 @@ def test_wrap_of_something_not_an_optimizer_says_what_it_takes():
 
     model = make_model()
     loop = LoopTrainer(model)
-    for wrong in (model, list(model.parameters()), "adam"):
-        with pytest.raises(ValueError, match=r"wrap\(\) takes your torch optimizer"):
+    for wrong, got in ((model, "a Sequential:"), (list(model.parameters()), "a list:"),
+                       ("adam", "a str ('adam'):")):  # fmt: skip
+        with pytest.raises(ValueError, match=r"wrap\(\) takes your torch optimizer") as err:
             loop.attach(wrong)
+        # one line, naming the type (a module's repr was pasted in, cut mid-line)
+        assert f"got {got} e.g. swarm.wrap" in str(err.value) and "\n" not in str(err.value)
 
 
 def test_a_scheduler_made_on_what_wrap_returned_is_checkpointed_when_wrapped_again(tmp_path):
@@ -1078,3 +1081,32 @@ def test_a_one_cycle_resume_with_the_same_settings_says_nothing(tmp_path):
     with joined(tmp_path, "c", model) as swarm, capture_logs() as logs:
         swarm.wrap(*one_cycle(model))
     assert not [e for e in logs if e["event"] == "optimizer_settings_from_checkpoint"], logs
+
+
+def test_join_turns_sigterm_into_an_exit_until_close_and_keeps_a_handler_of_ones_own(tmp_path):
+    """Without a handler SIGTERM ended the program past its exit handlers (no checkpoint, no
+    leave); join installs one while a swarm is open, and leaves a program's own alone."""
+    import signal
+
+    before = signal.getsignal(signal.SIGTERM)
+    try:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        swarm = joined(tmp_path, "a", make_model())
+        handler = signal.getsignal(signal.SIGTERM)
+        assert callable(handler)
+        with pytest.raises(SystemExit) as exited:
+            handler(signal.SIGTERM, None)
+        assert exited.value.code == 143
+        swarm.close()
+        assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+
+        def mine(*_):
+            pass
+
+        signal.signal(signal.SIGTERM, mine)
+        swarm = joined(tmp_path, "b", make_model())
+        assert signal.getsignal(signal.SIGTERM) is mine
+        swarm.close()
+        assert signal.getsignal(signal.SIGTERM) is mine
+    finally:
+        signal.signal(signal.SIGTERM, before)

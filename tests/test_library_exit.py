@@ -144,6 +144,38 @@ def test_two_sigterms_with_the_readmes_handler_still_stop_the_node_first(tmp_pat
     assert "panic" not in text and "terminate called" not in text, text[-3000:]
 
 
+UNHANDLED = JOIN + """
+print("LOOPING", flush=True)
+while True:  # no handler, no close(), no finally: a script run by a scheduler that stops it
+    model(torch.randn(2, 4)).sum().backward()
+    opt.step()
+    opt.zero_grad()
+"""
+
+
+def test_sigterm_to_a_script_without_a_handler_checkpoints_and_leaves(tmp_path):
+    """SIGTERM (systemd, kill, a scheduler, timeout) ended a script that joined without its
+    exit handlers: no final checkpoint, no leave, unless it had installed the README's handler.
+    join installs one where the program has none."""
+    path = tmp_path / "loop.py"
+    path.write_text(UNHANDLED.format(wait=0, state=tmp_path / "state"))
+    log = tmp_path / "stderr.txt"
+    with log.open("w") as err:
+        proc = subprocess.Popen([sys.executable, str(path)], stdout=subprocess.PIPE, stderr=err,
+                                text=True)  # fmt: skip
+        try:
+            assert proc.stdout is not None and proc.stdout.readline() == "LOOPING\n"
+            time.sleep(0.5)
+            proc.send_signal(signal.SIGTERM)
+            code = proc.wait(90)
+        finally:
+            proc.kill()
+    text = log.read_text()
+    assert code == 143, (code, text[-3000:])
+    assert "swarm_closed_at_exit" in text and "checkpoint_written" in text, text[-3000:]
+    assert "node_stopped" in text and "panic" not in text, text[-3000:]
+
+
 FORKS = JOIN + """
 pid = os.fork()
 if pid == 0:  # a child of the user's own that simply ends (it closes no swarm of the parent's)

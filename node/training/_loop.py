@@ -481,8 +481,10 @@ class LoopTrainer(OptimizerSync):
         """
         groups = getattr(optimizer, "param_groups", None)
         if not isinstance(groups, list) or not callable(getattr(optimizer, "step", None)):
-            raise ValueError(f"wrap() takes your torch optimizer, got {type(optimizer).__name__}"
-                             f" {optimizer!r:.40}: e.g. swarm.wrap(torch.optim.AdamW("
+            # (the type only: a module's repr is many lines, and was cut mid-line)
+            value = f" ({optimizer!r:.40})" if isinstance(optimizer, str | int | float) else ""
+            raise ValueError(f"wrap() takes your torch optimizer, got a {type(optimizer).__name__}"
+                             f"{value}: e.g. swarm.wrap(torch.optim.AdamW("
                              "model.parameters()))")  # fmt: skip
         mine = {id(p) for p in self.model.parameters()}
         theirs = [p for group in groups for p in group["params"]]
