@@ -118,13 +118,11 @@ finally:
 """
 
 
-@pytest.mark.parametrize("gap_s", [0.001, 0.02])
-def test_two_sigterms_with_the_readmes_handler_still_stop_the_node_first(tmp_path, gap_s):
-    """The README's SIGTERM handler raises SystemExit; a second SIGTERM while close() waited
-    for the node cut the wait short (only Ctrl-C was held back), and the interpreter exited
-    under the node's thread: nng's pthread_mutex_lock panic, no final checkpoint, no leave."""
+def _sigterm_a_loop(tmp_path: Path, script: str, gaps: tuple[float, ...] = ()) -> tuple[int, str]:
+    """Run `script` until it loops, send it SIGTERM once plus once after each of `gaps`
+    seconds; its exit code and standard error."""
     path = tmp_path / "loop.py"
-    path.write_text(TERMINATED.format(wait=0, state=tmp_path / "state"))
+    path.write_text(script.format(wait=0, state=tmp_path / "state"))
     log = tmp_path / "stderr.txt"
     with log.open("w") as err:
         proc = subprocess.Popen([sys.executable, str(path)], stdout=subprocess.PIPE, stderr=err,
@@ -133,12 +131,21 @@ def test_two_sigterms_with_the_readmes_handler_still_stop_the_node_first(tmp_pat
             assert proc.stdout is not None and proc.stdout.readline() == "LOOPING\n"
             time.sleep(0.5)
             proc.send_signal(signal.SIGTERM)
-            time.sleep(gap_s)
-            proc.send_signal(signal.SIGTERM)
+            for gap in gaps:
+                time.sleep(gap)
+                proc.send_signal(signal.SIGTERM)
             code = proc.wait(90)
         finally:
             proc.kill()
-    text = log.read_text()
+    return code, log.read_text()
+
+
+@pytest.mark.parametrize("gap_s", [0.001, 0.02])
+def test_two_sigterms_with_the_readmes_handler_still_stop_the_node_first(tmp_path, gap_s):
+    """The README's SIGTERM handler raises SystemExit; a second SIGTERM while close() waited
+    for the node cut the wait short (only Ctrl-C was held back), and the interpreter exited
+    under the node's thread: nng's pthread_mutex_lock panic, no final checkpoint, no leave."""
+    code, text = _sigterm_a_loop(tmp_path, TERMINATED, (gap_s,))
     # (143: the handler's exit; -15: the second SIGTERM came as the interpreter finished)
     assert code in (143, -signal.SIGTERM) and "node_stopped" in text, (code, text[-3000:])
     assert "panic" not in text and "terminate called" not in text, text[-3000:]
@@ -157,20 +164,7 @@ def test_sigterm_to_a_script_without_a_handler_checkpoints_and_leaves(tmp_path):
     """SIGTERM (systemd, kill, a scheduler, timeout) ended a script that joined without its
     exit handlers: no final checkpoint, no leave, unless it had installed the README's handler.
     join installs one where the program has none."""
-    path = tmp_path / "loop.py"
-    path.write_text(UNHANDLED.format(wait=0, state=tmp_path / "state"))
-    log = tmp_path / "stderr.txt"
-    with log.open("w") as err:
-        proc = subprocess.Popen([sys.executable, str(path)], stdout=subprocess.PIPE, stderr=err,
-                                text=True)  # fmt: skip
-        try:
-            assert proc.stdout is not None and proc.stdout.readline() == "LOOPING\n"
-            time.sleep(0.5)
-            proc.send_signal(signal.SIGTERM)
-            code = proc.wait(90)
-        finally:
-            proc.kill()
-    text = log.read_text()
+    code, text = _sigterm_a_loop(tmp_path, UNHANDLED)
     assert code == 143, (code, text[-3000:])
     assert "swarm_closed_at_exit" in text and "checkpoint_written" in text, text[-3000:]
     assert "node_stopped" in text and "panic" not in text, text[-3000:]
