@@ -157,6 +157,7 @@ def test_the_view_of_a_real_node_shows_its_numbers_peers_and_trends(real_node):
     assert (f"ok {s.exchanges_ok}  failed {s.exchanges_failed}  "
             f"rejected updates {s.rejected_updates}") in text  # fmt: skip
     assert f"peak {s.peak_rss_mb:.0f} MB" in text and re.search(r"uptime\s+\d+s", text)
+    assert re.search(rf"open files\s+{s.open_files} of {s.open_files_limit}", text)
     assert s.peer_id in text and "running" in text and "written 3s before" in text
     loss_line = next(line for line in text.splitlines() if line.startswith("loss"))
     metric_line = next(line for line in text.splitlines() if line.startswith("mse"))

@@ -189,6 +189,8 @@ def _numbers(d: dict[str, Any], trend: Trend, bars: str) -> Table:
         f"peak {_fmt(d.get('peak_rss_mb'), '.0f')} MB"
         f"  (estimated {_fmt(d.get('memory_estimate_mb'), '.0f')} MB)",
     )
+    if isinstance(d.get("open_files"), int):
+        table.add_row("open files", f"{d['open_files']} of {_fmt(d.get('open_files_limit'))}")
     table.add_row("uptime", _duration(d.get("elapsed_s")))
     if d.get("algorithm_stats"):
         table.add_row("algorithm", "  ".join(f"{k} {format_number(v)}"
