@@ -457,3 +457,37 @@ async def test_a_value_beyond_float16s_range_is_refused_at_encoding_and_poisons_
             assert same(model(a), before_a) and same(model(b), before_b)
             residuals = [*a.feedback.state_dict().values(), *b.feedback.state_dict().values()]
             assert all(bool(torch.isfinite(r).all()) for r in residuals)
+
+
+async def test_a_peer_that_reopens_or_goes_quiet_is_held_off_and_cannot_hold_the_slots(
+    autojump_clock,
+):
+    """Three admitted identities each opened an exchange, sent chunk 0 and opened anew every
+    second: every opening reset the deadlines, and the node's three slots stayed taken for as
+    long as they went on (its honest partner's exchanges all declined). A peer that leaves its
+    exchanges unfinished is declined for its idle deadline, doubled for each more in a row."""
+    async with runtimes(2, **CHUNKED) as (net, (a, b)):
+        evil = PeerInfo("p9", b"", "mem://p9", "inbound")
+        first = memoryview(_chunks(a)[0])
+        reply, _ = await b.handle(evil, _opening(a, xid=1), first)
+        assert not isinstance(reply, ErrorReply)  # an opening like any other: taken
+        idle = b._sessions["p9"].idle_s
+        reply, _ = await b.handle(evil, _opening(a, xid=2), first)  # opened over it
+        assert isinstance(reply, ErrorReply) and reply.code == "busy"
+        assert "left unfinished" in reply.reason and not b._sessions  # the slot is free ...
+        assert await a.exchange_once()  # ... for an honest partner
+        for xid in range(3, 8):  # re-opening within its hold-off: declined each time
+            await trio.sleep(0.1)
+            reply, _ = await b.handle(evil, _opening(a, xid=xid), first)
+            assert isinstance(reply, ErrorReply) and reply.code == "busy" and not b._sessions
+        await trio.sleep(max(1.0, idle))  # its hold-off is over: taken, then left to idle out
+        reply, _ = await b.handle(evil, _opening(a, xid=8), first)
+        assert not isinstance(reply, ErrorReply) and "p9" in b._sessions
+        await trio.sleep(idle + 0.1)
+        assert b._free() and "p9" not in b._sessions  # idled out: a second one in a row ...
+        held = b._held_off["p9"]
+        assert held.strikes == 2 and held.until - trio.current_time() > 1.9 * max(1.0, idle)
+        # ... while a peer that finishes what it starts is never held off
+        for _ in range(3):
+            assert await a.exchange_once()
+        assert "p0" not in b._held_off

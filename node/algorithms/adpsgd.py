@@ -37,6 +37,11 @@ from ._stream import (
 )
 
 SMALL_EXCHANGES_BYTES = 64 * 2**20  # mix buffers of concurrent exchanges a small model may hold
+# A peer that left an exchange it opened unfinished (it went quiet until the deadline, or opened
+# another over it) is told "busy" for its idle deadline, doubled for each more in a row (up to
+# this), until one of its exchanges completes: three identities re-opening every second held a
+# node's three exchange slots for as long as they went on (each opening reset the deadlines).
+HOLD_OFF_MAX_S = 60.0
 log = structlog.get_logger()
 
 
@@ -120,6 +125,14 @@ class _Session:
     committing: bool = False
 
 
+@dataclass
+class _HoldOff:
+    """A peer's exchanges left unfinished in a row, and until when its openings are declined."""
+
+    strikes: int = 0
+    until: float = 0.0
+
+
 class _Abort(Exception):
     """An exchange this node started cannot go on: `kind` is failed, rejected or busy."""
 
@@ -148,6 +161,7 @@ class Adpsgd(Algorithm):
         self._feedback_counted = own == "auto" or keeps_feedback(own)
         self._plans: dict[int, ChunkPlan] = {}
         self._sessions: dict[str, _Session] = {}  # the exchanges we answer, by peer
+        self._held_off: dict[str, _HoldOff] = {}  # peers that left exchanges unfinished
         model_bytes = 4 * ctx.peers.numel
         # One exchange at a time keeps a big model's memory to one mix buffer; a small model
         # affords three at once (one started, two answered), which keeps a busy swarm mixing
@@ -204,6 +218,7 @@ class Adpsgd(Algorithm):
                 log.info("exchange_abandoned", peer=session.peer[:12], reason=late)
                 self.counters.record_failed(session.peer, session.mix.spec)
                 self._end(session)
+                self._hold_off(session, min(session.expires_at, session.ends_at))
         return len(self._sessions) + self._running < self.max_exchanges
 
     def peer_disconnected(self, peer_id: str) -> None:
@@ -438,12 +453,34 @@ class Adpsgd(Algorithm):
         if header.plan != plan.digest or header.chunks != len(plan):
             return ErrorReply(code="bad_request", reason=models_differ(ctx.trainer)), b""
         old = self._sessions.get(peer.peer_id)
+        now = ctx.now()
         if old is not None and not old.committing:  # the peer started anew: its old one is over
             self.counters.record_failed(old.peer, old.mix.spec)
             self._end(old)
+            self._hold_off(old, now)
+        held = self._held_off.get(peer.peer_id)
+        if held is not None and now < held.until:
+            reason = (f"your last {held.strikes} exchange(s) with this node were left unfinished: "
+                      f"try again in {held.until - now:.0f} s")  # fmt: skip
+            return ErrorReply(code="busy", reason=reason), b""
         if peer.peer_id in self._sessions or not self._free():
             return ErrorReply(code="busy", reason="in as many exchanges as it takes"), b""
         return None
+
+    def _hold_off(self, session: _Session, since: float) -> None:
+        """`session`'s peer left it unfinished at `since` (it opened another, or a deadline
+        passed): decline its openings for a while (_HoldOff)."""
+        now = self.ctx.now()
+        if len(self._held_off) >= 4096:  # (identities are cheap in an open swarm)
+            self._held_off = {p: h for p, h in self._held_off.items() if h.until > now}
+        held = self._held_off.setdefault(session.peer, _HoldOff())
+        held.strikes += 1
+        held.until = since + min(HOLD_OFF_MAX_S,
+                                 max(1.0, session.idle_s) * 2 ** (held.strikes - 1))  # fmt: skip
+        (log.warning if held.strikes == 3 else log.debug)(
+            "exchange_peer_held_off", peer=session.peer[:12], unfinished=held.strikes,
+            seconds=round(max(0.0, held.until - now), 1),
+            reason="it left its exchanges unfinished (went quiet, or opened another)")  # fmt: skip
 
     async def _answer(
         self, session: _Session, index: int, data: memoryview, reply: Header
@@ -490,6 +527,7 @@ class Adpsgd(Algorithm):
         finally:
             self._end(session)
         self.counters.record_ok(session.peer, session.mix.spec)
+        self._held_off.pop(session.peer, None)  # (it finishes what it starts: a clean slate)
         if self.on_answered_mix is not None:
             await self.on_answered_mix()
 
