@@ -30,6 +30,7 @@ from geotrain.gossip import (
 )
 
 from ._config import ConfigError
+from ._log_quota import log_within_quota
 from ._protocol import (
     MAX_CARRIED,
     MAX_GOSSIP_BODY,
@@ -50,6 +51,7 @@ from .transport import (
     Pong,
     Transport,
     TransportError,
+    dialable,
 )
 
 # A reachable node that has dialled out to peers but has been dialled by nobody after this long
@@ -284,9 +286,9 @@ class MembershipService:
         """Membership messages that came back with a Delivered (we are a client): from `peer`."""
         for header in messages:
             try:
-                sends = self.membership.receive(
-                    unwrap_gossip(header), peer.peer_id, trio.current_time()
-                )
+                message = unwrap_gossip(header)
+                _check_addresses(message)
+                sends = self.membership.receive(message, peer.peer_id, trio.current_time())
             except RemoteProtocolError as exc:
                 self._refuse(peer, "gossip", str(exc))
                 continue
@@ -369,6 +371,7 @@ class MembershipService:
         assert isinstance(header, Gossip)
         try:
             message = unwrap_gossip(header)
+            _check_addresses(message)
             sends = self.membership.receive(message, peer.peer_id, trio.current_time())
         except RemoteProtocolError as exc:
             ours = peer.peer_id == self.membership.self_id
@@ -402,5 +405,22 @@ class MembershipService:
 
     def _refuse(self, peer: PeerInfo, kind: str, reason: str) -> tuple[Header, bytes]:
         self.rejected[kind] += 1
-        log.warning("message_rejected", peer=peer.short_id, kind=kind, reason=reason)
+        log_within_quota("message_rejected", peer=peer.short_id, kind=kind, reason=reason)
         return ErrorReply(code="bad_request", reason=reason[:500]), b""
+
+
+def _check_addresses(message: object) -> None:
+    """Refuse membership news naming an address no node has: a node listens on tcp://HOST:PORT
+    (or is a client, dialled by nobody), and a peer's ipc:// or ws:// member was dialled and
+    spread to the swarm (nng dials any URL it knows).
+
+    Raises:
+        RemoteProtocolError: naming the first such address.
+    """
+    named = [getattr(message, "sender_address", None), getattr(message, "target_address", None)]
+    for field in ("updates", "members"):
+        named += [getattr(u, "address", None) for u in getattr(message, field, ())]
+    for address in named:
+        if isinstance(address, str) and not (dialable(address) or is_client_address(address)):
+            raise RemoteProtocolError(f"address {address[:100]!r}: a node's address is "
+                                      "tcp://HOST:PORT")  # fmt: skip

@@ -36,6 +36,7 @@ from ._config import ConfigError, NodeConfig, TrainingConfig, preset_overrides
 from ._credentials import load_identity
 from ._driver import LoopDriver, TrainingDriver
 from ._limits import raise_open_files_limit
+from ._log_quota import log_within_quota
 from ._membership_service import MembershipService
 from ._memory import (
     LOOP_OPTIMIZER,
@@ -122,7 +123,7 @@ class _Router:
             return ErrorReply(code="busy", reason="node starting"), b""
         self.rejected["unexpected"] += 1
         kind = type(header).__name__
-        log.warning("message_rejected", peer=peer.short_id, kind="unexpected", reason=kind)
+        log_within_quota("message_rejected", peer=peer.short_id, kind="unexpected", reason=kind)
         return ErrorReply(code="bad_request", reason=f"unexpected {kind}"), b""
 
 

@@ -65,3 +65,50 @@ async def test_a_reachable_peer_gets_an_empty_delivered():
     peer = PeerInfo("gtreach1", b"", "tcp://r1:1", "inbound")
     reply, _ = await svc.handle(peer, wrap_gossip(Ping(7, "tcp://r1:1")), memoryview(b""))
     assert reply == Delivered()  # its Ack travels as a request of its own, as before
+
+
+async def test_news_of_a_member_at_an_address_no_node_has_is_refused_and_never_dialled():
+    """A member gossiped at ipc:///path (any URL nng knows) was taken, dialled (a local Unix
+    socket got nng's header) and spread to the swarm; a node's address is tcp://HOST:PORT."""
+    from geotrain.gossip import MemberUpdate, PeerList
+    from geotrain.node.transport import ErrorReply
+
+    network = NoNetwork()
+    svc = service(network)
+    peer = PeerInfo("gtevil01", b"", "tcp://r1:1", "inbound")
+    for bad in ("ipc:///tmp/x.sock", "inproc://x", "ws://r2:80", "tcp://r2", "tcp://0.0.0.0:7"):
+        news = PeerList("tcp://r1:1", (MemberUpdate("gtfake01", bad, "alive", 1),))
+        reply, _ = await svc.handle(peer, wrap_gossip(news), memoryview(b""))
+        assert isinstance(reply, ErrorReply) and "a node's address is tcp://HOST:PORT" in (
+            reply.reason), (bad, reply)  # fmt: skip
+        reply, _ = await svc.handle(peer, wrap_gossip(Ping(1, bad)), memoryview(b""))
+        assert isinstance(reply, ErrorReply), bad  # (its own address, too)
+    assert "gtfake01" not in {m.peer_id for m in svc.membership.members()}
+    assert svc.rejected["gossip"] == 10 and network.requests == []
+    fine = PeerList("tcp://r1:1", (MemberUpdate("gtfine01", "tcp://[::1]:7000", "alive", 1),))
+    reply, _ = await svc.handle(peer, wrap_gossip(fine), memoryview(b""))
+    assert not isinstance(reply, ErrorReply)
+
+
+async def test_a_flood_of_bad_gossip_is_counted_whole_and_logged_within_a_quota(monkeypatch):
+    """An admitted peer's 2000 bad messages wrote 2000 warnings in 3 s (600 lines a second)."""
+    from structlog.testing import capture_logs
+
+    from geotrain.node import _log_quota
+    from geotrain.node.transport import ErrorReply
+
+    monkeypatch.setattr(_log_quota, "_QUOTAS", {})
+    svc = service(NoNetwork())
+    peer = PeerInfo("gtevil01", b"", "tcp://r1:1", "inbound")
+    flood = _log_quota.WARNINGS_PER_MINUTE + 30
+    with capture_logs() as logs:
+        for seq in range(flood):
+            reply, _ = await svc.handle(peer, wrap_gossip(Ping(seq, "ipc:///x")),
+                                        memoryview(b""))  # fmt: skip
+            assert isinstance(reply, ErrorReply)
+        monkeypatch.setattr(_log_quota, "_clock", lambda: 1e9)  # a minute later
+        await svc.handle(peer, wrap_gossip(Ping(0, "ipc:///x")), memoryview(b""))
+    said = [e for e in logs if e["event"] == "message_rejected"]
+    assert svc.rejected["gossip"] == flood + 1  # every one counted ...
+    assert len(said) == _log_quota.WARNINGS_PER_MINUTE + 1  # ... the log within its quota
+    assert said[-1]["left_out"] == 30 and said[-1]["log_level"] == "warning"

@@ -409,6 +409,24 @@ async def test_nobody_listening_is_peer_unreachable(authority):
             await tc.request(f"tcp://127.0.0.1:{port}", Ping(1), deadline_s=5)
 
 
+async def test_an_address_no_node_has_is_never_dialled(authority, tmp_path):
+    """nng dials any URL it knows: a member gossiped at ipc:///path made a node connect to a
+    Unix socket of its machine and send it nng's header."""
+    from geotrain.node.transport import LocalTransportError
+
+    path = tmp_path / "trap.sock"
+    with socket.socket(socket.AF_UNIX) as trap:
+        trap.bind(str(path))
+        trap.listen(4)
+        trap.setblocking(False)
+        async with _open(Node(authority)) as tc:
+            for url in (f"ipc://{path}", "inproc://trap", "ws://127.0.0.1:9/x", "tcp://:7"):
+                with pytest.raises(LocalTransportError, match="dials tcp://HOST:PORT only"):
+                    await tc.request(url, Ping(1), deadline_s=2)
+        with pytest.raises(BlockingIOError):
+            trap.accept()  # nobody came
+
+
 async def _keep_asking(transport, address, answers, stop):
     nonce = 0
     while not stop.is_set():
@@ -777,7 +795,7 @@ async def test_a_stranger_flooding_bad_frames_costs_the_log_a_few_lines_a_minute
     # where they came from, and how many it left out
     from structlog.testing import capture_logs
 
-    from geotrain.node.transport._inbound import WARNINGS_PER_MINUTE
+    from geotrain.node._log_quota import WARNINGS_PER_MINUTE
 
     server = Node(authority)
     async with _open(server) as ts:

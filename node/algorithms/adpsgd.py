@@ -18,6 +18,7 @@ import torch
 from geotrain import compress
 from geotrain.gossip import ExchangePacer, RejectedUpdate
 
+from .._log_quota import log_within_quota
 from ..training import LoopClosed, StepResult
 from ..transport import U63, CodecSpec, ErrorReply, Header, Name, PeerInfo, TransportError
 from ._base import Algorithm, AlgorithmContext, AlgorithmSpec, Reply, Tensors
@@ -392,7 +393,7 @@ class Adpsgd(Algorithm):
         elif exc.kind == "rejected":
             self.ctx.peers.unreliable(partner, now)
             self.counters.record_rejected(partner, spec, exc.cause)
-            log.warning("update_rejected", peer=partner[:12], reason=str(exc))
+            log_within_quota("update_rejected", peer=partner[:12], reason=str(exc))
         elif exc.kind == "skipped":
             log.warning("exchange_skipped", partner=partner[:12], reason=str(exc))
         else:
@@ -498,12 +499,12 @@ class Adpsgd(Algorithm):
         except (RejectedUpdate, compress.DecodeError) as exc:
             self._end(session)
             self.counters.record_rejected(session.peer, mix.spec, exc)
-            log.warning("update_rejected", peer=session.peer[:12], reason=str(exc))
+            log_within_quota("update_rejected", peer=session.peer[:12], reason=str(exc))
             return ErrorReply(code="bad_request", reason=f"update rejected: {exc}"[:500]), b""
         except ValueError as exc:  # a chunk out of the plan, twice, or our model is not finite
             self._end(session)
             self.counters.record_failed(session.peer, mix.spec)
-            log.warning("exchange_refused", peer=session.peer[:12], reason=str(exc))
+            log_within_quota("exchange_refused", peer=session.peer[:12], reason=str(exc))
             return ErrorReply(code="bad_request", reason=str(exc)[:500]), b""
         if completed:  # the reply goes now; the mix (a wait for the model lock) right after it
             session.committing = True
@@ -520,7 +521,7 @@ class Adpsgd(Algorithm):
             await self.ctx.to_thread(session.mix.commit)
         except (RejectedUpdate, ValueError) as exc:
             self.counters.record_rejected(session.peer, session.mix.spec, exc)
-            log.warning("update_rejected", peer=session.peer[:12], reason=str(exc))
+            log_within_quota("update_rejected", peer=session.peer[:12], reason=str(exc))
             return
         except LoopClosed:  # the user's loop ended before our mix could join it
             return

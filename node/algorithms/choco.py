@@ -21,6 +21,7 @@ from geotrain import compress
 from geotrain.gossip import ChocoLink, ChocoLinks, RejectedUpdate, params_norm
 
 from .._config import GossipConfig, check_field, check_types
+from .._log_quota import log_within_quota
 from ..training import StepResult
 from ..transport import U63, CodecSpec, ErrorReply, Header, PeerInfo, TransportError
 from ._base import Algorithm, AlgorithmContext, AlgorithmSpec, Reply, Tensors
@@ -356,7 +357,7 @@ class Choco(Algorithm):
             # the peer applied that chunk: the next exchange finds out and restarts the link
             self.counters.record_rejected(partner, spec, exc)
             ctx.peers.unreliable(partner, ctx.now())
-            log.warning("update_rejected", peer=partner[:12], reason=str(exc))
+            log_within_quota("update_rejected", peer=partner[:12], reason=str(exc))
             return await self._failed(partner, spec, link, None)
         distance = await ctx.to_thread(self._finish, link)
         now = ctx.now()
@@ -433,7 +434,7 @@ class Choco(Algorithm):
                                            payload)  # fmt: skip
         except (RejectedUpdate, compress.DecodeError) as exc:
             self.counters.record_rejected(peer.peer_id, header.codec, exc)
-            log.warning("update_rejected", peer=peer.short_id, reason=str(exc))
+            log_within_quota("update_rejected", peer=peer.short_id, reason=str(exc))
             await ctx.to_thread(self._restart, link, peer.peer_id, "its difference was rejected")
             return ErrorReply(code="bad_request", reason=f"update rejected: {exc}"[:500]), b""
         reply, q_mine = await ctx.to_thread(self._our_chunk, link, plan, header.index,

@@ -38,6 +38,7 @@ from geotrain.gossip import (
 
 from .._allocator import RELEASE_ABOVE_BYTES, release_free_memory
 from .._config import GossipConfig, check_field, check_types
+from .._log_quota import log_within_quota
 from ..training import StepResult
 from ..transport import U63, CodecSpec, ErrorReply, Header, PeerInfo, TransportError
 from ._base import MODEL_CODECS, Algorithm, AlgorithmContext, AlgorithmSpec, Reply, Tensors
@@ -1003,7 +1004,7 @@ class Diloco(Algorithm):
         """A partner's answer failed a check: count it, choose the partner less, say why."""
         self.counters.record_rejected(peer, spec, exc)
         self.ctx.peers.unreliable(peer, self.ctx.now())
-        log.warning("update_rejected", peer=peer[:12], reason=str(exc))
+        log_within_quota("update_rejected", peer=peer[:12], reason=str(exc))
 
     async def _offer(self, peer, round_, spec, deadline, replies) -> None:
         """Send our update to `peer` chunk by chunk and take its latest one from the replies."""
@@ -1107,7 +1108,7 @@ class Diloco(Algorithm):
             if peer.peer_id in self._crossed:
                 self._rejected_now.add(peer.peer_id)
             self.counters.record_rejected(peer.peer_id, header.codec, exc)
-            log.warning("update_rejected", peer=peer.short_id, reason=str(exc))
+            log_within_quota("update_rejected", peer=peer.short_id, reason=str(exc))
             return ErrorReply(code="bad_request", reason=f"update rejected: {exc}"[:500]), b""
         round_, available = self.latest[0], self._can_send(plan, header.codec)
         answering = self._answering.get(peer.peer_id)
@@ -1160,7 +1161,7 @@ class Diloco(Algorithm):
         except (RejectedUpdate, compress.DecodeError, ValueError) as exc:
             self._outer_in = None
             self.counters.record_rejected(peer.peer_id, header.codec, exc)
-            log.warning("update_rejected", peer=peer.short_id, reason=str(exc))
+            log_within_quota("update_rejected", peer=peer.short_id, reason=str(exc))
             return ErrorReply(code="bad_request", reason=f"update rejected: {exc}"[:500]), b""
         data = await ctx.to_thread(self._start_chunk, plan, header.index, header.codec)
         return OuterReply(round=self.round), data

@@ -30,6 +30,7 @@ from geotrain.gossip import (
 )
 
 from .._config import check_field, check_types
+from .._log_quota import log_within_quota
 from ..training import StepResult
 from ..transport import U63, CodecSpec, ErrorReply, Header, Name, PeerInfo, TransportError
 from ._base import Algorithm, AlgorithmContext, AlgorithmSpec, Reply, Tensors
@@ -352,7 +353,7 @@ class Dpsgd(Algorithm):
             reasons[peer] = f"rejected: {exc}"[:200]
             self._rejected_now.add(peer)
             self.counters.record_rejected(peer, first.codec, exc)
-            log.warning("update_rejected", peer=peer[:12], reason=str(exc))
+            log_within_quota("update_rejected", peer=peer[:12], reason=str(exc))
             return
         got[peer] = (remote, reply.degree, first.codec)
 
@@ -445,7 +446,7 @@ class Dpsgd(Algorithm):
         except (RejectedUpdate, compress.DecodeError, ValueError) as exc:
             self._pushes.pop(peer, None)
             self.counters.record_rejected(peer, header.codec, exc)
-            log.warning("update_rejected", peer=peer[:12], reason=str(exc))
+            log_within_quota("update_rejected", peer=peer[:12], reason=str(exc))
             return
         self._pushed[peer] = (remote, entry[1], header.codec)
 

@@ -34,3 +34,4 @@ from ._types import RequestTimeout as RequestTimeout
 from ._types import TransportConfig as TransportConfig
 from ._types import TransportError as TransportError
 from ._types import TransportStatistics as TransportStatistics
+from ._types import dialable as dialable

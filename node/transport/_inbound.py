@@ -9,6 +9,7 @@ import pynng
 import structlog
 import trio
 
+from .._log_quota import LogQuota, log_within_quota
 from ._messages import ErrorReply, Header, HeaderDecodeError
 from ._noise import (
     FRAME_KIND_PULL,
@@ -37,36 +38,12 @@ from ._wire import (
 )
 
 log = structlog.get_logger()
-WARNINGS_PER_MINUTE = 20  # lines a stranger's bad frames or handshakes may cost the log
 # handshakes one connection may fail before it is closed: one connection ran ~11,800 in 8 s and
 # cost the node 7.4 CPU-seconds (a refusal is answered, so an honest peer learns why)
 MAX_FAILED_HANDSHAKES = 3
 # a message being reassembled that got no part for this long is dropped when room is needed
 # (an honest sender's parts follow each other within its deadline)
 PARTIAL_IDLE_S = 30.0
-
-
-class _Quota:
-    """How many warnings of one kind may be written a minute; the rest are counted and the
-    next line written says how many were left out (the counters count them all)."""
-
-    def __init__(self, per_minute: int = WARNINGS_PER_MINUTE) -> None:
-        self.per_minute = per_minute
-        self._window_start = -60.0
-        self._written = self.suppressed = 0
-
-    def allow(self, now: float) -> bool:
-        if now - self._window_start >= 60.0:
-            self._window_start, self._written = now, 0
-        if self._written < self.per_minute:
-            self._written += 1
-            return True
-        self.suppressed += 1
-        return False
-
-    def take_suppressed(self) -> int:
-        n, self.suppressed = self.suppressed, 0
-        return n
 
 
 class _InboundSession:
@@ -100,7 +77,7 @@ class _Inbound:
         # opening and closing come from different threads and can arrive closing first (or a
         # late message brings the pipe back to pynng): a pipe here gets no new session
         self._gone: dict[int, tuple[float, bool]] = {}
-        self._quotas = {"frame_rejected": _Quota(), "handshake_failed": _Quota()}
+        self._quotas = {"frame_rejected": LogQuota(), "handshake_failed": LogQuota()}
 
     def _warn(self, event: str, session: _InboundSession, **fields: object) -> None:
         """A warning about what a connection sent, within its quota, naming the connection."""
@@ -297,7 +274,8 @@ class _Inbound:
             if len(session.partials) >= MAX_PARTIAL_MESSAGES:
                 oldest = min(session.partials)
                 del session.partials[oldest]
-                log.info("partial_message_dropped", peer=session.peer.short_id, message=oldest)
+                log_within_quota("partial_message_dropped", "info", peer=session.peer.short_id,
+                                 message=oldest)  # fmt: skip
             # every connection's messages being reassembled hold at most the budget in all:
             # each buffer is allocated whole at its first part, and three admitted connections
             # announcing 250 MiB each took a node of a 0.5 GB estimate to 1.2 GB
@@ -346,8 +324,8 @@ class _Inbound:
                 break
             dropped = other.partials.pop(key)
             own, held = own - len(dropped.buffer), held - len(dropped.buffer)
-            log.info("partial_message_dropped", peer=session.peer.short_id, message=key,
-                     reason="the peer's share of the reassembly budget")  # fmt: skip
+            log_within_quota("partial_message_dropped", "info", peer=session.peer.short_id,
+                             message=key, reason="the peer's share of the reassembly budget")
         if held + size > budget:
             raise FrameRejected("reassembly", f"a message of {size} bytes while {held} are being "
                                 f"reassembled (at most {budget} in all)")

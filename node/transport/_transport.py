@@ -43,7 +43,7 @@ from ._types import RequestTimeout as RequestTimeout
 from ._types import TransportConfig as TransportConfig
 from ._types import TransportError as TransportError
 from ._types import TransportStatistics as TransportStatistics
-from ._types import _Counters
+from ._types import _Counters, dialable
 from ._wire import (
     HS1,
     HS2,
@@ -178,7 +178,12 @@ class Transport:
         return conn
 
     def _may_dial(self, address: str) -> None:
-        """Raise instead of dialling when our certificate expired or `address` is backed off."""
+        """Raise instead of dialling when our certificate expired, `address` is no node's
+        (not tcp://HOST:PORT: a peer's gossip named an ipc:// socket of this machine) or it is
+        backed off."""
+        if not dialable(address):
+            raise LocalTransportError(f"not dialling {address[:100]!r}: a node dials "
+                                      "tcp://HOST:PORT only")  # fmt: skip
         expires_at = self._creds.own_expiry()
         if expires_at is not None and self._creds.clock() >= expires_at:
             raise LocalTransportError(

@@ -205,3 +205,17 @@ class _Counters:
             MappingProxyType({p: (self.peer_in[p], self.peer_out[p]) for p in peers}),
             self.inbound_handshakes_ok,
         )
+
+
+_EVERY_INTERFACE = {"0.0.0.0", "::", "*"}
+
+
+def dialable(address: str) -> bool:
+    """Whether `address` is one a node may dial: tcp://HOST:PORT (port 1..65535), the only kind
+    a node listens on. nng dials any URL it knows (ipc://, inproc://, ws://, ...): an address a
+    peer gossips is dialled only if it is this."""
+    if not address.startswith("tcp://"):
+        return False
+    host, sep, port = address[len("tcp://"):].rpartition(":")
+    return (bool(sep) and host != "" and "/" not in host and host.strip("[]") not in
+            _EVERY_INTERFACE and port.isdigit() and 1 <= int(port) <= 65535)  # fmt: skip
