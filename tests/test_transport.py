@@ -947,3 +947,23 @@ async def test_requests_being_reassembled_hold_at_most_the_budget_over_every_con
         assert server.seen == []
     with pytest.raises(ValueError, match="max_reassembly_bytes"):
         TransportConfig(max_reassembly_bytes=-1)
+
+
+def test_a_message_being_reassembled_takes_memory_only_as_its_parts_come():
+    """A 5 KB first part that said its message was 256 MiB made the node hold 256 MiB for up
+    to 30 s (the buffer was zero-filled whole): 50,000x what the peer sent."""
+    from geotrain.node.transport._wire import message_buffer
+
+    def rss_mb() -> float:
+        with open("/proc/self/status") as f:
+            line = next(x for x in f if x.startswith("VmRSS:"))
+        return int(line.split()[1]) / 1024
+
+    before = rss_mb()
+    buffer = message_buffer(256 << 20)
+    claimed = rss_mb()
+    memoryview(buffer)[: 4 << 20] = b"\x01" * (4 << 20)  # one 4 MiB part decrypted into it
+    written = rss_mb()
+    assert len(buffer) == 256 << 20 and buffer[(4 << 20) - 1] == 1 and buffer[4 << 20] == 0
+    assert claimed - before < 16, (before, claimed)  # not the 256 MiB it claims ...
+    assert written - before < 16 + 12, (before, written)  # ... only what was written (+4 MiB)

@@ -11,7 +11,7 @@ import trio
 
 from ._noise import FRAME_KIND_PART, FRAME_KIND_PULL, FrameRejected, PartInfo, part_bounds
 from ._types import PeerInfo, RemoteTransportError, _Counters
-from ._wire import MAX_PARTIAL_MESSAGES, _Channel, _message_view, _run_all
+from ._wire import MAX_PARTIAL_MESSAGES, _Channel, _message_view, _run_all, message_buffer
 
 log = structlog.get_logger()
 
@@ -98,7 +98,7 @@ class _Outbound:
                 return await self.channel.open(view, info)
             if info.kind != FRAME_KIND_PART or info.part.index != 0:
                 raise FrameRejected("part", "a reply must start with its part 0")
-            buffer = bytearray(info.part.message_len)
+            buffer = message_buffer(info.part.message_len)  # (taken as the parts come)
             lo, hi = part_bounds(info.part.message_len, info.part.count, 0)
             header, _ = await self.channel.open(view, info, memoryview(buffer)[lo:hi])
             return await self._pull_rest(header, info.part, buffer, counters)

@@ -4,6 +4,7 @@
 # moves its replay window only for authentic frames.
 from __future__ import annotations
 
+import mmap
 from collections.abc import Awaitable, Callable
 
 import pynng
@@ -112,12 +113,22 @@ class _OutgoingReply:
         self.pulled: set[int] = set()
 
 
+LAZY_BUFFER_BYTES = 1 << 20  # a message being reassembled from this size on takes its memory
+# as its parts come: a 5 KB first part that said 256 MiB made the node hold 256 MiB for 30 s
+
+
+def message_buffer(size: int) -> bytearray | mmap.mmap:
+    """A writable buffer of `size` bytes whose memory is taken only as it is written, from
+    LAZY_BUFFER_BYTES on (an anonymous mapping: a bytearray zero-fills, so touches, all of it)."""
+    return bytearray(size) if size < LAZY_BUFFER_BYTES else mmap.mmap(-1, size)
+
+
 class _Partial:
     """A multi-part request being reassembled (decrypted straight into its final buffer)."""
 
     def __init__(self, part: PartInfo) -> None:
         self.part = part
-        self.buffer = bytearray(part.message_len)
+        self.buffer = message_buffer(part.message_len)
         self.claimed: set[int] = set()
         self.done = 0
         self.header: bytes | None = None
