@@ -22,6 +22,7 @@ from .training import LoopClosed, Trainer
 
 LAYOUT = 2  # 1: adpsgd's error feedback as "ef/..." beside the model; 2: all of it under "algo/"
 SAY_WRITTEN_EVERY_S = 600.0  # a periodic checkpoint is logged at info at most this often
+QUIET_WAIT_S = 30.0  # how long a checkpoint waits for the exchanges in flight to end
 log = structlog.get_logger()
 
 
@@ -143,8 +144,11 @@ class Checkpointer:
             return step, time.perf_counter() - started, bad
 
         try:
-            step, seconds, bad = await trio.to_thread.run_sync(
-                lambda: self._trainer.at_step_start(write, wait=not final))
+            # (no exchange meanwhile: its chunks would wait on the model lock we hold for the
+            # write, seconds at 10^8, and its partner's deadline pass; those in flight end first)
+            async with self._algorithm.quiet(0.0 if final else QUIET_WAIT_S):
+                step, seconds, bad = await trio.to_thread.run_sync(
+                    lambda: self._trainer.at_step_start(write, wait=not final))
         except LoopClosed:  # the user's loop was interrupted (Ctrl-C) while it wrote: its
             # close writes the final one
             log.info("checkpoint_skipped", step=self._trainer.step, reason="loop interrupted")

@@ -357,7 +357,8 @@ class StateSync:
             # (a peer that has not stepped yet is the usual start of a swarm, not a problem)
             say = log.info if isinstance(exc, _NothingYet) else log.warning
             say("optimizer_state_skipped", peer=peer[:12], reason=str(exc)[:300],
-                detail="the optimizer starts fresh")
+                detail="the optimizer starts fresh, and so does a schedule passed to wrap "
+                "(its warmup again), though the model is the peer's")  # fmt: skip
             return False
         log.info("optimizer_state_synced" if now else "optimizer_state_fetched", peer=peer[:12],
                  optimizer=layout.cls, tensors=len(staged), mb=round(progress.received / 1e6, 1),

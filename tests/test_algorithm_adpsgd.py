@@ -491,3 +491,25 @@ async def test_a_peer_that_reopens_or_goes_quiet_is_held_off_and_cannot_hold_the
         for _ in range(3):
             assert await a.exchange_once()
         assert "p0" not in b._held_off
+
+
+async def test_a_checkpoint_waits_for_the_exchange_in_flight_and_takes_no_new_one(
+    autojump_clock,
+):
+    """A 10^8 node's checkpoint held the model lock for 6-14 s: the chunks of an exchange in
+    flight waited on it, the partner's deadline passed, and ~800 MB of transfer was wasted."""
+    async with runtimes(2, **CHUNKED) as (net, (a, b)):
+        net.set_delay("p0", "p1", 0.05)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(a.exchange_once)
+            await trio.sleep(0.06)
+            assert b._sessions  # b answers a's exchange ...
+            async with b.quiet(30.0):  # ... and its checkpoint waits for it to end
+                assert not b._sessions and b.counters.statistics().ok == 1
+                reply, _ = await b.handle(PeerInfo("p0", b"", "mem://p0", "inbound"),
+                                          _opening(a, xid=99), memoryview(_chunks(a)[0]))
+                assert isinstance(reply, ErrorReply) and reply.code == "busy"
+                assert "writing a checkpoint" in reply.reason  # no new one meanwhile ...
+                assert not b.start_exchange(1)  # ... either way
+        assert a.counters.statistics().ok == 1 and a.counters.statistics().failed == 0
+        assert await b.exchange_once() and b.start_exchange(2)  # after it: as before

@@ -6,11 +6,12 @@
 # inline in deterministic tests).
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import random
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Protocol
 
@@ -299,6 +300,13 @@ class Algorithm:
     def busy(self) -> bool:
         """Whether an exchange this node started is still running (shutdown waits for it)."""
         return False
+
+    @contextlib.asynccontextmanager
+    async def quiet(self, wait_s: float) -> AsyncIterator[None]:
+        """Around a checkpoint's write (which holds the model lock for seconds at 10^8: an
+        exchange's chunks wait on it and its partner's deadline passes): start or take no new
+        exchange, and first let those in flight end (at most `wait_s`). Nothing by default."""
+        yield
 
 
 @dataclass(frozen=True)

@@ -9,11 +9,12 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 
 import structlog
 import torch
+import trio
 
 from geotrain import compress
 from geotrain.gossip import ExchangePacer, RejectedUpdate
@@ -169,6 +170,7 @@ class Adpsgd(Algorithm):
         # instead of declining: nodes that all start exchanges would otherwise mostly collide.
         self.max_exchanges = 3 if 3 * model_bytes <= SMALL_EXCHANGES_BYTES else 1
         self._running = False  # an exchange we started runs
+        self._quiet = False  # a checkpoint is written: no exchange starts (quiet())
         self._seed = 0
         self.on_answered_mix: OnMixed | None = None  # awaited after we mixed as the responder
         self.chunk_timer = ChunkTimer()  # our own tensor work per chunk: chunk deadlines
@@ -201,6 +203,17 @@ class Adpsgd(Algorithm):
 
     def busy(self) -> bool:
         return self._running
+
+    @contextlib.asynccontextmanager
+    async def quiet(self, wait_s: float) -> AsyncIterator[None]:
+        self._quiet = True  # (openings are told "busy" and after_step starts none)
+        try:
+            with trio.move_on_after(wait_s):
+                while self._running or self._sessions:
+                    await trio.sleep(0.02)
+            yield
+        finally:
+            self._quiet = False
 
     def plan(self, chunk_numel: int) -> ChunkPlan:
         """The chunk plan of our model for chunks of `chunk_numel` elements (a few cached).
@@ -262,7 +275,8 @@ class Adpsgd(Algorithm):
         Returns:
             Whether an exchange was started.
         """
-        if self._running or not self._free() or not self.ctx.peers.dialable_peers():
+        if (self._running or self._quiet or not self._free()
+                or not self.ctx.peers.dialable_peers()):  # fmt: skip
             return False
         self._running = True
         self.pacer.mark(step)
@@ -464,6 +478,8 @@ class Adpsgd(Algorithm):
             reason = (f"your last {held.strikes} exchange(s) with this node were left unfinished: "
                       f"try again in {held.until - now:.0f} s")  # fmt: skip
             return ErrorReply(code="busy", reason=reason), b""
+        if self._quiet:
+            return ErrorReply(code="busy", reason="writing a checkpoint"), b""
         if peer.peer_id in self._sessions or not self._free():
             return ErrorReply(code="busy", reason="in as many exchanges as it takes"), b""
         return None

@@ -537,7 +537,8 @@ class LoopTrainer(OptimizerSync):
                              detail="a peer's optimizer state, loaded at wrap")  # fmt: skip
                 except ValueError as exc:
                     log.warning("optimizer_state_skipped", reason=str(exc),
-                                detail="the optimizer starts fresh")  # fmt: skip
+                                detail="the optimizer starts fresh, and so does the schedule "
+                                "(its warmup again), though the model is the peer's")  # fmt: skip
                 else:
                     self._move_schedule(scheduler, meta.get("schedule_steps"))
             else:  # (a ValueError keeps it: a wrap of the right optimizer still gets it)
