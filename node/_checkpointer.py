@@ -190,7 +190,8 @@ def _cause(exc: OSError) -> str:
     """What an operator does about a failed checkpoint write."""
     if exc.errno in (errno.EMFILE, errno.ENFILE):
         files, limit = open_files()
-        return (f"the process has {files} files open of its limit {limit}: many idle "
-                "connections to the node's port hold one each until they time out (~16 s); "
-                "`geotrain status` shows the count")  # fmt: skip
+        held = (f"has {files} files open of its limit {limit}" if files is not None
+                else f"is at its limit of {limit} open files")  # (the count needs one too)
+        return (f"the process {held}: many idle connections to the node's port hold one each "
+                "until they time out (~16 s); `geotrain status` shows the count")  # fmt: skip
     return "free space, or see the error"

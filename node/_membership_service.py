@@ -9,6 +9,7 @@
 # as sent by the peer it dialled (the proven one).
 from __future__ import annotations
 
+import dataclasses
 import random
 import secrets
 import time
@@ -286,8 +287,9 @@ class MembershipService:
         """Membership messages that came back with a Delivered (we are a client): from `peer`."""
         for header in messages:
             try:
-                message = unwrap_gossip(header)
-                _check_addresses(message)
+                message, dropped = _without_bad_addresses(unwrap_gossip(header))
+                if dropped:
+                    self._refuse(peer, "gossip", f"{dropped} member(s) at an address no node has")
                 sends = self.membership.receive(message, peer.peer_id, trio.current_time())
             except RemoteProtocolError as exc:
                 self._refuse(peer, "gossip", str(exc))
@@ -370,8 +372,9 @@ class MembershipService:
             return ProbeReply(received=len(payload)), b""
         assert isinstance(header, Gossip)
         try:
-            message = unwrap_gossip(header)
-            _check_addresses(message)
+            message, dropped = _without_bad_addresses(unwrap_gossip(header))
+            if dropped:
+                self._refuse(peer, "gossip", f"{dropped} member(s) at an address no node has")
             sends = self.membership.receive(message, peer.peer_id, trio.current_time())
         except RemoteProtocolError as exc:
             ours = peer.peer_id == self.membership.self_id
@@ -409,18 +412,31 @@ class MembershipService:
         return ErrorReply(code="bad_request", reason=reason[:500]), b""
 
 
-def _check_addresses(message: object) -> None:
-    """Refuse membership news naming an address no node has: a node listens on tcp://HOST:PORT
-    (or is a client, dialled by nobody), and a peer's ipc:// or ws:// member was dialled and
-    spread to the swarm (nng dials any URL it knows).
+def _without_bad_addresses(message: object) -> tuple[object, int]:
+    """`message` without the members it names at an address no node has, and how many it named:
+    a node listens on tcp://HOST:PORT (or is a client, dialled by nobody), and a peer's ipc://
+    member was dialled and spread to the swarm (nng dials any URL it knows). One such entry among
+    a Ping's news costs the entry, not the Ping (an older node may still hold one).
 
     Raises:
-        RemoteProtocolError: naming the first such address.
+        RemoteProtocolError: the sender's own address, or a probe's target, is such an address.
     """
-    named = [getattr(message, "sender_address", None), getattr(message, "target_address", None)]
-    for field in ("updates", "members"):
-        named += [getattr(u, "address", None) for u in getattr(message, field, ())]
-    for address in named:
-        if isinstance(address, str) and not (dialable(address) or is_client_address(address)):
-            raise RemoteProtocolError(f"address {address[:100]!r}: a node's address is "
+    for name in ("sender_address", "target_address"):
+        address = getattr(message, name, None)
+        if isinstance(address, str) and not _node_address(address):
+            raise RemoteProtocolError(f"{name} {address[:100]!r}: a node's address is "
                                       "tcp://HOST:PORT")  # fmt: skip
+    dropped = 0
+    for name in ("updates", "members"):
+        entries = getattr(message, name, None)
+        if not entries:
+            continue
+        kept = tuple(u for u in entries if _node_address(u.address))
+        if len(kept) != len(entries):
+            dropped += len(entries) - len(kept)
+            message = dataclasses.replace(message, **{name: kept})
+    return message, dropped
+
+
+def _node_address(address: str) -> bool:
+    return dialable(address) or is_client_address(address)

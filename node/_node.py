@@ -660,7 +660,8 @@ class Node:
                     rejected_messages=lambda: self.rejected_messages,
                 ),
                 self.state, cfg.state.status_every_s, lambda: self._running,
-                metrics_max_bytes=int(cfg.state.metrics_max_mb * 1e6),
+                # (0 turns the file off; any other size is at least a byte)
+                metrics_max_bytes=math.ceil(cfg.state.metrics_max_mb * 1e6),
             )  # fmt: skip
             for part in (membership, state_sync, self._reporter, algorithm):
                 self.router.add(part)

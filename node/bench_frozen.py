@@ -60,7 +60,6 @@ def _run(tmp: Path, layers: int, frozen: bool, steps: int) -> dict:
 
     from ._memory import peak_rss_mb
 
-
     def join(name: str, model: nn.Module, *overrides: str) -> geotrain.Swarm:
         config = config_from_toml(CONFIG, base=tmp,
                                   overrides=[f'state.dir="{tmp / name}"', *overrides])  # fmt: skip
@@ -70,7 +69,11 @@ def _run(tmp: Path, layers: int, frozen: bool, steps: int) -> dict:
     models = [build(layers, frozen), build(layers, frozen)]
     corner = models[0][0][0].weight[:64, :64].clone()
     a = join("a", models[0], "training.wait_for_peers=0")
-    b = join("b", models[1], f'network.bootstrap=["{a.address}"]', "training.wait_for_peers=1")
+    try:
+        b = join("b", models[1], f'network.bootstrap=["{a.address}"]', "training.wait_for_peers=1")
+    except BaseException:
+        a.close()  # (before its folder goes)
+        raise
 
     def loop(swarm, model: nn.Module, seed: int) -> None:
         gen = torch.Generator().manual_seed(seed)

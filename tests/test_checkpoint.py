@@ -164,7 +164,9 @@ def test_a_header_that_lies_about_a_tensor_is_refused(tmp_path):
     (n,) = struct.unpack("<Q", data[:8])
     header = json.loads(data[8 : 8 + n])
     for lie in ({"shape": [300, 2]}, {"dtype": "Q9"}, {"data_offsets": [0, 10**12]},
-                {"shape": [-3, -2]}):  # fmt: skip
+                {"shape": [-3, -2]}, {"shape": "32"}, {"shape": [3.0, 2]},
+                {"shape": [0, 10**20]}, {"shape": [10**9, 10**9], "data_offsets": [0, 4 * 10**18]},
+                {"data_offsets": [8, 32]}):  # fmt: skip
         bad = json.loads(json.dumps(header))
         bad["model/w"].update(lie)
         raw = json.dumps(bad).encode()

@@ -170,6 +170,27 @@ def test_sigterm_to_a_script_without_a_handler_checkpoints_and_leaves(tmp_path):
     assert "node_stopped" in text and "panic" not in text, text[-3000:]
 
 
+THREADED = JOIN.replace("import os,", "import os, threading,") + """
+def train():
+    while True:
+        model(torch.randn(2, 4)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+worker = threading.Thread(target=train)  # not a daemon: Python waits for it at exit
+worker.start()
+print("LOOPING", flush=True)
+worker.join()
+"""
+
+
+def test_sigterm_to_a_script_training_in_a_thread_of_its_own_ends_it_too(tmp_path):
+    """The main thread waits in join() on a (non-daemon) training thread: SIGTERM still ends
+    the program (143) after the swarm is closed, the thread's next step raising LoopClosed."""
+    code, text = _sigterm_a_loop(tmp_path, THREADED)
+    assert code == 143, (code, text[-3000:])
+    assert "node_stopped" in text and "panic" not in text, text[-3000:]
+
+
 FORKS = JOIN + """
 pid = os.fork()
 if pid == 0:  # a child of the user's own that simply ends (it closes no swarm of the parent's)

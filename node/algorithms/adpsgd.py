@@ -209,7 +209,8 @@ class Adpsgd(Algorithm):
         self._quiet = True  # (openings are told "busy" and after_step starts none)
         try:
             with trio.move_on_after(wait_s):
-                while self._running or self._sessions:
+                # (_free drops a session its peer left to idle out: nothing else would, now)
+                while self._running or (self._sessions and not self._free_sessions()):
                     await trio.sleep(0.02)
             yield
         finally:
@@ -222,6 +223,11 @@ class Adpsgd(Algorithm):
             ValueError: it would have more than MAX_CHUNKS chunks.
         """
         return cached_plan(self._plans, self.ctx.trainer, chunk_numel)
+
+    def _free_sessions(self) -> bool:
+        """Drop the sessions past their deadlines; whether none is left."""
+        self._free()
+        return not self._sessions
 
     def _free(self) -> bool:
         """Whether this node can take part in another exchange now (max_exchanges at a time)."""
@@ -491,6 +497,8 @@ class Adpsgd(Algorithm):
         if len(self._held_off) >= 4096:  # (identities are cheap in an open swarm)
             self._held_off = {p: h for p, h in self._held_off.items() if h.until > now}
         held = self._held_off.setdefault(session.peer, _HoldOff())
+        if now - held.until > HOLD_OFF_MAX_S:  # (long since its last: a fresh start)
+            held.strikes = 0
         held.strikes += 1
         held.until = since + min(HOLD_OFF_MAX_S,
                                  max(1.0, session.idle_s) * 2 ** (held.strikes - 1))  # fmt: skip

@@ -5,6 +5,7 @@
 # threshold and none is running; the exchange itself is adpsgd's, unchanged.
 from __future__ import annotations
 
+import contextlib
 import random
 from dataclasses import dataclass, field
 
@@ -112,10 +113,17 @@ class Selsync(Algorithm):
         self.communicated = int(meta.get("communicated", 0))
 
     def model_replaced(self) -> None:
+        self.pairwise.model_replaced()  # (its exchanges answered for the old model are over)
         self._reset_reference()
 
     def busy(self) -> bool:
         return self.pairwise.busy()
+
+    def peer_disconnected(self, peer_id: str) -> None:
+        self.pairwise.peer_disconnected(peer_id)
+
+    def quiet(self, wait_s: float) -> contextlib.AbstractAsyncContextManager[None]:
+        return self.pairwise.quiet(wait_s)
 
     def _reset_reference(self) -> None:
         """The live model becomes the reference, written into the reference's own buffers (a new

@@ -149,6 +149,7 @@ def decode_checkpoint(data: bytes) -> Checkpoint:
 
 
 _FROM_NAME = {name: dtype for dtype, name in _DTYPES.items()}
+_ITEM_BYTES = {dtype: torch.empty(0, dtype=dtype).element_size() for dtype in _DTYPES}
 
 
 def read_checkpoint(path: Path) -> Checkpoint:
@@ -170,31 +171,39 @@ def read_checkpoint(path: Path) -> Checkpoint:
             entries = sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][0])
         except Exception as exc:  # JSON, or a header of another shape: any is "corrupt"
             raise CheckpointError(f"unreadable header: {exc}") from exc
-        start, tensors = 8 + header_len, {}
+        start, tensors, end = 8 + header_len, {}, 0
         for name, entry in entries:
-            t = _empty_for(name, entry, size - start)
-            lo = entry["data_offsets"][0]
-            f.seek(start + lo)
-            if t.numel() and f.readinto(memoryview(t.view(-1).view(torch.uint8).numpy())) != (
-                    t.numel() * t.element_size()):  # fmt: skip
-                raise CheckpointError(f"tensor {name!r}: the file ends inside it")
+            t = _empty_for(name, entry, end, size - start)  # (each where the last one ended)
+            end = entry["data_offsets"][1]
+            if t.numel():
+                f.seek(start + entry["data_offsets"][0])
+                f.readinto(memoryview(t.view(-1).view(torch.uint8).numpy()))
             tensors[name] = t
+        if end != size - start:
+            raise CheckpointError(f"{size - start - end} bytes after the last tensor")
     return _verified(info, tensors)
 
 
-def _empty_for(name: str, entry: Any, data_bytes: int) -> torch.Tensor:
-    """An uninitialised tensor for header `entry`, checked against the data's `data_bytes`."""
+def _empty_for(name: str, entry: Any, lo_expected: int, data_bytes: int) -> torch.Tensor:
+    """An uninitialised tensor for header `entry`, whose data must begin at `lo_expected` and
+    end within the file's `data_bytes` (checked before anything is allocated)."""
     try:
         dtype = _FROM_NAME[entry["dtype"]]
-        shape = [int(n) for n in entry["shape"]]
-        lo, hi = (int(n) for n in entry["data_offsets"])
+        shape, (lo, hi) = entry["shape"], entry["data_offsets"]
     except (KeyError, TypeError, ValueError) as exc:
         raise CheckpointError(f"tensor {name!r}: bad header entry ({exc!r})") from None
-    numel = math.prod(shape)
-    if min(shape, default=0) < 0 or not 0 <= lo <= hi <= data_bytes or (
-            hi - lo != numel * torch.empty(0, dtype=dtype).element_size()):  # fmt: skip
+    ints = [*shape, lo, hi] if isinstance(shape, list) else None
+    if ints is None or not all(type(n) is int and 0 <= n < 2**62 for n in ints):
+        raise CheckpointError(f"tensor {name!r}: shape {shape} and offsets {[lo, hi]} must be "
+                              "non-negative integers")  # fmt: skip
+    if lo != lo_expected or hi - lo != math.prod(shape) * _ITEM_BYTES[dtype]:
         raise CheckpointError(f"tensor {name!r}: shape {shape} does not fit offsets {lo}..{hi}")
-    return torch.empty(shape, dtype=dtype)
+    if hi > data_bytes:
+        raise CheckpointError(f"tensor {name!r}: the file ends inside it")
+    try:
+        return torch.empty(shape, dtype=dtype)
+    except (RuntimeError, MemoryError) as exc:  # (a zero-element shape torch cannot make)
+        raise CheckpointError(f"tensor {name!r}: shape {shape}: {exc}") from None
 
 
 class CheckpointStore:

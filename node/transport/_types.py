@@ -207,15 +207,13 @@ class _Counters:
         )
 
 
-_EVERY_INTERFACE = {"0.0.0.0", "::", "*"}
-
-
 def dialable(address: str) -> bool:
     """Whether `address` is one a node may dial: tcp://HOST:PORT (port 1..65535), the only kind
     a node listens on. nng dials any URL it knows (ipc://, inproc://, ws://, ...): an address a
-    peer gossips is dialled only if it is this."""
+    peer gossips is dialled only if it is this. (tcp://0.0.0.0:PORT passes: a node listening on
+    every interface without network.advertise announces it, and it reaches only this host.)"""
     if not address.startswith("tcp://"):
         return False
     host, sep, port = address[len("tcp://"):].rpartition(":")
-    return (bool(sep) and host != "" and "/" not in host and host.strip("[]") not in
-            _EVERY_INTERFACE and port.isdigit() and 1 <= int(port) <= 65535)  # fmt: skip
+    return (bool(sep) and host != "" and "/" not in host and port.isdigit()
+            and 1 <= int(port) <= 65535)  # fmt: skip

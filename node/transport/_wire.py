@@ -4,9 +4,9 @@
 # moves its replay window only for authentic frames.
 from __future__ import annotations
 
-import mmap
 from collections.abc import Awaitable, Callable
 
+import numpy as np
 import pynng
 import trio
 from cryptography.hazmat.primitives import serialization
@@ -113,14 +113,17 @@ class _OutgoingReply:
         self.pulled: set[int] = set()
 
 
-LAZY_BUFFER_BYTES = 1 << 20  # a message being reassembled from this size on takes its memory
-# as its parts come: a 5 KB first part that said 256 MiB made the node hold 256 MiB for 30 s
+LAZY_BUFFER_BYTES = 1 << 20  # a message being reassembled from this size on is not zero-filled
+# (a 5 KB first part that said 256 MiB made the node hold 256 MiB for 30 s)
 
 
-def message_buffer(size: int) -> bytearray | mmap.mmap:
-    """A writable buffer of `size` bytes whose memory is taken only as it is written, from
-    LAZY_BUFFER_BYTES on (an anonymous mapping: a bytearray zero-fills, so touches, all of it)."""
-    return bytearray(size) if size < LAZY_BUFFER_BYTES else mmap.mmap(-1, size)
+def message_buffer(size: int) -> bytearray | np.ndarray:
+    """A writable buffer for a message of `size` bytes, every byte of which is written before it
+    is used (all its parts must come). From LAZY_BUFFER_BYTES on it is left uninitialised
+    (a bytearray zero-fills, so touches, all of it): malloc maps a big one afresh (see
+    tune_allocator) and its pages are taken only as parts are written into them; a chunk below
+    the mmap threshold reuses the arenas' pages, as before."""
+    return bytearray(size) if size < LAZY_BUFFER_BYTES else np.empty(size, dtype=np.uint8)
 
 
 class _Partial:
