@@ -513,3 +513,18 @@ async def test_a_checkpoint_waits_for_the_exchange_in_flight_and_takes_no_new_on
                 assert not b.start_exchange(1)  # ... either way
         assert a.counters.statistics().ok == 1 and a.counters.statistics().failed == 0
         assert await b.exchange_once() and b.start_exchange(2)  # after it: as before
+
+
+async def test_a_checkpoint_waits_for_a_quiet_peer_only_until_its_deadline(autojump_clock):
+    """A session whose peer went quiet was dropped only by an opening or an exchange of our
+    own, neither of which comes while a checkpoint waits: every checkpoint waited the full 30 s
+    (training with it)."""
+    async with runtimes(2, **CHUNKED) as (net, (a, b)):
+        evil = PeerInfo("p9", b"", "mem://p9", "inbound")
+        reply, _ = await b.handle(evil, _opening(a, xid=1), memoryview(_chunks(a)[0]))
+        assert not isinstance(reply, ErrorReply)
+        idle = b._sessions["p9"].idle_s
+        started = trio.current_time()
+        async with b.quiet(30.0):
+            assert not b._sessions
+        assert trio.current_time() - started < idle + 1.0 < 30.0

@@ -97,3 +97,26 @@ async def test_an_older_checkpoint_with_a_whole_half_precision_reference_loads(a
         half = {n: (t + 1).half() for n, t in model(a).items()}
         assert same(a.reference.values, sampled(a.reference, half))
         assert a.statistics().steps == 3
+
+
+async def test_selsync_takes_no_exchange_while_a_checkpoint_is_written(autojump_clock):
+    """selsync's exchanges are adpsgd's: the checkpoint's quiet (and a dropped connection)
+    reached its own no-op, not them."""
+    from geotrain.node.algorithms.adpsgd import Exchange
+    from geotrain.node.transport import ErrorReply, PeerInfo
+
+    async with runtimes(2, algorithm="selsync", codec="none", chunk_numel=8) as (net, (a, b)):
+        pair = a.pairwise
+        plan = pair.plan(pair.ctx.chunk_numel)
+        opening = Exchange(algorithm="selsync", codec="none", step=0, xid=5, plan=plan.digest,
+                           chunk_numel=plan.chunk_numel, chunks=len(plan))  # fmt: skip
+        first = pair._mix(plan, "none").send(0)
+        async with b.quiet(5.0):
+            reply, _ = await b.handle(PeerInfo("p0", b"", "mem://p0", "inbound"), opening,
+                                      memoryview(first))  # fmt: skip
+            assert isinstance(reply, ErrorReply) and "writing a checkpoint" in reply.reason
+        reply, _ = await b.handle(PeerInfo("p0", b"", "mem://p0", "inbound"), opening,
+                                  memoryview(first))  # fmt: skip
+        assert not isinstance(reply, ErrorReply) and b.pairwise._sessions
+        b.peer_disconnected("p0")
+        assert not b.pairwise._sessions  # dropped now, not at its deadline
