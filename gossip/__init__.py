@@ -29,6 +29,7 @@ from ._messages import Ping as Ping
 from ._messages import PingReq as PingReq
 from ._messages import client_address as client_address
 from ._messages import is_client_address as is_client_address
+from ._messages import tcp_host_port as tcp_host_port
 from ._messages import validate_message as validate_message
 from ._netsim import MemoryNetwork as MemoryNetwork
 from ._pacing import ExchangePacer as ExchangePacer

@@ -116,6 +116,17 @@ def is_client_address(address: str) -> bool:
     return address.startswith(CLIENT_SCHEME)
 
 
+def tcp_host_port(address: str) -> tuple[str, int] | None:
+    """(host, port) of a node's address, tcp://HOST:PORT with a port in 0..65535; None for
+    anything else."""
+    if not address.startswith("tcp://"):
+        return None
+    host, sep, port = address[len("tcp://") :].rpartition(":")
+    if not sep or host == "" or "/" in host or not port.isdigit() or int(port) > 65535:
+        return None
+    return host, int(port)
+
+
 MembershipMessage = Join | Ping | PingReq | Ack | PeerList | Leave
 MESSAGE_TYPES: tuple[type, ...] = (Join, Ping, PingReq, Ack, PeerList, Leave)
 

@@ -169,13 +169,14 @@ def _check_address(name: str, addr: Any, *, dialled: bool) -> None:
     peers dial: advertise, bootstrap)."""
     expected = ("an address peers can dial, like tcp://HOST:PORT" if dialled
                 else "an address like tcp://HOST:PORT")  # fmt: skip
+    from geotrain.gossip import tcp_host_port
+
     _check(isinstance(addr, str) and addr.startswith("tcp://"), name, addr, expected)
-    host, sep, port = addr[len("tcp://") :].rpartition(":")
-    ok = bool(sep) and "/" not in host and port.isdigit() and int(port) <= 65535
-    if ok and dialled and host.strip("[]") in _UNSPECIFIED_HOSTS - {""}:
-        _fail(name, addr, f"{expected}: {host} is where a node listens (every interface), not "
-              "an address anyone can dial; give this machine's address or name")  # fmt: skip
-    ok = ok and host != "" and (int(port) > 0 or not dialled)
+    parsed = tcp_host_port(addr)
+    if parsed and dialled and parsed[0].strip("[]") in _UNSPECIFIED_HOSTS - {""}:
+        _fail(name, addr, f"{expected}: {parsed[0]} is where a node listens (every interface), "
+              "not an address anyone can dial; give this machine's address or name")  # fmt: skip
+    ok = parsed is not None and (parsed[1] > 0 or not dialled)
     _check(ok, name, addr, expected + (" (port 1..65535)" if dialled else " (port 0..65535)"))
 
 

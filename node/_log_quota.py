@@ -12,7 +12,7 @@ log = structlog.get_logger()
 _clock = time.monotonic
 
 
-class LogQuota:
+class _Quota:
     """How many lines of one kind may be written a minute; the rest are counted, and the next
     line written says how many were left out."""
 
@@ -35,14 +35,14 @@ class LogQuota:
         return n
 
 
-_QUOTAS: dict[str, LogQuota] = {}
+_QUOTAS: dict[str, _Quota] = {}
 
 
 def log_within_quota(event: str, level: str = "warning", **fields: object) -> None:
     """Log `event` about what a peer sent, within this process's quota for that event (an
     admitted peer's 2000 unhandled messages wrote 2000 warnings in 3 s); a line written after
     some were left out says how many (`left_out`)."""
-    quota = _QUOTAS.setdefault(event, LogQuota())
+    quota = _QUOTAS.setdefault(event, _Quota())
     if not quota.allow(_clock()):
         return
     left_out = quota.take_suppressed()

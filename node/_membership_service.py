@@ -287,10 +287,7 @@ class MembershipService:
         """Membership messages that came back with a Delivered (we are a client): from `peer`."""
         for header in messages:
             try:
-                message, dropped = _without_bad_addresses(unwrap_gossip(header))
-                if dropped:
-                    self._refuse(peer, "gossip", f"{dropped} member(s) at an address no node has")
-                sends = self.membership.receive(message, peer.peer_id, trio.current_time())
+                sends = self._receive(peer, header)
             except RemoteProtocolError as exc:
                 self._refuse(peer, "gossip", str(exc))
                 continue
@@ -372,10 +369,7 @@ class MembershipService:
             return ProbeReply(received=len(payload)), b""
         assert isinstance(header, Gossip)
         try:
-            message, dropped = _without_bad_addresses(unwrap_gossip(header))
-            if dropped:
-                self._refuse(peer, "gossip", f"{dropped} member(s) at an address no node has")
-            sends = self.membership.receive(message, peer.peer_id, trio.current_time())
+            sends = self._receive(peer, header)
         except RemoteProtocolError as exc:
             ours = peer.peer_id == self.membership.self_id
             mine = f" [instance {self._instance}]" if ours else ""
@@ -405,6 +399,18 @@ class MembershipService:
         if queue:
             self._mailbox[peer_id] = deque(queue, maxlen=MAX_CARRIED)
         return tuple(out)
+
+    def _receive(self, peer: PeerInfo, header: Gossip) -> list[Send]:
+        """`peer`'s membership message into the table, without (counted) members at an address
+        no node has; what to send in return.
+
+        Raises:
+            RemoteProtocolError: a message out of bounds, or from such an address.
+        """
+        message, dropped = _without_bad_addresses(unwrap_gossip(header))
+        if dropped:
+            self._refuse(peer, "gossip", f"{dropped} member(s) at an address no node has")
+        return self.membership.receive(message, peer.peer_id, trio.current_time())
 
     def _refuse(self, peer: PeerInfo, kind: str, reason: str) -> tuple[Header, bytes]:
         self.rejected[kind] += 1

@@ -98,7 +98,6 @@ async def test_a_flood_of_bad_gossip_is_counted_whole_and_logged_within_a_quota(
     from geotrain.node import _log_quota
     from geotrain.node.transport import ErrorReply
 
-    monkeypatch.setattr(_log_quota, "_QUOTAS", {})
     svc = service(NoNetwork())
     peer = PeerInfo("gtevil01", b"", "tcp://r1:1", "inbound")
     flood = _log_quota.WARNINGS_PER_MINUTE + 30

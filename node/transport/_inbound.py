@@ -9,7 +9,7 @@ import pynng
 import structlog
 import trio
 
-from .._log_quota import LogQuota, log_within_quota
+from .._log_quota import log_within_quota
 from ._messages import ErrorReply, Header, HeaderDecodeError
 from ._noise import (
     FRAME_KIND_PULL,
@@ -77,21 +77,14 @@ class _Inbound:
         # opening and closing come from different threads and can arrive closing first (or a
         # late message brings the pipe back to pynng): a pipe here gets no new session
         self._gone: dict[int, tuple[float, bool]] = {}
-        self._quotas = {"frame_rejected": LogQuota(), "handshake_failed": LogQuota()}
 
     def _warn(self, event: str, session: _InboundSession, **fields: object) -> None:
         """A warning about what a connection sent, within its quota, naming the connection."""
-        quota = self._quotas[event]
-        if not quota.allow(trio.current_time()):
-            return
         if session.peer is not None:
             fields["peer"] = session.peer.short_id
         else:  # (not authenticated: where it came from is all there is)
             fields["remote"] = session.remote
-        left_out = quota.take_suppressed()
-        if left_out:
-            fields["left_out"] = left_out
-        log.warning(event, **fields)
+        log_within_quota(event, **fields)
 
     # -- pipe callbacks: run on nng's threads, only hand a note to the trio loop --
     def note_connect(self, pipe: pynng.Pipe) -> None:

@@ -10,6 +10,8 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Literal
 
+from geotrain.gossip import tcp_host_port
+
 from ..identity import short_id
 from ._messages import Header
 from ._noise import frame_length
@@ -212,8 +214,5 @@ def dialable(address: str) -> bool:
     a node listens on. nng dials any URL it knows (ipc://, inproc://, ws://, ...): an address a
     peer gossips is dialled only if it is this. (tcp://0.0.0.0:PORT passes: a node listening on
     every interface without network.advertise announces it, and it reaches only this host.)"""
-    if not address.startswith("tcp://"):
-        return False
-    host, sep, port = address[len("tcp://"):].rpartition(":")
-    return (bool(sep) and host != "" and "/" not in host and port.isdigit()
-            and 1 <= int(port) <= 65535)  # fmt: skip
+    parsed = tcp_host_port(address)
+    return parsed is not None and parsed[1] >= 1
