@@ -349,26 +349,34 @@ def join(
     _exit_on_sigterm()
     thread.start()
     try:
-        in_time = ready.wait(ready_timeout_s)
-    except BaseException:  # Ctrl-C while waiting: the node stops first, then it goes on
-        _stop_unready(node, box)
+        _wait_ready(node, thread, ready, box, ready_timeout_s)
+    except BaseException:
         _default_sigterm()
         raise
-    if not in_time:
-        doing = node.starting()
-        _stop_unready(node, box)
-        _default_sigterm()
-        raise TimeoutError(f"the node was not ready within {ready_timeout_s} s (stopped): "
-                           f"it was {doing}")  # fmt: skip
-    if "error" in box:
-        thread.join(10)
-        _default_sigterm()
-        error = box["error"]
-        raise _leaf(error) from error
     loop.start()
     swarm = Swarm(node, loop, thread, box["token"], box)
     _open_swarms.add(swarm)
     return swarm
+
+
+def _wait_ready(node: Node, thread: threading.Thread, ready: threading.Event,
+                box: dict[str, Any], timeout_s: float | None) -> None:  # fmt: skip
+    """Wait for a joining node to be ready; one that fails, or is not ready in `timeout_s`, or
+    a Ctrl-C meanwhile, raises (the node stopped first)."""
+    try:
+        in_time = ready.wait(timeout_s)
+    except BaseException:  # Ctrl-C while waiting: the node stops first, then it goes on
+        _stop_unready(node, box)
+        raise
+    if not in_time:
+        doing = node.starting()
+        _stop_unready(node, box)
+        raise TimeoutError(f"the node was not ready within {timeout_s} s (stopped): "
+                           f"it was {doing}")  # fmt: skip
+    if "error" in box:
+        thread.join(10)
+        error = box["error"]
+        raise _leaf(error) from error
 
 
 def _refuse_joined_twice(model: torch.nn.Module) -> None:
