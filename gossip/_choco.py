@@ -101,6 +101,10 @@ class ChocoLinks:
     def __len__(self) -> int:
         return len(self._links)
 
+    def values(self) -> list[ChocoLink]:
+        """Every link kept now."""
+        return list(self._links.values())
+
     def link(self, peer: str, live: Iterable[str]) -> ChocoLink:
         """The link to `peer` (made at the base model if new), marked most recently used; links
         of peers not in `live` and beyond `max_peers` are dropped unless busy."""

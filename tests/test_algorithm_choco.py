@@ -261,3 +261,50 @@ def test_the_initial_models_digest_takes_a_scalar_parameter():
     a = {"t": torch.tensor(0.5), "w": torch.ones(2, 2)}
     assert model_digest(a) == model_digest({k: v.clone() for k, v in a.items()})
     assert model_digest(a) != model_digest({**a, "t": torch.tensor(0.25)})
+
+
+async def test_a_checkpoint_waits_for_the_exchange_in_flight_and_keeps_its_link(autojump_clock):
+    """Each chunk of a choco exchange reads the live model, which a 10^8 checkpoint holds for
+    seconds, and a checkpoint left out a link an exchange was half-way through (a restart then
+    resynced it from its start). The checkpoint lets the exchange end and takes no new one."""
+    torch.manual_seed(0)
+    async with runtimes(2, chunk_numel=8, **CHOCO) as (net, (a, b)):  # 5 chunks
+        net.set_delay("p0", "p1", 0.05)
+        a.ctx.trainer.train_step()
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(a._exchange, "p1")
+            await trio.sleep(0.06)
+            assert b.links["p0"].stream is not None  # b answers a's exchange ...
+            async with b.quiet(30.0):  # ... and its checkpoint waits for it to end
+                assert b.links["p0"].stream is None and b.links["p0"].seq == 1
+                tensors, meta = b.state()
+                assert meta["seq"] == {"p0": 1} and any(k.startswith("p0/") for k in tensors)
+                reply, _ = await b.handle(PeerInfo("p0", b"", "mem://p0", "inbound"),
+                                          exchange(b, seq=1, xid=99), memoryview(b""))
+                assert isinstance(reply, ErrorReply) and reply.code == "busy"
+                assert "writing a checkpoint" in reply.reason  # no new one meanwhile ...
+                b.pacer.due = lambda step: True  # (an exchange of b's own is due)
+                await b.after_step(b.ctx.trainer.train_step())
+                assert not b._running  # ... either way
+        assert a.counters.statistics().ok == 1 and a.counters.statistics().failed == 0
+        assert equal_links(a.links["p1"], b.links["p0"])
+        await a._exchange("p1")  # after it: as before
+        assert a.links["p1"].seq == b.links["p0"].seq == 2 and a.counters.statistics().ok == 2
+
+
+async def test_a_checkpoint_does_not_wait_for_a_stream_its_neighbour_left(autojump_clock):
+    async with runtimes(2, chunk_numel=8, **CHOCO) as (net, (a, b)):
+        plan = b.plan(8)
+        q = {k: torch.zeros_like(v) for k, v in b.ctx.trainer.params().items()}
+        chunk = encode_chunk(model_chunk(q, plan, 0), "topk:0.1")
+        reply, _ = await b.handle(PeerInfo("p0", b"", "mem://p0", "inbound"),
+                                  exchange(b, xid=7), memoryview(chunk))  # fmt: skip
+        assert isinstance(reply, ChocoReply) and b.links["p0"].stream is not None
+        await trio.sleep(10)
+        started = trio.current_time()
+        async with b.quiet(30.0):  # a stream silent for 10 s is still awaited (to 30 s) ...
+            assert trio.current_time() - started == pytest.approx(30.0, abs=0.1)
+        await trio.sleep(200)
+        started = trio.current_time()
+        async with b.quiet(30.0):  # ... one silent past STALE_STREAM_S is not
+            assert trio.current_time() - started < 0.1

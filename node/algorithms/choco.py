@@ -9,8 +9,10 @@
 # link on both ends: the responder answers ChocoResync.
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 import structlog
@@ -149,12 +151,34 @@ class Choco(Algorithm):
         self.pacer = make_pacer(ctx)
         self.chunk_timer = ChunkTimer()  # our own tensor work per chunk: chunk deadlines
         self._said_base = False  # the warning that a peer's initial model differs: said once
+        self._quiet = False  # a checkpoint is written: no exchange starts (quiet())
 
     def statistics(self) -> ChocoStatistics:
         return ChocoStatistics(self.resyncs, len(self.links), self.pacer.interval)
 
     def busy(self) -> bool:
         return self._running
+
+    @contextlib.asynccontextmanager
+    async def quiet(self, wait_s: float) -> AsyncIterator[None]:
+        # Every chunk reads the live model (x - x_hat) and a checkpoint leaves out a link an
+        # exchange is half-way through (its count and estimates: a restart resyncs that link
+        # from its start). So the exchanges in flight end first, and none starts meanwhile.
+        self._quiet = True  # (openings are told "busy" and after_step starts none)
+        try:
+            with trio.move_on_after(wait_s):
+                while self._running or self._streams_in_flight():
+                    await trio.sleep(0.02)
+            yield
+        finally:
+            self._quiet = False
+
+    def _streams_in_flight(self) -> bool:
+        """Whether a neighbour's exchange with us runs (one silent for STALE_STREAM_S is over:
+        its initiator restarts the link when it comes back)."""
+        now = self.ctx.now()
+        return any(link.stream is not None and now - link.stream[2] <= STALE_STREAM_S
+                   for link in self.links.values())  # fmt: skip
 
     def state(self) -> tuple[Tensors, dict]:
         # (no copies: a checkpoint is written apart from every change of the estimates: _add,
@@ -266,7 +290,7 @@ class Choco(Algorithm):
     # -- initiator ------------------------------------------------------------------------------
     async def after_step(self, result: StepResult) -> None:
         self.pacer.observe_step(result.seconds)
-        if not self.pacer.due(result.step) or self._running:
+        if not self.pacer.due(result.step) or self._running or self._quiet:
             return
         partner = self.ctx.peers.choose_partner(self.ctx.now())
         if partner is not None and self.ctx.peers.address_of(partner) is not None:
@@ -415,6 +439,8 @@ class Choco(Algorithm):
         if stream is None:
             if header.index != 0:
                 return ErrorReply(code="bad_request", reason=f"no exchange {header.xid}"), b""
+            if self._quiet:
+                return ErrorReply(code="busy", reason="writing a checkpoint"), b""
             verdict = link.judge(header.seq)
             if verdict == "busy":
                 return ErrorReply(code="busy", reason="an exchange on this link is running"), b""
