@@ -30,7 +30,14 @@ from ._node import Node
 from .cli import configure_logging
 from .identity import Admission, Identity
 from .state import NodeStatus
-from .training import Diverged, LoopClosed, LoopTrainer, StepResult
+from .training import (
+    Diverged,
+    LoopClosed,
+    LoopTrainer,
+    StepResult,
+    exit_or_defer,
+    take_deferred_exit,
+)
 
 
 class Swarm:
@@ -149,8 +156,13 @@ class Swarm:
         if os.getpid() != self._pid:  # a forked child: the node runs in the parent, not here
             return
         self._warn_never_wrapped()  # (first: the loop's close applies the mixes that came)
-        self._loop.close()
-        interrupted = _stop_and_wait(self._token, self._stop, self._box, timeout_s)
+        early: BaseException | None = None
+        try:
+            self._loop.close()
+        except (KeyboardInterrupt, SystemExit) as exc:  # (the node is stopped all the same)
+            early = exc
+        early = early or take_deferred_exit()  # (a SIGTERM during the changes close ran)
+        interrupted = _stop_and_wait(self._token, self._stop, self._box, timeout_s) or early
         _default_sigterm()  # (once stopped, and no swarm is open: SIGTERM ends it as before)
         error = self._box.pop("error", None)
         if interrupted is not None:  # (after the node stopped: see _stop_and_wait)
@@ -444,7 +456,7 @@ _open_swarms: set[Swarm] = set()  # (held here: a swarm whose node runs is open 
 
 
 def _sigterm_exits(signum: int, frame: Any) -> None:
-    raise SystemExit(128 + signum)
+    exit_or_defer(128 + signum)  # (after a mix the loop's thread is applying, not mid-way)
 
 
 def _exit_on_sigterm() -> None:

@@ -887,6 +887,74 @@ def test_ctrl_c_in_the_middle_of_a_change_is_remembered_and_an_evaluation_is_not
     assert loop.cut_short is changes
 
 
+def test_a_sigterm_during_a_mix_exits_after_the_mix_and_the_final_checkpoint_is_written(
+    tmp_path,
+):
+    """join's SIGTERM exit cut a mix the loop's thread was applying short, like Ctrl-C: the
+    final checkpoint was refused (the model half changed) and the steps since the last one
+    were lost. It now waits for the end of the change (not for the next one: they stay queued
+    for close, which runs them and writes the final checkpoint)."""
+    import contextlib
+    import os
+    import signal
+
+    from geotrain.node.training import LoopClosed
+
+    before = signal.getsignal(signal.SIGTERM)
+    swarm = None
+    try:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        model = make_model()
+        swarm = joined(tmp_path, "s", model, "training.wait_for_peers=0",
+                       "state.checkpoint_every=1000")  # fmt: skip
+        opt = swarm.wrap(torch.optim.SGD(model.parameters(), lr=0.01))
+        for _ in range(3):
+            model(torch.randn(4, 8)).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+        loop = swarm._loop
+        names = list(loop.params())
+        done: list[str] = []
+
+        def mix(live):  # a mix over every tensor, the signal coming after the first
+            for i, name in enumerate(names):
+                live[name].add_(1.0)
+                if i == 0 and not done:
+                    os.kill(os.getpid(), signal.SIGTERM)
+                    time.sleep(0.05)  # (the handler runs in here, between two tensors)
+                done.append(name)
+
+        told: list[object] = []
+
+        def node_side(fn) -> None:
+            try:
+                told.append(loop.apply(fn))
+            except LoopClosed as exc:
+                told.append(exc)
+
+        workers = [threading.Thread(target=node_side, args=(fn,), daemon=True)
+                   for fn in (mix, mix)]  # fmt: skip
+        for worker in workers:
+            worker.start()
+        while len(loop._pending) < 2:
+            time.sleep(0.001)
+        with pytest.raises(SystemExit) as exited:
+            opt.step()
+        assert exited.value.code == 143 and done == names  # the whole mix, then the exit
+        assert not loop.cut_short and len(loop._pending) == 1  # the second waits for close
+        swarm.close()
+        for worker in workers:
+            worker.join(5)
+        assert told == [None, None] and done == names + names
+        step = loop.step
+        assert (tmp_path / "s" / "checkpoints" / f"ckpt-{step:010d}.safetensors").exists()
+    finally:
+        if swarm is not None:
+            with contextlib.suppress(BaseException):
+                swarm.close()
+        signal.signal(signal.SIGTERM, before)
+
+
 def test_no_final_checkpoint_of_a_model_a_ctrl_c_left_half_changed(tmp_path):
     model = make_model()
     swarm = joined(tmp_path, "h", model, "training.wait_for_peers=0", "state.checkpoint_every=1000")

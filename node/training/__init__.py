@@ -7,6 +7,8 @@ from ._gpt import SIZES as GPT_SIZES  # noqa: F401 (re-exported: the gpt task's 
 from ._loop import Diverged as Diverged
 from ._loop import LoopClosed as LoopClosed
 from ._loop import LoopTrainer as LoopTrainer
+from ._loop import exit_or_defer as exit_or_defer
+from ._loop import take_deferred_exit as take_deferred_exit
 from ._privacy import LEDGER_AHEAD_STEPS as LEDGER_AHEAD_STEPS
 from ._privacy import PrivacyError as PrivacyError
 from ._privacy import PrivacyStatistics as PrivacyStatistics

@@ -626,8 +626,11 @@ class LoopTrainer(OptimizerSync):
         self._bad_losses += 1
 
     def _run(self, queue: deque[_Pending]) -> None:
+        main = threading.current_thread() is threading.main_thread()
         while queue:
             pending = queue.popleft()
+            deferring = main and pending.changes
+            _DeferredExit.depth += deferring
             try:
                 with torch.no_grad():
                     pending.result = pending.fn(self.params())
@@ -637,14 +640,17 @@ class LoopTrainer(OptimizerSync):
                 # The node hears that the loop closed; the changes behind stay queued (close
                 # runs them)
                 pending.error = LoopClosed("the loop was interrupted during this change")
-                pending.done.set()
                 # a mix or an outer step cut short leaves the model half changed: no final
                 # checkpoint of it (the newest on disk stays); an evaluation changed nothing
                 self.cut_short = self.cut_short or pending.changes
                 raise
             except BaseException as exc:  # handed to the node's thread that asked for it
                 pending.error = exc
-            pending.done.set()
+            finally:
+                pending.done.set()
+                _DeferredExit.depth -= deferring
+            if main and not self._closed:  # (close's caller takes it: take_deferred_exit)
+                raise_deferred_exit()
 
     def close(self) -> None:
         """No more steps: the changes that wait run now (the loop stopped, nothing runs beside
@@ -655,6 +661,37 @@ class LoopTrainer(OptimizerSync):
             self._closed = True
             self._run(self._before_step)
             self._run(self._pending)
+
+
+class _DeferredExit:
+    """join's SIGTERM exit while the main thread applies a change of the model (a mix, an outer
+    step): raised at the change's end, not in its middle (a change cut short leaves the model
+    half changed, and its final checkpoint is refused: the steps since the last one were lost)."""
+
+    depth = 0  # changes the main thread runs now (only the main thread runs signal handlers)
+    code: int | None = None  # the exit a handler asked for meanwhile
+
+
+def exit_or_defer(code: int) -> None:
+    """For a signal handler of geotrain's own: raise SystemExit(`code`) now, or, while the main
+    thread applies a change of the model, once that change is done (see _DeferredExit)."""
+    if _DeferredExit.depth:
+        _DeferredExit.code = code
+        return
+    raise SystemExit(code)
+
+
+def take_deferred_exit() -> SystemExit | None:
+    """The exit a signal asked for during a change whose end raised none (the loop's close):
+    for the caller to raise once it is done; None when none was asked for."""
+    code, _DeferredExit.code = _DeferredExit.code, None
+    return None if code is None else SystemExit(code)
+
+
+def raise_deferred_exit() -> None:
+    """Raise the exit a signal asked for during a change, if any (outside every change)."""
+    if not _DeferredExit.depth and (exc := take_deferred_exit()) is not None:
+        raise exc
 
 
 def _jsonable(value: Any) -> Any:
