@@ -95,7 +95,12 @@ def _run(tmp: Path, layers: int, frozen: bool, steps: int) -> dict:
         for t in threads:
             t.join()
         seconds = time.perf_counter() - started
-        time.sleep(1.0)  # a last status
+        # the exchanges still in flight end first (their bytes are counted already), at most
+        # 30 s; then a last status
+        ends = time.monotonic() + 30.0
+        while time.monotonic() < ends and any(s.node.algorithm.busy() for s in (a, b)):
+            time.sleep(0.05)
+        time.sleep(0.5)
         statuses = [a.status(), b.status()]
     finally:
         b.close()

@@ -145,10 +145,14 @@ async def test_at_expiry_a_node_stops_dialling_and_resumes_with_a_renewed_file(
     b_cfg = member(tmp_path, authority, "b", 3600)
     with capture_logs() as logs:
         async with geotrain.open_node(b_cfg) as b:
-            a_cfg = member(tmp_path, authority, "a", 4, f'network.bootstrap=["{b.address}"]')
+            # (12 s: a must start, join b, sync and exchange twice before it expires, on a busy
+            # CI box too; 4 s, rounded down to whole seconds, had left no room for that)
+            a_cfg = member(tmp_path, authority, "a", 12, f'network.bootstrap=["{b.address}"]')
             async with geotrain.open_node(a_cfg) as a:
-                with trio.fail_after(30):
+                with trio.fail_after(60):
                     while a.status().exchanges_ok < 2:
+                        assert not any(e["event"] == "certificate_expired" for e in logs), (
+                            "a's certificate expired before its second exchange")
                         await trio.sleep(0.1)
                     while not any(e["event"] == "certificate_expired" for e in logs):
                         await trio.sleep(0.1)

@@ -85,6 +85,7 @@ def test_main_without_a_command_prints_help(capsys):
 
 
 STUCK_TASK = '''
+import sys
 import time
 import torch
 from geotrain import Task
@@ -98,6 +99,7 @@ def stuck(ctx):
     def loss(m, batch):
         steps.append(1)
         if len(steps) == 3:
+            print("stuck_step_entered", file=sys.stderr, flush=True)  # (for the test to wait on)
             time.sleep(600)  # a step that takes forever (a huge accumulate, a hung data source)
         return m(batch).pow(2).mean()
 
@@ -161,8 +163,7 @@ def test_a_third_signal_ends_a_node_stuck_inside_a_step(tmp_path):
     proc = _node_with(tmp_path, "stucktask:stuck")
     lines: list[str] = []
     try:
-        _wait_for(proc, "node_started", lines)
-        time.sleep(1.0)  # into the third step, which sleeps
+        _wait_for(proc, "stuck_step_entered", lines)  # into the third step, which sleeps
         for needle in ("stop_requested", "stop_forced", "stop_immediate"):
             proc.send_signal(signal.SIGTERM)
             _wait_for(proc, needle, lines, 30)

@@ -278,7 +278,7 @@ def train_pair(tmp_path: Path, models: list[nn.Module], *extra: str, steps: int 
     """Two loops of their own (`train`), one thread each, in one swarm; their last statuses."""
     with joined(tmp_path, "a", models[0], *extra) as a:
         with joined(tmp_path, "b", models[1], *extra, f'network.bootstrap=["{a.address}"]') as b:
-            threads = [threading.Thread(target=train, args=(s, m, steps, i))
+            threads = [threading.Thread(target=train, args=(s, m, steps, i, PACE_S))
                        for i, (s, m) in enumerate([(a, models[0]), (b, models[1])])]  # fmt: skip
             for t in threads:
                 t.start()

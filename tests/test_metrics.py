@@ -92,8 +92,9 @@ async def test_a_running_node_serves_its_numbers(tmp_path):
 
 async def test_compute_utilization_is_the_share_of_wall_time_in_training_steps(tmp_path):
     # compute emulation pins each step to 40 ms: a node alone spends nearly all its time in steps
+    # (no checkpoints: a write on a disk that earlier tests keep busy is time outside steps)
     cfg = config(tmp_path, "u", "training.step_time_ms=40", "training.wait_for_peers=0",
-                 "training.eval_every=10")  # fmt: skip
+                 "training.eval_every=10", "state.checkpoint_every=100000")  # fmt: skip
     async with geotrain.open_node(cfg, identity=Identity.generate(),
                                   admission=Admission.open_swarm("geotrain")) as node:  # fmt: skip
         with trio.fail_after(60):
