@@ -86,6 +86,13 @@ class NodeCollector:
         traffic.add_metric(["in"], s.bytes_in)
         traffic.add_metric(["out"], s.bytes_out)
         yield traffic
+        synced = CounterMetricFamily("geotrain_state_sync_bytes",
+                                     "Bytes of model, optimizer and buffer values that state sync "
+                                     "moved (a part of the transport's)",
+                                     labels=["direction"])  # fmt: skip
+        synced.add_metric(["in"], s.sync_bytes_in)
+        synced.add_metric(["out"], s.sync_bytes_out)
+        yield synced
         exchanges = CounterMetricFamily("geotrain_exchanges", "Exchanges by outcome",
                                         labels=["outcome"])  # fmt: skip
         for outcome, value in (("ok", s.exchanges_ok), ("failed", s.exchanges_failed),

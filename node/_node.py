@@ -658,6 +658,7 @@ class Node:
                     None if self.memory is None else self.memory.total_gb * 1000,
                     reachable=cfg.network.reachable,
                     rejected_messages=lambda: self.rejected_messages,
+                    sync_bytes=lambda: (state_sync.bytes_in, state_sync.bytes_out),
                 ),
                 self.state, cfg.state.status_every_s, lambda: self._running,
                 # (0 turns the file off; any other size is at least a byte)

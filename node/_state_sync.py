@@ -138,14 +138,30 @@ class StateSync:
         self._max_chunk_numel = max_chunk_numel
         self._plans: dict[int, ChunkPlan] = {}
         self._to_thread = to_thread
+        # what state sync moved (payloads: model, optimizer and buffer values) each way, a part
+        # of the node's traffic that `geotrain status` names apart from the exchanges'
+        self.bytes_in = self.bytes_out = 0
 
     def _plan(self, chunk_numel: int) -> ChunkPlan:
         return cached_plan(self._plans, self._trainer, chunk_numel)
+
+    async def _request(self, address: str, header: Header, payload: bytes, *, deadline_s: float,
+                       expect_peer: str) -> tuple[Header, bytearray, PeerInfo]:  # fmt: skip
+        """The network's request, its reply's payload counted (bytes_in)."""
+        reply, data, peer = await self._network.request(
+            address, header, payload, deadline_s=deadline_s, expect_peer=expect_peer)
+        self.bytes_in += len(data)
+        return reply, data, peer
 
     # -- serving ----------------------------------------------------------------------------
     async def handle(
         self, peer: PeerInfo, header: Header, payload: memoryview
     ) -> tuple[Header, bytes]:
+        reply, data = await self._serve(header)
+        self.bytes_out += len(data)
+        return reply, data
+
+    async def _serve(self, header: Header) -> tuple[Header, bytes]:
         if isinstance(header, OptimizerStateRequest):
             return await self._serve_optimizer(header)
         if isinstance(header, BufferStateRequest):
@@ -302,7 +318,7 @@ class StateSync:
         numel = sum(t.numel() for t in ours.values())
         try:
             deadline = self._links.exchange_deadline(peer, 4 * numel + 4096, trio.current_time())
-            reply, payload, _ = await self._network.request(
+            reply, payload, _ = await self._request(
                 address, BufferStateRequest(), b"", deadline_s=deadline, expect_peer=peer)
             if not isinstance(reply, BufferStateReply):
                 raise _Failed(getattr(reply, "reason", "") or type(reply).__name__)
@@ -336,7 +352,7 @@ class StateSync:
                 nbytes = CHUNKS_IN_FLIGHT * (4 * plan.chunk_numel_of(index) + 4096)
                 started = trio.current_time()
                 deadline = self._links.exchange_deadline(peer, nbytes, started)
-                reply, payload, _ = await self._network.request(
+                reply, payload, _ = await self._request(
                     address, request, b"", deadline_s=deadline, expect_peer=peer)
                 if not isinstance(reply, OptimizerStateReply) or reply.chunks != len(plan):
                     raise _Failed(getattr(reply, "reason", "") or type(reply).__name__)
@@ -372,7 +388,7 @@ class StateSync:
             _Failed, TransportError, ValueError: none to be had, or one that does not fit.
         """
         deadline = self._links.exchange_deadline(peer, 64 * 1024, trio.current_time())
-        reply, payload, _ = await self._network.request(
+        reply, payload, _ = await self._request(
             address, OptimizerStateRequest(layout=True), b"", deadline_s=deadline,
             expect_peer=peer)  # fmt: skip
         if isinstance(reply, ErrorReply) and reply.code == "busy":
@@ -482,7 +498,7 @@ class StateSync:
         nbytes = CHUNKS_IN_FLIGHT * (4 * plan.chunk_numel_of(index) + 4096)
         deadline = self._links.exchange_deadline(peer, nbytes, trio.current_time())
         started = trio.current_time()
-        reply, payload, _ = await self._network.request(
+        reply, payload, _ = await self._request(
             address, request, b"", deadline_s=deadline, expect_peer=peer
         )
         if not isinstance(reply, StateReply) or reply.chunks != len(plan):

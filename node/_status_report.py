@@ -78,6 +78,8 @@ class StatusSources:
     reachable: bool = True  # network.reachable (False: client mode)
     # requests refused as malformed, by kind (the node's router and membership)
     rejected_messages: Callable[[], Mapping[str, int]] = dict
+    # what state sync moved, in and out (StateSync.bytes_in, bytes_out)
+    sync_bytes: Callable[[], tuple[int, int]] = lambda: (0, 0)
 
 
 class StatusReporter:
@@ -126,6 +128,7 @@ class StatusReporter:
         stats = s.transport.statistics()
         interval = s.trainer.step_interval_s()
         files = open_files()
+        synced = s.sync_bytes()
         return NodeStatus(
             peer_id=s.peer_id,
             address=s.address,
@@ -142,6 +145,8 @@ class StatusReporter:
             metric_step=s.progress.metric_step,
             bytes_in=stats.bytes_in,
             bytes_out=stats.bytes_out,
+            sync_bytes_in=synced[0],
+            sync_bytes_out=synced[1],
             exchanges_ok=exchanges.ok,
             exchanges_failed=exchanges.failed,
             rejected_updates=exchanges.rejected,

@@ -191,6 +191,7 @@ def test_rejections_by_reason_and_codecs_are_labelled_with_bounded_values():
         metric_name="accuracy", elapsed_s=1.0, step=5, steps_per_s=1.0, loss=None, metric=None,
         metric_step=None, bytes_in=0, bytes_out=0, exchanges_ok=3, exchanges_failed=0,
         rejected_updates=3, pid=1, peers=peers, rejected_by_reason={"norm": 2, "decode": 1},
+        sync_bytes_in=4096,
     )  # fmt: skip
     registry = CollectorRegistry()
     registry.register(NodeCollector(lambda: status))
@@ -200,6 +201,8 @@ def test_rejections_by_reason_and_codecs_are_labelled_with_bounded_values():
             samples[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
     assert samples[("geotrain_updates_rejected_total", (("reason", "norm"),))] == 2
     assert samples[("geotrain_updates_rejected_total", (("reason", "decode"),))] == 1
+    assert samples[("geotrain_state_sync_bytes_total", (("direction", "in"),))] == 4096
+    assert samples[("geotrain_state_sync_bytes_total", (("direction", "out"),))] == 0
     codecs = {dict(labels)["peer"]: dict(labels)["codec"]
               for name, labels in samples if name == "geotrain_peer_codec_info"}  # fmt: skip
     # the busiest peers are named, no more than MAX_PEER_SERIES of them

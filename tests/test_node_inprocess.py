@@ -181,6 +181,34 @@ async def test_a_node_stopped_before_its_first_step_still_fetches_the_swarms_sta
         assert synced[0]["peer_step"] >= 20  # the model of a node that had trained
 
 
+async def test_status_names_the_bytes_state_sync_moved_apart_from_the_rest(tmp_path):
+    """A joiner's traffic counted its fetch of the model with its exchanges' bytes: a 10^8
+    user's bytes per exchange came out hundreds of MB too high. Status says each part."""
+    from geotrain.node.state import format_bytes, render_status
+
+    admission = Admission.open_swarm("geotrain")
+    async with geotrain.open_node(config(tmp_path, "a"), identity=Identity.generate(),
+                                  admission=admission) as a:  # fmt: skip
+        with trio.fail_after(60):
+            while a.trainer.step < 20:
+                await trio.sleep(0.1)
+        assert a.status().sync_bytes_out == 0
+        assert "state sync" not in render_status(a.status().to_json())
+        joiner = config(tmp_path, "b", f'network.bootstrap=["{a.address}"]')
+        async with geotrain.open_node(joiner, identity=Identity.generate(),
+                                      admission=admission) as b:  # fmt: skip
+            with trio.fail_after(60):
+                while b.trainer.step < 5:
+                    await trio.sleep(0.1)
+            model_bytes = 4 * sum(t.numel() for t in b.trainer.params().values())
+            got, served = b.status(), a.status()
+    assert model_bytes <= got.sync_bytes_in <= got.bytes_in, got
+    assert got.sync_bytes_out == 0 and served.sync_bytes_in == 0
+    assert model_bytes <= served.sync_bytes_out <= served.bytes_out, served
+    shown = render_status(got.to_json())
+    assert f"(state sync in {format_bytes(got.sync_bytes_in)})  exchanges ok" in shown, shown
+
+
 async def test_a_second_node_on_a_state_directory_in_use_is_refused(tmp_path):
     """Two nodes on one state.dir overwrote each other's checkpoints and status unnoticed: the
     second is refused naming the directory and the first one's pid, and once the first has

@@ -43,7 +43,7 @@ class NodeStatus:
     loss: float | None
     metric: float | None
     metric_step: int | None
-    bytes_in: int
+    bytes_in: int  # everything the transport moved (exchanges, state sync, membership, probes)
     bytes_out: int
     exchanges_ok: int
     exchanges_failed: int
@@ -99,6 +99,10 @@ class NodeStatus:
     # connections to the node's port hold one each until nng drops them
     open_files: int | None = None
     open_files_limit: int | None = None
+    # the part of bytes_in / bytes_out that was state sync's values (a late joiner fetching the
+    # model, a donor serving it): not the exchanges' bytes
+    sync_bytes_in: int = 0
+    sync_bytes_out: int = 0
 
     def to_json(self) -> dict[str, Any]:
         data = asdict(self)
@@ -220,6 +224,14 @@ def _stale_line(data: dict[str, Any], age_s: float | None) -> list[str]:
             "then"]
 
 
+def _sync_cell(data: dict[str, Any]) -> str:
+    """How much of the traffic was state sync's (a joiner's fetch, a donor's serving), when any:
+    bytes per exchange are the rest's."""
+    synced = [(way, data.get(f"sync_bytes_{way}")) for way in ("in", "out")]
+    cells = [f"{way} {format_bytes(n)}" for way, n in synced if isinstance(n, int) and n]
+    return f" (state sync {', '.join(cells)})" if cells else ""
+
+
 def _refused_line(data: dict[str, Any]) -> list[str]:
     """What the network sent that was refused, when anything was (older status files: nothing)."""
     cells = []
@@ -310,7 +322,8 @@ def render_status(data: dict[str, Any], age_s: float | None = None) -> str:
         f"  {_fmt(get('steps_per_s'), '.2f')} steps/s  loss {_loss_cell(data)}"
         + _metric_cell(data),
         f"traffic   in {format_bytes(get('bytes_in'))}  out {format_bytes(get('bytes_out'))}"
-        f"  exchanges ok {_fmt(get('exchanges_ok'))} failed {_fmt(get('exchanges_failed'))}"
+        + _sync_cell(data)
+        + f"  exchanges ok {_fmt(get('exchanges_ok'))} failed {_fmt(get('exchanges_failed'))}"
         f"  rejected updates {_fmt(get('rejected_updates'))}  up {_fmt(get('elapsed_s'), '.0f')}s",
         *_algorithm_line(data),
         *_certificate_line(data.get("certificate_expires_at")),
