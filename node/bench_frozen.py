@@ -111,6 +111,9 @@ def _run(tmp: Path, layers: int, frozen: bool, steps: int) -> dict:
         "base_params": layers * WIDTH * WIDTH,
         "trained_params": head + (0 if frozen else layers * WIDTH * WIDTH),
         "bytes_out_mb": [round(s.bytes_out / 1e6, 1) for s in statuses],
+        # of which state sync's (a's serving of b's fetch at its join): not an exchange's
+        "sync_out_mb": [round(s.sync_bytes_out / 1e6, 1) for s in statuses],
+        "exchange_out_mb": [round((s.bytes_out - s.sync_bytes_out) / 1e6, 1) for s in statuses],
         "exchanges_ok": [s.exchanges_ok for s in statuses],
         "exchanges_failed": [s.exchanges_failed for s in statuses],
         "steps_s": round(seconds, 1),
@@ -140,16 +143,17 @@ def main() -> None:
         if args.json:
             print(json.dumps(r))
             continue
-        sent = sum(r["bytes_out_mb"])
+        sent = sum(r["exchange_out_mb"])
         print(f"base {r['base_params'] / 1e6:.1f}M {'frozen' if r['frozen'] else 'trained'}, "
               f"{r['trained_params'] / 1e6:.2f}M trained: {sent:.1f} MB sent in "
-              f"{sum(r['exchanges_ok'])} exchanges ({r['exchanges_failed']} failed), "
+              f"{sum(r['exchanges_ok'])} exchanges ({r['exchanges_failed']} failed; state sync "
+              f"{sum(r['sync_out_mb']):.1f} MB besides), "
               f"{r['steps_s']} s of steps, base unchanged: {r['base_unchanged']}, "
               f"peak RSS so far {r['peak_rss_gb']} GB")  # fmt: skip
     if args.json or len(results) < 2:
         return
     if sum(results[0]["exchanges_ok"]) and sum(results[1]["exchanges_ok"]):
-        per = [sum(r["bytes_out_mb"]) / sum(r["exchanges_ok"]) for r in results]
+        per = [sum(r["exchange_out_mb"]) / sum(r["exchanges_ok"]) for r in results]
         print(f"MB sent per exchange: {per[0]:.2f} frozen vs {per[1]:.2f} trained "
               f"({per[1] / per[0]:.0f}x)")
 
