@@ -149,6 +149,8 @@ class StatusReporter:
             sync_bytes_out=synced[1],
             exchanges_ok=exchanges.ok,
             exchanges_failed=exchanges.failed,
+            exchange_last_s=exchanges.last_s,
+            exchange_mean_s=exchanges.mean_s,
             rejected_updates=exchanges.rejected,
             rejected_by_reason=dict(exchanges.rejected_by_reason),
             frames_rejected=dict(stats.frames_rejected),

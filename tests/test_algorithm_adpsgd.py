@@ -31,6 +31,13 @@ async def test_an_exchange_averages_both_models_in_one_round_trip(autojump_clock
             stats = me.counters.statistics()
             assert (stats.ok, stats.failed, stats.rejected) == (1, 0, 0)
             assert stats.peers[other].codec == "none" and stats.peers[other].ok == 1
+        # how long the exchange a started took (status says it); b only answered one
+        assert a.counters.statistics().last_s == pytest.approx(0.1)
+        net.set_delay("p0", "p1", 0.25)
+        assert await a.exchange_once()
+        stats = a.counters.statistics()
+        assert stats.last_s == pytest.approx(0.5) and stats.mean_s == pytest.approx(0.3)
+        assert b.counters.statistics().last_s is None is b.counters.statistics().mean_s
 
 
 async def test_a_streamed_exchange_pipelines_its_chunks_and_mixes_the_same(autojump_clock):

@@ -287,6 +287,7 @@ async def test_a_checkpoint_waits_for_the_exchange_in_flight_and_keeps_its_link(
                 await b.after_step(b.ctx.trainer.train_step())
                 assert not b._running  # ... either way
         assert a.counters.statistics().ok == 1 and a.counters.statistics().failed == 0
+        assert a.counters.statistics().last_s == pytest.approx(0.2)  # two round trips: timed
         assert equal_links(a.links["p1"], b.links["p0"])
         await a._exchange("p1")  # after it: as before
         assert a.links["p1"].seq == b.links["p0"].seq == 2 and a.counters.statistics().ok == 2

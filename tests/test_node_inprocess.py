@@ -53,6 +53,12 @@ async def test_two_nodes_in_one_program_exchange_and_stop_cleanly(tmp_path):
     for name in ("a", "b"):
         assert list((tmp_path / name / "checkpoints").glob("ckpt-*.safetensors"))
     assert not a.status().running and a.trainer.step > 0
+    # status says how long the exchanges a node started took (a 10^8 user asked)
+    from geotrain.node.state import render_status
+
+    timed = [s for s in (a.status(), b.status()) if s.exchange_last_s is not None]
+    assert timed and all(0 < s.exchange_last_s < 60 and 0 < s.exchange_mean_s < 60 for s in timed)
+    assert "(started here: last " in render_status(timed[0].to_json())
 
 
 async def test_a_node_stops_by_itself_at_max_steps(tmp_path):

@@ -64,6 +64,10 @@ class ExchangeStatistics:
     rejected: int
     peers: Mapping[str, PeerExchangeStatistics]
     rejected_by_reason: Mapping[str, int] = field(default_factory=dict)
+    # seconds of the exchanges this node started that succeeded (adpsgd, selsync, choco): the
+    # latest one's and the mean (None: none yet, or an algorithm that does not time them)
+    last_s: float | None = None
+    mean_s: float | None = None
 
 
 class ExchangeCounters:
@@ -78,6 +82,9 @@ class ExchangeCounters:
         self._peers: dict[str, dict[str, Any]] = {}
         self.ok = self.failed = self.rejected = 0
         self.rejected_by_reason: dict[str, int] = {}
+        self._timed = 0  # started exchanges that succeeded, timed: how many, their seconds
+        self._timed_s = 0.0
+        self._last_s: float | None = None
 
     def _peer(self, peer: str, codec: str | None) -> dict[str, Any]:
         entry = self._peers.setdefault(peer, {"ok": 0, "failed": 0, "rejected": 0, "codec": None})
@@ -85,9 +92,14 @@ class ExchangeCounters:
             entry["codec"] = codec
         return entry
 
-    def record_ok(self, peer: str, codec: str | None) -> None:
+    def record_ok(self, peer: str, codec: str | None, seconds: float | None = None) -> None:
+        """An exchange that changed our model; `seconds`: how long one we started took."""
         self.ok += 1
         self._peer(peer, codec)["ok"] += 1
+        if seconds is not None:
+            self._timed += 1
+            self._timed_s += seconds
+            self._last_s = seconds
 
     def record_failed(self, peer: str, codec: str | None = None) -> None:
         self.failed += 1
@@ -104,8 +116,9 @@ class ExchangeCounters:
     def statistics(self) -> ExchangeStatistics:
         peers = {p: PeerExchangeStatistics(**e) for p, e in self._peers.items()}
         return ExchangeStatistics(
-            self.ok, self.failed, self.rejected, peers, dict(self.rejected_by_reason)
-        )
+            self.ok, self.failed, self.rejected, peers, dict(self.rejected_by_reason),
+            self._last_s, self._timed_s / self._timed if self._timed else None,
+        )  # fmt: skip
 
 
 def rejection_reason(exc: BaseException | None) -> str:

@@ -333,7 +333,7 @@ class Adpsgd(Algorithm):
         done = self.ctx.now()
         peers.succeeded(partner, moved[0], done - now, done)
         paced(self.pacer, done - now)
-        self.counters.record_ok(partner, spec)
+        self.counters.record_ok(partner, spec, done - now)
         log.debug("exchange_done", partner=partner[:12], codec=spec, bytes=moved[0],
                   chunks=len(mix.plan), seconds=round(done - now, 4),
                   distance=round(distance, 5))  # fmt: skip

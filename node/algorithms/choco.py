@@ -387,7 +387,7 @@ class Choco(Algorithm):
         now = ctx.now()
         ctx.peers.succeeded(partner, moved[0], now - started, now)
         paced(self.pacer, now - started)
-        self.counters.record_ok(partner, spec)
+        self.counters.record_ok(partner, spec, now - started)
         log.debug("exchange_done", partner=partner[:12], codec=spec, bytes=moved[0],
                   chunks=len(plan), distance=round(distance, 5))  # fmt: skip
 

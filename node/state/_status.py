@@ -103,6 +103,10 @@ class NodeStatus:
     # model, a donor serving it): not the exchanges' bytes
     sync_bytes_in: int = 0
     sync_bytes_out: int = 0
+    # seconds of the exchanges this node started that succeeded: the latest one's, the mean
+    # (None: none yet, or an algorithm that does not time them: dpsgd, diloco)
+    exchange_last_s: float | None = None
+    exchange_mean_s: float | None = None
 
     def to_json(self) -> dict[str, Any]:
         data = asdict(self)
@@ -224,6 +228,18 @@ def _stale_line(data: dict[str, Any], age_s: float | None) -> list[str]:
             "then"]
 
 
+def _exchange_time_cell(data: dict[str, Any]) -> str:
+    """How long the exchanges this node started took, where it timed any."""
+    last, mean = data.get("exchange_last_s"), data.get("exchange_mean_s")
+    if not isinstance(last, int | float) or not isinstance(mean, int | float):
+        return ""
+    return f" (started here: last {_seconds(last)}, mean {_seconds(mean)})"
+
+
+def _seconds(s: float) -> str:
+    return f"{s * 1000:.0f} ms" if s < 1 else f"{s:.1f} s"
+
+
 def _sync_cell(data: dict[str, Any]) -> str:
     """How much of the traffic was state sync's (a joiner's fetch, a donor's serving), when any:
     bytes per exchange are the rest's."""
@@ -323,7 +339,8 @@ def render_status(data: dict[str, Any], age_s: float | None = None) -> str:
         + _metric_cell(data),
         f"traffic   in {format_bytes(get('bytes_in'))}  out {format_bytes(get('bytes_out'))}"
         + _sync_cell(data)
-        + f"  exchanges ok {_fmt(get('exchanges_ok'))} failed {_fmt(get('exchanges_failed'))}"
+        + f"  exchanges ok {_fmt(get('exchanges_ok'))}{_exchange_time_cell(data)}"
+        f" failed {_fmt(get('exchanges_failed'))}"
         f"  rejected updates {_fmt(get('rejected_updates'))}  up {_fmt(get('elapsed_s'), '.0f')}s",
         *_algorithm_line(data),
         *_certificate_line(data.get("certificate_expires_at")),
