@@ -40,6 +40,7 @@ from geotrain.node.cli._status_watch import (
     watch,
 )
 from geotrain.node.identity import Admission
+from geotrain.node.state import exchange_time_note
 
 CONFIG = """
 [identity]
@@ -154,8 +155,15 @@ def test_the_view_of_a_real_node_shows_its_numbers_peers_and_trends(real_node):
                      r"steps\)", text)  # fmt: skip
     assert re.search(rf"loss\s+{re.escape(shown(s.loss))}\s", text)
     assert re.search(rf"mse\s+{re.escape(shown(s.metric))} \(step {s.metric_step}\)", text)
-    assert (f"ok {s.exchanges_ok}  failed {s.exchanges_failed}  "
+    timed = exchange_time_note(s.to_json())  # (how long the exchanges it started took)
+    assert (f"ok {s.exchanges_ok}{timed}  failed {s.exchanges_failed}  "
             f"rejected updates {s.rejected_updates}") in text  # fmt: skip
+    view.update({**s.to_json(), "sync_bytes_in": 5_000_000, "exchange_last_s": 16.7,
+                 "exchange_mean_s": 0.25}, age_s=3.0)  # fmt: skip
+    again = render(view)
+    assert re.search(r"traffic\s+in .* \(state sync in 5\.0 MB[,)]", again), again
+    assert "(started here: last 16.7 s, mean 250 ms)" in again
+    view.update(s.to_json(), age_s=3.0)
     assert f"peak {s.peak_rss_mb:.0f} MB" in text and re.search(r"uptime\s+\d+s", text)
     assert re.search(rf"open files\s+{s.open_files} of {s.open_files_limit}", text)
     assert s.peer_id in text and "running" in text and "written 3s before" in text

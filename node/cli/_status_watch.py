@@ -29,7 +29,7 @@ from rich.table import Table
 from rich.text import Text
 
 from .._config import NodeConfig
-from ..state import format_bytes, format_number
+from ..state import exchange_time_note, format_bytes, format_number, sync_note
 from ._status_client import StatusFile, open_status_client
 
 TREND_SAMPLES = 40  # about a screen line's worth of history per series
@@ -178,10 +178,11 @@ def _numbers(d: dict[str, Any], trend: Trend, bars: str) -> Table:
     metric = f"{_number(d.get('metric'))} (step {_fmt(d.get('metric_step'))})"
     table.add_row(str(d["metric_name"]), _with_trend(metric, trend.metric, bars))
     traffic = f"in {format_bytes(d.get('bytes_in'))}  out {format_bytes(d.get('bytes_out'))}"
-    table.add_row("traffic", traffic)
+    table.add_row("traffic", traffic + sync_note(d))
     table.add_row(
         "exchanges",
-        f"ok {d.get('exchanges_ok', 0)}  failed {d.get('exchanges_failed', 0)}"
+        f"ok {d.get('exchanges_ok', 0)}{exchange_time_note(d)}"
+        f"  failed {d.get('exchanges_failed', 0)}"
         f"  rejected updates {d.get('rejected_updates', 0)}",
     )
     table.add_row(

@@ -12,11 +12,13 @@ from ._status import METRICS_MAX_BYTES as METRICS_MAX_BYTES
 from ._status import NodeStatus as NodeStatus
 from ._status import PeerStatus as PeerStatus
 from ._status import append_metrics as append_metrics
+from ._status import exchange_time_note as exchange_time_note
 from ._status import format_bytes as format_bytes
 from ._status import format_number as format_number
 from ._status import parse_status as parse_status
 from ._status import read_status as read_status
 from ._status import render_status as render_status
+from ._status import sync_note as sync_note
 from ._status import write_status as write_status
 
 _CHECKPOINT_NAMES = (

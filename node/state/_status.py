@@ -228,7 +228,7 @@ def _stale_line(data: dict[str, Any], age_s: float | None) -> list[str]:
             "then"]
 
 
-def _exchange_time_cell(data: dict[str, Any]) -> str:
+def exchange_time_note(data: dict[str, Any]) -> str:
     """How long the exchanges this node started took, where it timed any."""
     last, mean = data.get("exchange_last_s"), data.get("exchange_mean_s")
     if not isinstance(last, int | float) or not isinstance(mean, int | float):
@@ -240,7 +240,7 @@ def _seconds(s: float) -> str:
     return f"{s * 1000:.0f} ms" if s < 1 else f"{s:.1f} s"
 
 
-def _sync_cell(data: dict[str, Any]) -> str:
+def sync_note(data: dict[str, Any]) -> str:
     """How much of the traffic was state sync's (a joiner's fetch, a donor's serving), when any:
     bytes per exchange are the rest's."""
     synced = [(way, data.get(f"sync_bytes_{way}")) for way in ("in", "out")]
@@ -338,8 +338,8 @@ def render_status(data: dict[str, Any], age_s: float | None = None) -> str:
         f"  {_fmt(get('steps_per_s'), '.2f')} steps/s  loss {_loss_cell(data)}"
         + _metric_cell(data),
         f"traffic   in {format_bytes(get('bytes_in'))}  out {format_bytes(get('bytes_out'))}"
-        + _sync_cell(data)
-        + f"  exchanges ok {_fmt(get('exchanges_ok'))}{_exchange_time_cell(data)}"
+        + sync_note(data)
+        + f"  exchanges ok {_fmt(get('exchanges_ok'))}{exchange_time_note(data)}"
         f" failed {_fmt(get('exchanges_failed'))}"
         f"  rejected updates {_fmt(get('rejected_updates'))}  up {_fmt(get('elapsed_s'), '.0f')}s",
         *_algorithm_line(data),
