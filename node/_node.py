@@ -215,8 +215,7 @@ class Node:
             if self.config.privacy.enabled:  # the user's own optimizer is not ours to wrap
                 raise ConfigError("privacy.epsilon: [privacy] covers the daemon's own training "
                                   "only, not a loop of your own (geotrain.join)")  # fmt: skip
-            self._fit_memory(self.loop, LOOP_OPTIMIZER,
-                             "an optimizer's state, assumed Adam's (2) until wrap() shows yours")
+            self._fit_memory(self.loop, LOOP_OPTIMIZER, "assumed until wrap() shows yours")
             return None, self.loop, load_checkpoint(store, self.config.gossip.algorithm), store
         if t.threads:
             torch.set_num_threads(t.threads)

@@ -1094,32 +1094,40 @@ def test_a_checkpoint_written_through_torch_compiles_wrapper_resumes(tmp_path):
 
 
 def test_the_memory_estimate_counts_the_wrapped_optimizers_state(tmp_path):
-    """At join the loop's optimizer is not known: the estimate counts Adam's two moments, and
-    says it assumed them; wrap() measures the real one (SGD without momentum keeps no state:
-    two model copies less in status; with momentum one)."""
+    """At join the loop's optimizer is not known: the estimate counts Adam's two moments and its
+    step's temporaries (two of the largest tensor: torch's default on CPU), and says it assumed
+    them; wrap() measures the real one (SGD without momentum keeps no state and makes none: four
+    model copies less in status here; with momentum one)."""
     from geotrain.node._memory import optimizer_state_copies
 
     model = nn.Linear(1000, 1000)  # 1M parameters: 4 MB a copy
     copy_mb = 4.004
     with joined(tmp_path, "m", model) as swarm:
         at_join = swarm.node.memory
-        assert "assumed Adam's (2) until wrap()" in at_join.explain()
+        assert ("adam's state (2) and its step's temporaries (2), assumed until wrap() shows "
+                "yours") in at_join.explain()  # fmt: skip
         swarm.wrap(torch.optim.SGD(model.parameters(), lr=0.1))
         wrapped = swarm.node.memory
         assert "SGD's state (0)" in wrapped.explain()
-        assert at_join.total_gb * 1000 - wrapped.total_gb * 1000 == pytest.approx(2 * copy_mb,
+        assert at_join.total_gb * 1000 - wrapped.total_gb * 1000 == pytest.approx(4 * copy_mb,
                                                                                   rel=0.01)
         assert swarm.status().memory_estimate_mb == pytest.approx(wrapped.total_gb * 1000)
     assert optimizer_state_copies(torch.optim.SGD(model.parameters(), 0.1, momentum=0.9))[0] == 1
-    assert optimizer_state_copies(torch.optim.Adam(model.parameters(), amsgrad=True))[0] == 3
+    # Adam's step: two temporaries of each tensor in turn (one weight of 1M here: 2 copies) on
+    # torch's default, one of every tensor at once with foreach, none fused
+    assert optimizer_state_copies(torch.optim.Adam(model.parameters(), amsgrad=True)) == (
+        pytest.approx(3 + 2, rel=1e-3), "Adam's state (3) and its step's temporaries (2)")
+    assert optimizer_state_copies(torch.optim.AdamW(model.parameters(), foreach=True))[0] == 3
+    assert optimizer_state_copies(torch.optim.AdamW(model.parameters(), fused=True))[0] == 2
     assert optimizer_state_copies(torch.optim.RMSprop(model.parameters(), centered=True))[0] == 2
     lbfgs = optimizer_state_copies(torch.optim.LBFGS(model.parameters()))
     assert lbfgs == (2.0, "LBFGS's state (2, assumed: an optimizer not known here)")
 
 
 def test_an_optimizer_bigger_than_the_guess_at_join_is_warned_about(tmp_path, capsys):
-    model = nn.Linear(1000, 1000)  # Adam-sized: 0.650 GB; with amsgrad's third copy 0.654 GB
-    with joined(tmp_path, "m", model, "limits.memory_gb=0.652") as swarm:
+    # Adam-sized (its step's temporaries counted): 0.658 GB; with amsgrad's third copy 0.662 GB
+    model = nn.Linear(1000, 1000)
+    with joined(tmp_path, "m", model, "limits.memory_gb=0.660") as swarm:
         capsys.readouterr()
         swarm.wrap(torch.optim.Adam(model.parameters(), amsgrad=True))
         logged = capsys.readouterr()
