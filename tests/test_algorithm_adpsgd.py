@@ -236,6 +236,7 @@ async def test_a_busy_node_declines_and_the_asker_counts_no_failure(autojump_clo
         reply, _ = await b.handle(PeerInfo("p0", b"", "mem://p0", "inbound"), _opening(b),
                                   memoryview(_chunks(a)[0]))  # fmt: skip
         assert isinstance(reply, ErrorReply) and reply.code == "busy"
+        assert "already in 1 exchange(s), the most it runs at once" in reply.reason  # (it says)
         assert same(model(b), before)
         assert not await a.exchange_once()  # the initiator: declined, not failed
         assert a.counters.statistics().failed == 0

@@ -486,8 +486,12 @@ class Adpsgd(Algorithm):
             return ErrorReply(code="busy", reason=reason), b""
         if self._quiet:
             return ErrorReply(code="busy", reason="writing a checkpoint"), b""
-        if peer.peer_id in self._sessions or not self._free():
-            return ErrorReply(code="busy", reason="in as many exchanges as it takes"), b""
+        if peer.peer_id in self._sessions:
+            return ErrorReply(code="busy", reason="already in an exchange with you"), b""
+        if not self._free():
+            reason = (f"already in {self.max_exchanges} exchange(s), the most it runs at once "
+                      "for a model of this size")  # fmt: skip
+            return ErrorReply(code="busy", reason=reason), b""
         return None
 
     def _hold_off(self, session: _Session, since: float) -> None:
