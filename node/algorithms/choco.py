@@ -389,7 +389,8 @@ class Choco(Algorithm):
         paced(self.pacer, now - started)
         self.counters.record_ok(partner, spec, now - started)
         log.debug("exchange_done", partner=partner[:12], codec=spec, bytes=moved[0],
-                  chunks=len(plan), distance=round(distance, 5))  # fmt: skip
+                  chunks=len(plan), seconds=round(now - started, 4),
+                  distance=round(distance, 5))  # fmt: skip
 
     async def _ended(self, partner: str, spec: str, link: ChocoLink, reply: Header) -> None:
         """The partner answered a chunk with something else than its chunk."""
