@@ -36,6 +36,7 @@ from .training import (
     LoopTrainer,
     StepResult,
     exit_or_defer,
+    exits_deferred,
     take_deferred_exit,
 )
 
@@ -157,13 +158,16 @@ class Swarm:
             return
         self._warn_never_wrapped()  # (first: the loop's close applies the mixes that came)
         early: BaseException | None = None
-        try:
-            self._loop.close()
-        except (KeyboardInterrupt, SystemExit) as exc:  # (the node is stopped all the same)
-            early = exc
-        early = early or take_deferred_exit()  # (a SIGTERM during the changes close ran)
-        interrupted = _stop_and_wait(self._token, self._stop, self._box, timeout_s) or early
-        _default_sigterm()  # (once stopped, and no swarm is open: SIGTERM ends it as before)
+        with exits_deferred():  # (join's SIGTERM exit is raised once the node has stopped)
+            try:
+                self._loop.close()
+            except (KeyboardInterrupt, SystemExit) as exc:  # (Ctrl-C, a handler of the
+                # program's own: the node is stopped all the same)
+                early = exc
+            interrupted = _stop_and_wait(self._token, self._stop, self._box, timeout_s) or early
+            _default_sigterm()  # (once stopped, and no swarm is open: SIGTERM ends it as before)
+        deferred = take_deferred_exit()
+        interrupted = interrupted or deferred
         error = self._box.pop("error", None)
         if interrupted is not None:  # (after the node stopped: see _stop_and_wait)
             raise interrupted

@@ -8,6 +8,7 @@ from ._loop import Diverged as Diverged
 from ._loop import LoopClosed as LoopClosed
 from ._loop import LoopTrainer as LoopTrainer
 from ._loop import exit_or_defer as exit_or_defer
+from ._loop import exits_deferred as exits_deferred
 from ._loop import take_deferred_exit as take_deferred_exit
 from ._privacy import LEDGER_AHEAD_STEPS as LEDGER_AHEAD_STEPS
 from ._privacy import PrivacyError as PrivacyError

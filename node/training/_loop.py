@@ -8,12 +8,13 @@
 # network; before the loop starts and after it ends they run at once.
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import math
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -628,10 +629,16 @@ class LoopTrainer(OptimizerSync):
     def _run(self, queue: deque[_Pending]) -> None:
         main = threading.current_thread() is threading.main_thread()
         while queue:
-            pending = queue.popleft()
-            deferring = main and pending.changes
+            # (from before the pop: a change taken off the queue is run and answered; the
+            # exit waits through a change of the model, not through an evaluation)
+            deferring = main
             _DeferredExit.depth += deferring
+            pending: _Pending | None = None
             try:
+                pending = queue.popleft()
+                if not pending.changes:
+                    _DeferredExit.depth -= deferring
+                    deferring = False
                 with torch.no_grad():
                     pending.result = pending.fn(self.params())
             except (KeyboardInterrupt, SystemExit):  # Ctrl-C (or a signal handler's exit) in
@@ -639,28 +646,32 @@ class LoopTrainer(OptimizerSync):
                 # the node's (handed over, it failed the node: no final checkpoint, no leave).
                 # The node hears that the loop closed; the changes behind stay queued (close
                 # runs them)
-                pending.error = LoopClosed("the loop was interrupted during this change")
-                # a mix or an outer step cut short leaves the model half changed: no final
-                # checkpoint of it (the newest on disk stays); an evaluation changed nothing
-                self.cut_short = self.cut_short or pending.changes
+                if pending is not None:
+                    pending.error = LoopClosed("the loop was interrupted during this change")
+                    # a mix or an outer step cut short leaves the model half changed: no final
+                    # checkpoint of it (the newest on disk stays); an evaluation changed nothing
+                    self.cut_short = self.cut_short or pending.changes
                 raise
             except BaseException as exc:  # handed to the node's thread that asked for it
+                assert pending is not None  # (popleft of a queue that has items raises none)
                 pending.error = exc
             finally:
-                pending.done.set()
+                if pending is not None:
+                    pending.done.set()
                 _DeferredExit.depth -= deferring
-            if main and not self._closed:  # (close's caller takes it: take_deferred_exit)
-                raise_deferred_exit()
+            raise_deferred_exit()  # (none within close: its caller takes it)
 
     def close(self) -> None:
         """No more steps: the changes that wait run now (the loop stopped, nothing runs beside
         them: a mix or an evaluation that arrived lands in the final checkpoint instead of
         failing the node's exchange and its shutdown), later ones at once; `stepped` refuses
-        from now on. Called from the user's thread."""
-        with self._lock, self._writing:
+        from now on. Called from the user's thread. A SIGTERM meanwhile (join's exit) is left
+        for the caller (take_deferred_exit): every change that waits is run first."""
+        with self._lock, self._writing, exits_deferred():
             self._closed = True
             self._run(self._before_step)
             self._run(self._pending)
+
 
 
 class _DeferredExit:
@@ -670,6 +681,18 @@ class _DeferredExit:
 
     depth = 0  # changes the main thread runs now (only the main thread runs signal handlers)
     code: int | None = None  # the exit a handler asked for meanwhile
+
+
+@contextlib.contextmanager
+def exits_deferred() -> Iterator[None]:
+    """Within it, join's SIGTERM exit (exit_or_defer) waits, in the main thread: for the caller
+    to take it after (take_deferred_exit). Elsewhere nothing changes."""
+    main = threading.current_thread() is threading.main_thread()
+    _DeferredExit.depth += main
+    try:
+        yield
+    finally:
+        _DeferredExit.depth -= main
 
 
 def exit_or_defer(code: int) -> None:
