@@ -34,6 +34,7 @@ class ChocoLink:
     # chunks done); None when none runs. Chunks change the estimates as they come, so one left
     # unfinished means the two ends' copies may differ: the link then restarts (see `partial`).
     stream: tuple[int, set[int], float, set[int]] | None = None
+    seen: float = 0.0  # when that stream's latest chunk came (a silent one is given up)
     partial: bool = False  # some chunk of an unfinished exchange changed the estimates
     # the two ends started from different models: the estimates start at zero, not at `base`
     zero: bool = False

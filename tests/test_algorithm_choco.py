@@ -293,18 +293,30 @@ async def test_a_checkpoint_waits_for_the_exchange_in_flight_and_keeps_its_link(
         assert a.links["p1"].seq == b.links["p0"].seq == 2 and a.counters.statistics().ok == 2
 
 
-async def test_a_checkpoint_does_not_wait_for_a_stream_its_neighbour_left(autojump_clock):
+async def test_a_checkpoint_waits_for_a_slow_stream_but_not_for_one_its_neighbour_left(
+    autojump_clock,
+):
+    peer = PeerInfo("p0", b"", "mem://p0", "inbound")
     async with runtimes(2, chunk_numel=8, **CHOCO) as (net, (a, b)):
         plan = b.plan(8)
         q = {k: torch.zeros_like(v) for k, v in b.ctx.trainer.params().items()}
-        chunk = encode_chunk(model_chunk(q, plan, 0), "topk:0.1")
-        reply, _ = await b.handle(PeerInfo("p0", b"", "mem://p0", "inbound"),
-                                  exchange(b, xid=7), memoryview(chunk))  # fmt: skip
+
+        def chunk(i: int) -> memoryview:
+            return memoryview(encode_chunk(model_chunk(q, plan, i), "topk:0.1"))
+
+        reply, _ = await b.handle(peer, exchange(b, xid=7), chunk(0))
         assert isinstance(reply, ChocoReply) and b.links["p0"].stream is not None
+        await trio.sleep(150)  # a slow link: the stream began 150 s ago, its last chunk now
+        reply, _ = await b.handle(peer, exchange(b, xid=7, index=1), chunk(1))
+        assert isinstance(reply, ChocoReply)
         await trio.sleep(10)
         started = trio.current_time()
         async with b.quiet(30.0):  # a stream silent for 10 s is still awaited (to 30 s) ...
             assert trio.current_time() - started == pytest.approx(30.0, abs=0.1)
+            # ... and the link is neither restarted nor a new exchange taken meanwhile
+            reply, _ = await b.handle(peer, exchange(b, xid=8), chunk(0))
+            assert isinstance(reply, ErrorReply) and reply.reason == "writing a checkpoint"
+            assert b.links["p0"].stream[0] == 7 and b.resyncs == 0
         await trio.sleep(200)
         started = trio.current_time()
         async with b.quiet(30.0):  # ... one silent past STALE_STREAM_S is not

@@ -257,6 +257,7 @@ class Algorithm:
     """
 
     handles: ClassVar[tuple[type[Header], ...]] = ()  # the request types this runtime answers
+    _quiet = False  # a checkpoint is written: no exchange starts or is taken (quiet())
 
     def __init__(self, ctx: AlgorithmContext) -> None:
         self.ctx = ctx
@@ -318,8 +319,20 @@ class Algorithm:
     async def quiet(self, wait_s: float) -> AsyncIterator[None]:
         """Around a checkpoint's write (which holds the model lock for seconds at 10^8: an
         exchange's chunks wait on it and its partner's deadline passes): start or take no new
-        exchange, and first let those in flight end (at most `wait_s`). Nothing by default."""
-        yield
+        exchange (`_quiet` set: the runtime's own checks), and first let those in flight end
+        (`_in_flight`, at most `wait_s`). Nothing waits by default."""
+        self._quiet = True
+        try:
+            with trio.move_on_after(wait_s):
+                while self._in_flight():
+                    await trio.sleep(0.02)
+            yield
+        finally:
+            self._quiet = False
+
+    def _in_flight(self) -> bool:
+        """Whether an exchange that reads the live model runs (quiet() waits for it to end)."""
+        return False
 
 
 @dataclass(frozen=True)

@@ -9,12 +9,11 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 import structlog
 import torch
-import trio
 
 from geotrain import compress
 from geotrain.gossip import ExchangePacer, RejectedUpdate
@@ -170,7 +169,6 @@ class Adpsgd(Algorithm):
         # instead of declining: nodes that all start exchanges would otherwise mostly collide.
         self.max_exchanges = 3 if 3 * model_bytes <= SMALL_EXCHANGES_BYTES else 1
         self._running = False  # an exchange we started runs
-        self._quiet = False  # a checkpoint is written: no exchange starts (quiet())
         self._seed = 0
         self.on_answered_mix: OnMixed | None = None  # awaited after we mixed as the responder
         self.chunk_timer = ChunkTimer()  # our own tensor work per chunk: chunk deadlines
@@ -204,17 +202,10 @@ class Adpsgd(Algorithm):
     def busy(self) -> bool:
         return self._running
 
-    @contextlib.asynccontextmanager
-    async def quiet(self, wait_s: float) -> AsyncIterator[None]:
-        self._quiet = True  # (openings are told "busy" and after_step starts none)
-        try:
-            with trio.move_on_after(wait_s):
-                # (_free drops a session its peer left to idle out: nothing else would, now)
-                while self._running or (self._sessions and not self._free_sessions()):
-                    await trio.sleep(0.02)
-            yield
-        finally:
-            self._quiet = False
+    def _in_flight(self) -> bool:
+        # (quiet: openings are told "busy" and after_step starts none meanwhile; _free drops a
+        # session its peer left to idle out: nothing else would, now)
+        return self._running or bool(self._sessions and not self._free_sessions())
 
     def plan(self, chunk_numel: int) -> ChunkPlan:
         """The chunk plan of our model for chunks of `chunk_numel` elements (a few cached).

@@ -9,10 +9,8 @@
 # link on both ends: the responder answers ChocoResync.
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import hashlib
-from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 import structlog
@@ -151,7 +149,6 @@ class Choco(Algorithm):
         self.pacer = make_pacer(ctx)
         self.chunk_timer = ChunkTimer()  # our own tensor work per chunk: chunk deadlines
         self._said_base = False  # the warning that a peer's initial model differs: said once
-        self._quiet = False  # a checkpoint is written: no exchange starts (quiet())
 
     def statistics(self) -> ChocoStatistics:
         return ChocoStatistics(self.resyncs, len(self.links), self.pacer.interval)
@@ -159,26 +156,15 @@ class Choco(Algorithm):
     def busy(self) -> bool:
         return self._running
 
-    @contextlib.asynccontextmanager
-    async def quiet(self, wait_s: float) -> AsyncIterator[None]:
-        # Every chunk reads the live model (x - x_hat) and a checkpoint leaves out a link an
+    def _in_flight(self) -> bool:
+        # Every chunk reads the live model (x - x_hat), and a checkpoint leaves out a link an
         # exchange is half-way through (its count and estimates: a restart resyncs that link
-        # from its start). So the exchanges in flight end first, and none starts meanwhile.
-        self._quiet = True  # (openings are told "busy" and after_step starts none)
-        try:
-            with trio.move_on_after(wait_s):
-                while self._running or self._streams_in_flight():
-                    await trio.sleep(0.02)
-            yield
-        finally:
-            self._quiet = False
-
-    def _streams_in_flight(self) -> bool:
-        """Whether a neighbour's exchange with us runs (one silent for STALE_STREAM_S is over:
-        its initiator restarts the link when it comes back)."""
+        # from its start): the checkpoint's quiet waits for ours, and for a neighbour's unless
+        # it went silent for STALE_STREAM_S (its initiator restarts the link when it comes back)
         now = self.ctx.now()
-        return any(link.stream is not None and now - link.stream[2] <= STALE_STREAM_S
-                   for link in self.links.values())  # fmt: skip
+        return self._running or any(
+            link.stream is not None and now - link.seen <= STALE_STREAM_S
+            for link in self.links.values())  # fmt: skip
 
     def state(self) -> tuple[Tensors, dict]:
         # (no copies: a checkpoint is written apart from every change of the estimates: _add,
@@ -301,7 +287,7 @@ class Choco(Algorithm):
     async def _exchange(self, partner: str) -> None:
         try:
             link = self._link(partner)
-            if link.stream is not None and self.ctx.now() - link.stream[2] > STALE_STREAM_S:
+            if link.stream is not None and self.ctx.now() - link.seen > STALE_STREAM_S:
                 await self.ctx.to_thread(self._restart, link, partner, "its exchange went silent")
             if link.busy:
                 return
@@ -430,6 +416,9 @@ class Choco(Algorithm):
         if plan is None:
             return ErrorReply(code="bad_request", reason=why[:500]), b""
         link = self._link(peer.peer_id)
+        if self._quiet and (link.stream is None or link.stream[0] != header.xid):
+            # (a new exchange, or a restart of the link: both work under the model's lock)
+            return ErrorReply(code="busy", reason="writing a checkpoint"), b""
         if header.base != self._start_of(link):  # the two ends start this link differently
             return await self._agree_start(peer.peer_id, link, header.base)
         stream = link.stream
@@ -440,8 +429,6 @@ class Choco(Algorithm):
         if stream is None:
             if header.index != 0:
                 return ErrorReply(code="bad_request", reason=f"no exchange {header.xid}"), b""
-            if self._quiet:
-                return ErrorReply(code="busy", reason="writing a checkpoint"), b""
             verdict = link.judge(header.seq)
             if verdict == "busy":
                 return ErrorReply(code="busy", reason="an exchange on this link is running"), b""
@@ -456,6 +443,7 @@ class Choco(Algorithm):
         if header.index in stream[1]:
             return ErrorReply(code="bad_request", reason=f"chunk {header.index} twice"), b""
         stream[1].add(header.index)
+        link.seen = ctx.now()
         try:
             q_theirs = await ctx.to_thread(self._their_chunk, plan, header.index, header.codec,
                                            payload)  # fmt: skip
