@@ -127,7 +127,8 @@ def optimizer_state_copies(optimizer: torch.optim.Optimizer) -> tuple[float, str
         copies = 1.0 if any_set("momentum") else 0.0
     elif isinstance(optimizer, torch.optim.Adam | torch.optim.AdamW):
         copies = 3.0 if any_set("amsgrad") else 2.0
-        params = [p for g in groups for p in g.get("params", [])]
+        # (what it steps: a frozen tensor passed to it gets no gradient and no temporaries)
+        params = [p for g in groups for p in g.get("params", []) if p.requires_grad]
         defaults = getattr(optimizer, "defaults", {})
         step = adam_step_copies(params, defaults.get("foreach"), defaults.get("fused"))
         return copies + step, _described(name, copies, step)

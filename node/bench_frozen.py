@@ -59,6 +59,7 @@ def _run(tmp: Path, layers: int, frozen: bool, steps: int) -> dict:
     from geotrain.node import Admission, Identity, config_from_toml
 
     from ._memory import peak_rss_mb
+    from .state import read_status
 
     def join(name: str, model: nn.Module, *overrides: str) -> geotrain.Swarm:
         config = config_from_toml(CONFIG, base=tmp,
@@ -95,27 +96,24 @@ def _run(tmp: Path, layers: int, frozen: bool, steps: int) -> dict:
         for t in threads:
             t.join()
         seconds = time.perf_counter() - started
-        # the exchanges still in flight end first (their bytes are counted already), at most
-        # 30 s; then a last status
-        ends = time.monotonic() + 30.0
-        while time.monotonic() < ends and any(s.node.algorithm.busy() for s in (a, b)):
-            time.sleep(0.05)
-        time.sleep(0.5)
-        statuses = [a.status(), b.status()]
     finally:
-        b.close()
+        b.close()  # (a mix that arrived after the loops' last steps is applied here)
         a.close()
+    # the last statuses, written as the nodes stopped: every exchange counted with its bytes
+    statuses = [read_status(s.node.state.status) for s in (a, b)]
     head = sum(p.numel() for p in models[0][1].parameters())
     return {
         "frozen": frozen,
         "base_params": layers * WIDTH * WIDTH,
         "trained_params": head + (0 if frozen else layers * WIDTH * WIDTH),
-        "bytes_out_mb": [round(s.bytes_out / 1e6, 1) for s in statuses],
-        # of which state sync's (a's serving of b's fetch at its join): not an exchange's
-        "sync_out_mb": [round(s.sync_bytes_out / 1e6, 1) for s in statuses],
-        "exchange_out_mb": [round((s.bytes_out - s.sync_bytes_out) / 1e6, 1) for s in statuses],
-        "exchanges_ok": [s.exchanges_ok for s in statuses],
-        "exchanges_failed": [s.exchanges_failed for s in statuses],
+        "bytes_out_mb": [round(s["bytes_out"] / 1e6, 1) for s in statuses],
+        # of which state sync's (a's serving of b's fetch at its join), and the rest: the
+        # exchanges' bytes with the membership's and the probes' (small beside a model's)
+        "sync_out_mb": [round(s["sync_bytes_out"] / 1e6, 1) for s in statuses],
+        "exchange_out_mb": [round((s["bytes_out"] - s["sync_bytes_out"]) / 1e6, 1)
+                            for s in statuses],  # fmt: skip
+        "exchanges_ok": [s["exchanges_ok"] for s in statuses],
+        "exchanges_failed": [s["exchanges_failed"] for s in statuses],
         "steps_s": round(seconds, 1),
         "base_unchanged": bool(torch.equal(models[0][0][0].weight[:64, :64], corner)),
         "peak_rss_gb": round(peak_rss_mb() / 1e3, 2),

@@ -1122,6 +1122,9 @@ def test_the_memory_estimate_counts_the_wrapped_optimizers_state(tmp_path):
         pytest.approx(3 + 2, rel=1e-3), "Adam's state (3) and its step's temporaries (2)")
     assert optimizer_state_copies(torch.optim.AdamW(model.parameters(), foreach=True))[0] == 3
     assert optimizer_state_copies(torch.optim.AdamW(model.parameters(), fused=True))[0] == 2
+    base = nn.Linear(2000, 2000).requires_grad_(False)  # a frozen base given to it too: no step
+    both = torch.optim.AdamW([*base.parameters(), *model.parameters()])
+    assert optimizer_state_copies(both)[0] == pytest.approx(2 + 2, rel=1e-3)
     assert optimizer_state_copies(torch.optim.RMSprop(model.parameters(), centered=True))[0] == 2
     lbfgs = optimizer_state_copies(torch.optim.LBFGS(model.parameters()))
     assert lbfgs == (2.0, "LBFGS's state (2, assumed: an optimizer not known here)")

@@ -5,7 +5,11 @@ from __future__ import annotations
 import tempfile
 from pathlib import Path
 
+import pytest
+
 from geotrain.node.bench_checkpoints import run
+
+pytestmark = pytest.mark.slow  # (two real node processes)
 
 
 def test_the_run_reports_exchanges_checkpoints_and_memory_and_leaves_nothing():

@@ -388,6 +388,7 @@ class Choco(Algorithm):
             return
         if isinstance(reply, ErrorReply) and reply.code == "busy" and not link.partial:
             ctx.peers.busy(partner, ctx.now())
+            log.debug("exchange_declined", partner=partner[:12], reason=reply.reason)
             return
         reason = (f"{reply.code}: {reply.reason}" if isinstance(reply, ErrorReply)
                   else f"unexpected {type(reply).__name__}")  # fmt: skip
