@@ -72,12 +72,7 @@ def run(algorithm: str, codec: str, millions: float, duration_s: float, checkpoi
 
 def _what_it_did(node: Any) -> dict[str, Any]:
     status = node.status() or {}
-    events = []
-    for line in node.log.read_text(errors="replace").splitlines():
-        try:
-            events.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue
+    events = node.log_events()
     failed = Counter(f"{e['event']}: {e.get('reason') or e.get('error')}" for e in events
                      if e.get("event") in ("exchange_failed", "exchange_abandoned"))  # fmt: skip
     return {

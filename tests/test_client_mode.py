@@ -25,20 +25,10 @@ def swarm(tmp_path):
     s.stop_all()
 
 
-def log_events(node) -> list[dict]:
-    events = []
-    for line in node.log.read_text(errors="replace").splitlines():
-        try:
-            events.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue
-    return events
-
-
 def dials(node) -> set[str]:
     """Addresses `node` dialled (its outbound handshakes, successful or not)."""
     return {
-        e["address"] for e in log_events(node)
+        e["address"] for e in node.log_events()
         if e.get("event") in ("handshake_ok", "handshake_failed")
         and e.get("direction") == "outbound" and "address" in e
     }  # fmt: skip

@@ -3,6 +3,7 @@
 # are written by the node's own config writer and nodes started by the node's own launcher.
 from __future__ import annotations
 
+import json
 import os
 import time
 from collections.abc import Callable, Sequence
@@ -27,6 +28,17 @@ class SwarmNode(NodeProcess):
 
     def log_text(self) -> str:
         return self.log_tail(4000)
+
+    def log_events(self) -> list[dict]:
+        """Its log's JSON lines (a node started with --log-format json), in order; other lines
+        are skipped."""
+        events = []
+        for line in self.log.read_text(errors="replace").splitlines():
+            try:
+                events.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+        return events
 
     def params(self) -> dict:
         """The model tensors of its newest checkpoint (names start with "model/")."""
