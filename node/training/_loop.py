@@ -629,16 +629,13 @@ class LoopTrainer(OptimizerSync):
     def _run(self, queue: deque[_Pending]) -> None:
         main = threading.current_thread() is threading.main_thread()
         while queue:
-            # (from before the pop: a change taken off the queue is run and answered; the
-            # exit waits through a change of the model, not through an evaluation)
+            # (from before the pop: a change taken off the queue is run and answered; an
+            # evaluation too, which changes nothing: one counter, no window between two)
             deferring = main
             _DeferredExit.depth += deferring
             pending: _Pending | None = None
             try:
                 pending = queue.popleft()
-                if not pending.changes:
-                    _DeferredExit.depth -= deferring
-                    deferring = False
                 with torch.no_grad():
                     pending.result = pending.fn(self.params())
             except (KeyboardInterrupt, SystemExit):  # Ctrl-C (or a signal handler's exit) in
@@ -673,11 +670,11 @@ class LoopTrainer(OptimizerSync):
             self._run(self._pending)
 
 
-
 class _DeferredExit:
-    """join's SIGTERM exit while the main thread applies a change of the model (a mix, an outer
-    step): raised at the change's end, not in its middle (a change cut short leaves the model
-    half changed, and its final checkpoint is refused: the steps since the last one were lost)."""
+    """join's SIGTERM exit while the main thread runs one of the node's changes (a mix, an outer
+    step; an evaluation too): raised at the change's end, not in its middle (a change cut short
+    leaves the model half changed, and its final checkpoint is refused: the steps since the last
+    one were lost)."""
 
     depth = 0  # changes the main thread runs now (only the main thread runs signal handlers)
     code: int | None = None  # the exit a handler asked for meanwhile
