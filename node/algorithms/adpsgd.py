@@ -205,7 +205,9 @@ class Adpsgd(Algorithm):
     def _in_flight(self) -> bool:
         # (quiet: openings are told "busy" and after_step starts none meanwhile; _free drops a
         # session its peer left to idle out: nothing else would, now)
-        return self._running or bool(self._sessions and not self._free_sessions())
+        if self._sessions:
+            self._free()
+        return self._running or bool(self._sessions)
 
     def plan(self, chunk_numel: int) -> ChunkPlan:
         """The chunk plan of our model for chunks of `chunk_numel` elements (a few cached).
@@ -214,11 +216,6 @@ class Adpsgd(Algorithm):
             ValueError: it would have more than MAX_CHUNKS chunks.
         """
         return cached_plan(self._plans, self.ctx.trainer, chunk_numel)
-
-    def _free_sessions(self) -> bool:
-        """Drop the sessions past their deadlines; whether none is left."""
-        self._free()
-        return not self._sessions
 
     def _free(self) -> bool:
         """Whether this node can take part in another exchange now (max_exchanges at a time)."""

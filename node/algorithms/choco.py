@@ -161,10 +161,12 @@ class Choco(Algorithm):
         # exchange is half-way through (its count and estimates: a restart resyncs that link
         # from its start): the checkpoint's quiet waits for ours, and for a neighbour's unless
         # it went silent for STALE_STREAM_S (its initiator restarts the link when it comes back)
-        now = self.ctx.now()
-        return self._running or any(
-            link.stream is not None and now - link.seen <= STALE_STREAM_S
-            for link in self.links.values())  # fmt: skip
+        return self._running or any(link.stream is not None and not self._silent(link)
+                                    for link in self.links.values())  # fmt: skip
+
+    def _silent(self, link: ChocoLink) -> bool:
+        """Whether the neighbour's stream on `link` sent no chunk for STALE_STREAM_S."""
+        return self.ctx.now() - link.seen > STALE_STREAM_S
 
     def state(self) -> tuple[Tensors, dict]:
         # (no copies: a checkpoint is written apart from every change of the estimates: _add,
@@ -287,7 +289,7 @@ class Choco(Algorithm):
     async def _exchange(self, partner: str) -> None:
         try:
             link = self._link(partner)
-            if link.stream is not None and self.ctx.now() - link.seen > STALE_STREAM_S:
+            if link.stream is not None and self._silent(link):
                 await self.ctx.to_thread(self._restart, link, partner, "its exchange went silent")
             if link.busy:
                 return
