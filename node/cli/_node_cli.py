@@ -164,6 +164,10 @@ def status(args: argparse.Namespace) -> int:
     if args.interval is not None and not args.watch:
         print("geotrain status: --interval is the refresh of --watch", file=sys.stderr)
         return 2
+    if getattr(args, "max_age", None) is not None and args.watch:
+        print("geotrain status: --max-age is a one-shot probe; --watch keeps showing",
+              file=sys.stderr)  # fmt: skip
+        return 2
     try:
         config = None
         if args.node.startswith("tcp://"):
@@ -186,7 +190,28 @@ def status(args: argparse.Namespace) -> int:
         print(f"geotrain status: {exc}", file=sys.stderr)
         return 1
     print(json.dumps(data, indent=1) if args.json else render_status(data, age_s))
+    stale = _stale_for_probe(data, age_s, getattr(args, "max_age", None))
+    if stale:
+        print(f"geotrain status: {stale}", file=sys.stderr)
+        return STALE_EXIT
     return 0
+
+
+STALE_EXIT = 3  # `status --max-age`: the node is stale or stopped (a health probe's failure)
+
+
+def _stale_for_probe(data: dict, age_s: float | None, max_age_s: float | None) -> str:
+    """Why a health probe (`--max-age S`) fails: a status file older than S seconds (the node
+    stopped writing it: hung, paused, dead), or a node that says it stopped; "" when healthy or
+    not asked. A status asked over the network is fresh: the node answered."""
+    if max_age_s is None:
+        return ""
+    if not data.get("running", True):
+        return "--max-age: the node is not running (its status says it stopped)"
+    if age_s is not None and age_s > max_age_s:
+        return (f"--max-age {max_age_s:g}: the status was written {age_s:.0f} s ago: the "
+                "node is stale (hung, paused or gone)")
+    return ""
 
 
 def _seconds(text: str) -> float:
@@ -230,6 +255,14 @@ def register_status(sub: argparse._SubParsersAction) -> None:
         help="seconds to wait for an answer (with --watch: at each refresh)",
     )
     p.add_argument("--json", action="store_true", help="print the raw status JSON")
+    p.add_argument(
+        "--max-age",
+        type=_seconds,
+        metavar="S",
+        help=f"a health probe: exit {STALE_EXIT} when the status file is older than S seconds "
+        "or the node says it stopped (a container's liveness probe; pick S above a few of "
+        "state.status_every_s)",
+    )
     p.add_argument(
         "--watch",
         action="store_true",
