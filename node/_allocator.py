@@ -27,7 +27,7 @@ def tune_allocator() -> bool:
     and at most 2 arenas keep it down. Blocks below it (chunk buffers, a small layer's gradients)
     come from the arenas, which keep up to 64 MiB free at their top: a 1 MiB threshold without
     that mapped every step's gradients and optimizer temporaries afresh, and the page faults
-    made a 1.1M-parameter MLP's plain training loop 1.4x slower (bench_loop). Process-wide; the
+    made a 1.1M-parameter MLP's plain training loop 1.4x slower (bench.loop). Process-wide; the
     node calls it at start.
 
     Returns:

@@ -263,7 +263,7 @@ async def test_a_sparse_codec_averages_the_values_sent_and_leaves_the_others(
 ):
     # the values a peer did not send decode as zeros: mixed in, they pulled nine tenths of each
     # model halfway to zero at every exchange (two digits nodes ended at 0.35 / 0.58 with
-    # topk:0.01, bench_codecs)
+    # topk:0.01, bench.codecs)
     wide = {"task": "wide-linear", "params": {"millions": 0.1}}  # 100,489 parameters
     async with runtimes(2, algorithm="adpsgd", codec=codec, init_seeds=[1, 2],
                         chunk_numel=chunk_numel, **wide) as (net, (a, b)):  # fmt: skip

@@ -597,7 +597,7 @@ async def test_a_big_model_holds_peers_updates_in_bfloat16_and_steps_almost_as_e
     autojump_clock, monkeypatch
 ):
     # codec none's updates held as they came were a whole float32 model each (+0.5 model copies
-    # at a 100M node's peak, bench_memory); bfloat16 keeps 8 bits of each value's mantissa
+    # at a 100M node's peak, bench.memory); bfloat16 keeps 8 bits of each value's mantissa
     exact = await _rounds_ending_together(True, monkeypatch)
     held = await _rounds_ending_together(True, monkeypatch, hold=True)
     assert exact["held"] == [None, None] and held["held"] == ["bf16", "bf16"]

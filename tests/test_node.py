@@ -196,7 +196,7 @@ def test_poisoned_peer_does_not_change_the_others_accuracy(swarm):
 def test_slow_peer_takes_part_without_holding_the_others_back(swarm):
     # n2 is 10x slower. The others do not wait for it: they reach 300 steps while it is still far
     # behind, and it still exchanges with them. (What it costs the others in step rate is a
-    # benchmark, measured side by side: python -m geotrain.node.bench_straggler.)
+    # benchmark, measured side by side: python -m geotrain.node.bench.straggler.)
     nodes = start_swarm(swarm, 3, max_steps=0, special={2: {"training": {"slowdown": 10.0}}})
     fast, slow = nodes[:2], nodes[2]
     swarm.wait_until(

@@ -1,4 +1,4 @@
-"""bench_checkpoints runs end to end: two daemon nodes exchange beside periodic checkpoints."""
+"""bench.checkpoints runs end to end: two daemon nodes exchange beside periodic checkpoints."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from geotrain.node.bench_checkpoints import run
+from geotrain.node.bench.checkpoints import run
 
 pytestmark = pytest.mark.slow  # (two real node processes)
 

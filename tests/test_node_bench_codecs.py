@@ -1,4 +1,4 @@
-"""bench_codecs runs end to end (two nodes, a few steps) and reads codec lists with commas."""
+"""bench.codecs runs end to end (two nodes, a few steps) and reads codec lists with commas."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import json
 import subprocess
 import sys
 
-from geotrain.node.bench_codecs import split_codecs
+from geotrain.node.bench.codecs import split_codecs
 
 
 def test_a_codec_list_keeps_each_codecs_own_commas():
@@ -16,7 +16,7 @@ def test_a_codec_list_keeps_each_codecs_own_commas():
 
 def test_two_nodes_train_with_a_fixed_codec_and_both_are_reported():
     out = subprocess.run(
-        [sys.executable, "-m", "geotrain.node.bench_codecs", "--json", "--algorithms", "adpsgd",
+        [sys.executable, "-m", "geotrain.node.bench.codecs", "--json", "--algorithms", "adpsgd",
          "--codecs", "topk:0.1", "--steps", "20", "--step-ms", "10"],
         capture_output=True, text=True, check=True, timeout=300)  # fmt: skip
     r = json.loads(out.stdout.strip().splitlines()[-1])

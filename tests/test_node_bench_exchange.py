@@ -1,4 +1,4 @@
-"""bench_exchange runs end to end on a tiny model: the exchange figures and the state-sync mode
+"""bench.exchange runs end to end on a tiny model: the exchange figures and the state-sync mode
 (whose joiner must end with the server's model), as its --json prints them."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import sys
 
 
 def bench(*args: str) -> dict:
-    out = subprocess.run([sys.executable, "-m", "geotrain.node.bench_exchange", "--json", *args],
+    out = subprocess.run([sys.executable, "-m", "geotrain.node.bench.exchange", "--json", *args],
                          capture_output=True, text=True, check=True, timeout=300)  # fmt: skip
     return json.loads(out.stdout.strip().splitlines()[-1])
 

@@ -1,4 +1,4 @@
-"""bench_frozen runs end to end: a frozen base stays out of the exchanges, a trained one not."""
+"""bench.frozen runs end to end: a frozen base stays out of the exchanges, a trained one not."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import sys
 
 def test_the_frozen_run_sends_the_head_only_and_keeps_the_base(tmp_path):
     out = subprocess.run(
-        [sys.executable, "-m", "geotrain.node.bench_frozen", "--base-millions", "17",
+        [sys.executable, "-m", "geotrain.node.bench.frozen", "--base-millions", "17",
          "--steps", "8", "--json"],
         env={**os.environ, "TMPDIR": str(tmp_path)},
         capture_output=True, text=True, check=True, timeout=600)  # fmt: skip

@@ -1,4 +1,4 @@
-"""bench_loop runs end to end with the language model (--model gpt): both rates measured, the
+"""bench.loop runs end to end with the language model (--model gpt): both rates measured, the
 gpt task's 1m decoder stepped on token batches; a bad --batch is refused before anything starts."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import pytest
 
 
 def bench(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "geotrain.node.bench_loop", "--json", *args],
+    return subprocess.run([sys.executable, "-m", "geotrain.node.bench.loop", "--json", *args],
                           capture_output=True, text=True, timeout=300)  # fmt: skip
 
 

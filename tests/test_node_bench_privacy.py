@@ -1,4 +1,4 @@
-"""bench_privacy runs end to end and finds geotrain's epsilon equal to opacus' own."""
+"""bench.privacy runs end to end and finds geotrain's epsilon equal to opacus' own."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ pytest.importorskip("opacus")
 
 def test_the_accountant_bench_prints_equal_figures():
     out = subprocess.run(
-        [sys.executable, "-m", "geotrain.node.bench_privacy", "--epsilon", "8", "--queries",
+        [sys.executable, "-m", "geotrain.node.bench.privacy", "--epsilon", "8", "--queries",
          "2", "--json"],
         capture_output=True, text=True, check=True, timeout=600)  # fmt: skip
     result = json.loads(out.stdout.strip().splitlines()[-1])

@@ -1,6 +1,6 @@
 """Compare the gossip algorithms on one scenario: 4 local nodes over loopback, digits-mlp.
 
-    python -m geotrain.node.bench_algorithms [--target 0.9] [--timeout 150]
+    python -m geotrain.node.bench.algorithms [--target 0.9] [--timeout 150]
         [--algorithms dpsgd,choco]
 
 For each algorithm: start 4 `geotrain node run` processes (open swarm on 127.0.0.1, shards of
@@ -19,7 +19,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from .testing import LocalSwarm
+from ..testing import LocalSwarm
 
 SETTINGS: dict[str, dict] = {
     "adpsgd": {},

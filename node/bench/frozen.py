@@ -1,6 +1,6 @@
 """Fine-tuning a frozen base through geotrain.join: what an exchange carries, side by side.
 
-    python -m geotrain.node.bench_frozen [--base-millions 100] [--steps 30] [--json]
+    python -m geotrain.node.bench.frozen [--base-millions 100] [--steps 30] [--json]
 
 Two library-run nodes on loopback, in this process, each train a model of a base of square
 4096-wide layers (`--base-millions` parameters, float32) and a 4096 x 256 head (1.05M
@@ -58,8 +58,8 @@ def _run(tmp: Path, layers: int, frozen: bool, steps: int) -> dict:
     import geotrain
     from geotrain.node import Admission, Identity, config_from_toml
 
-    from ._memory import peak_rss_mb
-    from .state import read_status
+    from .._memory import peak_rss_mb
+    from ..state import read_status
 
     def join(name: str, model: nn.Module, *overrides: str) -> geotrain.Swarm:
         config = config_from_toml(CONFIG, base=tmp,
@@ -130,7 +130,7 @@ def main() -> None:
     layers = max(1, round(args.base_millions * 1e6 / (WIDTH * WIDTH)))
     import structlog
 
-    from .cli import configure_logging
+    from ..cli import configure_logging
 
     if not structlog.is_configured():
         configure_logging("warning", "auto")

@@ -1,7 +1,7 @@
 """Goodput of a streamed model exchange against raw pynng moving the same bytes.
 
-    python -m geotrain.node.bench_exchange [--millions 100] [--codec none] [--repeats 3] [--json]
-    python -m geotrain.node.bench_exchange --state-sync [--donors 3] [--millions 100] [--json]
+    python -m geotrain.node.bench.exchange [--millions 100] [--codec none] [--repeats 3] [--json]
+    python -m geotrain.node.bench.exchange --state-sync [--donors 3] [--millions 100] [--json]
 
 In one process, over loopback: two nodes' adpsgd runtimes, each on its own secure transport,
 average a `wide-linear` model (`--millions` parameters) with codec `--codec`; each exchange moves
@@ -36,18 +36,18 @@ import trio
 
 from geotrain.gossip import LinkTable, PartnerSelector
 
-from ._allocator import tune_allocator
-from ._config import GossipConfig
-from ._memory import peak_rss_mb, reset_peak_rss, rss_mb
-from ._peer_choice import PeerChoice
-from ._protocol import node_header_codec
-from ._state_sync import StateSync
-from .algorithms import AlgorithmContext, get_algorithm
-from .cli import configure_logging
-from .identity import Admission, Identity
-from .testing import StaticMembership
-from .training import TaskContext, Trainer, resolve_task
-from .transport import TransportConfig, open_raw_pynng_exchange, open_transport
+from .._allocator import tune_allocator
+from .._config import GossipConfig
+from .._memory import peak_rss_mb, reset_peak_rss, rss_mb
+from .._peer_choice import PeerChoice
+from .._protocol import node_header_codec
+from .._state_sync import StateSync
+from ..algorithms import AlgorithmContext, get_algorithm
+from ..cli import configure_logging
+from ..identity import Admission, Identity
+from ..testing import StaticMembership
+from ..training import TaskContext, Trainer, resolve_task
+from ..transport import TransportConfig, open_raw_pynng_exchange, open_transport
 
 CHUNK_NUMEL = 2 * 2**20  # network.chunk_mb = 8, the default
 

@@ -1,6 +1,6 @@
 """Exchanges beside periodic checkpoints at 10^8: do they fail while a checkpoint is written?
 
-    python -m geotrain.node.bench_checkpoints [--algorithm adpsgd] [--codec auto]
+    python -m geotrain.node.bench.checkpoints [--algorithm adpsgd] [--codec auto]
         [--millions 100] [--duration 300] [--checkpoint-every 20] [--exchange-every 2] [--json]
 
 Two `geotrain node run` processes on loopback train the `wide-linear` task (one square float32
@@ -26,7 +26,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from .testing import LocalSwarm
+from ..testing import LocalSwarm
 
 
 def run(algorithm: str, codec: str, millions: float, duration_s: float, checkpoint_every: int,

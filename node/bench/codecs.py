@@ -1,6 +1,6 @@
 """What a fixed codec does to an algorithm's accuracy: two digits nodes, side by side.
 
-    python -m geotrain.node.bench_codecs [--algorithms adpsgd,dpsgd]
+    python -m geotrain.node.bench.codecs [--algorithms adpsgd,dpsgd]
         [--codecs none,int8,topk:0.1,topk:0.01,randk:0.1,unscaled] [--steps 300]
         [--step-ms 20] [--exchange-every 2]
 
@@ -84,7 +84,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--exchange-every", type=int, default=2)
     parser.add_argument("--json", action="store_true", help="one JSON object per line")
     args = parser.parse_args(argv)
-    from .cli import configure_logging
+    from ..cli import configure_logging
 
     configure_logging("error", "console")  # an entry point: keep stdout for the results
     codecs = split_codecs(args.codecs)

@@ -1,6 +1,6 @@
 """What a straggler costs the others: two swarms side by side, one with a 10x slower peer.
 
-    python -m geotrain.node.bench_straggler [--peers 3] [--slowdown 10] [--window 8] [--json]
+    python -m geotrain.node.bench.straggler [--peers 3] [--slowdown 10] [--window 8] [--json]
 
 Both swarms (digits-mlp, loopback, one torch thread per node, the default algorithm) run at the
 same time, so both see the same load on a shared machine. Once every fast node is past start-up
@@ -22,7 +22,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from .bench_algorithms import start_swarm, stop
+from .algorithms import start_swarm, stop
 
 
 def rates_over(nodes, seconds: float) -> list[float]:

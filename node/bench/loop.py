@@ -1,6 +1,6 @@
 """Step overhead of geotrain in your own loop: steps/s of a wrapped loop vs the same loop bare.
 
-    python -m geotrain.node.bench_loop [--model mlp|gpt] [--hidden 1024] [--batch N]
+    python -m geotrain.node.bench.loop [--model mlp|gpt] [--hidden 1024] [--batch N]
         [--comm-fraction F] [--steps 400] [--repeats 3] [--json]
 
 One core for the loop (this process is pinned to core 0 with one torch thread), a peer in another
@@ -72,7 +72,7 @@ CONTEXT = 128  # the gpt model's sequence length here
 def make_model(kind: str, hidden: int) -> nn.Module:
     torch.manual_seed(0)
     if kind == "gpt":
-        from .training import GPT, GPT_SIZES
+        from ..training import GPT, GPT_SIZES
 
         size = GPT_SIZES["1m"]
         return GPT(CONTEXT, size.d_model, size.layers, size.heads)
@@ -154,7 +154,7 @@ def measure(kind: str, hidden: int, batch: int, steps: int, repeats: int,
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         other = subprocess.Popen(
-            [sys.executable, "-m", "geotrain.node.bench_loop", "--role", "peer", "--root",
+            [sys.executable, "-m", "geotrain.node.bench.loop", "--role", "peer", "--root",
              str(root), "--model", kind, "--hidden", str(hidden), "--batch", str(batch),
              "--comm-fraction", str(comm_fraction)],
             stdout=subprocess.PIPE, text=True,
@@ -208,7 +208,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--role", default="main", choices=("main", "peer"))
     parser.add_argument("--root", type=Path)
     args = parser.parse_args(argv)
-    from .cli import configure_logging
+    from ..cli import configure_logging
 
     configure_logging("warning", "console")
     batch = args.batch if args.batch is not None else 16 if args.model == "gpt" else 64

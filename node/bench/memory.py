@@ -1,6 +1,6 @@
 """Peak memory of a plain torch loop and of a geotrain node pair, as multiples of the model.
 
-    python -m geotrain.node.bench_memory [--millions 100] [--algorithms adpsgd,dpsgd]
+    python -m geotrain.node.bench.memory [--millions 100] [--algorithms adpsgd,dpsgd]
         [--steps 20] [--codec none] [--json]
 
 One run, side by side: a plain training loop (the `wide-linear` task, SGD with momentum, one torch
@@ -24,8 +24,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from .bench_algorithms import stop
-from .testing import LocalSwarm
+from ..testing import LocalSwarm
+from .algorithms import stop
 
 PLAIN = """
 import json, sys, torch

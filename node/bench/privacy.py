@@ -1,7 +1,7 @@
 """The privacy accountant's cost: opacus' RDPAccountant.get_epsilon and geotrain's figures for the
 same history, side by side in one run.
 
-    python -m geotrain.node.bench_privacy [--epsilon 50] [--queries 20] [--json]
+    python -m geotrain.node.bench.privacy [--epsilon 50] [--queries 20] [--json]
 
 A digits-mlp trainer (shard 1 of 8, noise multiplier 2.0) is made private with budget `--epsilon`
 (`make_private` searches the steps the budget allows: many epsilon queries), takes 5 private
@@ -18,7 +18,7 @@ import time
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(prog="python -m geotrain.node.bench_privacy")
+    parser = argparse.ArgumentParser(prog="python -m geotrain.node.bench.privacy")
     parser.add_argument("--epsilon", type=float, default=50.0)
     parser.add_argument("--queries", type=int, default=20)
     parser.add_argument("--json", action="store_true", help="one JSON line, not a sentence")
