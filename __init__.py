@@ -28,6 +28,7 @@ _EXPORTS = {
     "SwarmOptimizer": "geotrain.node",
     "Diverged": "geotrain.node",
     "LoopClosed": "geotrain.node",
+    "MisuseWarning": "geotrain.node",
     # configuring and running a node
     "NodeConfig": "geotrain.node",
     "IdentityConfig": "geotrain.node",
@@ -58,6 +59,7 @@ _EXPORTS = {
     # errors a caller catches
     "ConfigError": "geotrain.node",
     "ResumeError": "geotrain.node",
+    "ModelMismatch": "geotrain.node",
     "MemoryBudgetError": "geotrain.node",
     "CheckpointError": "geotrain.node",
     "StateDirInUse": "geotrain.node",

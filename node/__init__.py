@@ -52,6 +52,8 @@ _LAZY = {
     "SwarmOptimizer": "._library",
     "Diverged": ".training",
     "LoopClosed": ".training",
+    "MisuseWarning": "._library",
+    "ModelMismatch": "._state_sync",
     "open_node": "._node",
     "ResumeError": "._checkpointer",
     "MemoryBudgetError": "._memory",

@@ -14,8 +14,10 @@ import contextlib
 import numbers
 import os
 import signal
+import sys
 import threading
 import time
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -57,6 +59,9 @@ class Swarm:
         self._closed = False
         self._pid = os.getpid()  # a forked child has no node thread: it leaves this one alone
         self._joined_digest = loop.sample_digest()  # the model as join left it (never_wrapped)
+        self._stepping = 0  # > 0 while a SwarmOptimizer steps (its optimizer's step is not raw)
+        self._raw_hook: Any = None  # the hook on the wrapped optimizer that sees raw steps
+        self._said: set[str] = set()  # the MisuseWarnings given (each once)
 
     def check_alive(self) -> None:
         """Raise if the node stopped by itself (an error in it): the user's loop would otherwise
@@ -109,7 +114,35 @@ class Swarm:
             optimizer = optimizer.optimizer  # made on what the first wrap returned)
         self._loop.attach(optimizer, scheduler)
         self.node.measure_optimizer(optimizer)
+        if self._raw_hook is None and callable(getattr(optimizer, "register_step_post_hook",
+                                                       None)):  # fmt: skip
+            self._raw_hook = optimizer.register_step_post_hook(self._raw_step)
         return SwarmOptimizer(self, optimizer, scheduler)
+
+    def _raw_step(self, *_: Any) -> None:
+        """The wrapped optimizer's step hook: a step not taken through what wrap returned."""
+        if not self._stepping and not self._closed:
+            self.misuse("raw_step", "the optimizer given to swarm.wrap() was stepped directly: "
+                        "that step was not shared with the swarm, and the mixes that arrived "
+                        "wait until a step through the wrapped one. Step what wrap returned: "
+                        "opt = swarm.wrap(optimizer); opt.step()")  # fmt: skip
+
+    def misuse(self, key: str, message: str) -> None:
+        """Say `message` once per swarm as a MisuseWarning, pointing at the user's line."""
+        if key not in self._said:
+            self._said.add(key)
+            warnings.warn(message, MisuseWarning, stacklevel=_user_stacklevel())
+
+    def _check_unpassed_scheduler(self, optimizer: torch.optim.Optimizer) -> None:
+        """A learning-rate scheduler made on the optimizer (torch's put `initial_lr` in its
+        groups) but not passed to wrap is not checkpointed nor synced: say so."""
+        if self._loop.scheduler is None and "scheduler" not in self._said and any(
+                "initial_lr" in group for group in optimizer.param_groups):  # fmt: skip
+            self.misuse("scheduler", "a learning-rate scheduler schedules the wrapped optimizer "
+                        "but was not passed to swarm.wrap(): its point in the schedule is "
+                        "neither checkpointed nor taken from the swarm, so a resume or a late "
+                        "joiner starts it over (its warmup again). Pass it: "
+                        "opt = swarm.wrap(optimizer, scheduler)")  # fmt: skip
 
     def _notify(self, result: StepResult) -> None:
         """Hand a step to the node's loop without waiting for it (the step channel is unbounded:
@@ -154,6 +187,8 @@ class Swarm:
             return
         self._closed = True
         _open_swarms.discard(self)
+        if self._raw_hook is not None:
+            self._raw_hook.remove()
         if os.getpid() != self._pid:  # a forked child: the node runs in the parent, not here
             return
         self._warn_never_wrapped()  # (first: the loop's close applies the mixes that came)
@@ -222,16 +257,20 @@ class SwarmOptimizer(torch.optim.Optimizer):
             LoopClosed: after the swarm was closed, or when its node stopped by itself (the
                 node's error is the cause).
         """
-        self._swarm.check_alive()
+        swarm = self._swarm
+        swarm.check_alive()
         value = None if loss is None else _loss_value(loss)
+        swarm._stepping += 1
         try:
-            result, stepped = self._swarm._loop.stepped(lambda: self.optimizer.step(closure),
-                                                        value)  # fmt: skip
+            result, stepped = swarm._loop.stepped(lambda: self.optimizer.step(closure), value)
         except Diverged as exc:  # the step was taken: the node hears of it, then the user
             if exc.result is not None:
-                self._swarm._notify(exc.result)
+                swarm._notify(exc.result)
             raise
-        self._swarm._notify(stepped)
+        finally:
+            swarm._stepping -= 1
+        swarm._notify(stepped)
+        swarm._check_unpassed_scheduler(self.optimizer)
         return result
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -391,8 +430,32 @@ def _wait_ready(node: Node, thread: threading.Thread, ready: threading.Event,
                            f"it was {doing}")  # fmt: skip
     if "error" in box:
         thread.join(10)
-        error = box["error"]
-        raise _leaf(error) from error
+        error = _leaf(box["error"])
+        if isinstance(error, Exception) and not isinstance(error, _OUR_BUGS):
+            # a refusal the user reads (ModelMismatch, AdmissionRefused, ConfigError, ...): one
+            # short traceback from join, not the node thread's nested exception groups
+            raise error.with_traceback(None) from None
+        raise error from box["error"]
+
+
+# errors of the node's own code: their traceback inside the node's thread is what tells why
+_OUR_BUGS = (AssertionError, AttributeError, NameError, TypeError, IndexError, KeyError)
+
+
+class MisuseWarning(UserWarning):
+    """A way of holding geotrain's API that silently does less than it seems to: an optimizer
+    stepped around its wrapper, a scheduler not passed to wrap. The message says what to do.
+    (`-W error::geotrain.MisuseWarning` makes each an error.)"""
+
+
+def _user_stacklevel() -> int:
+    """The stacklevel of the first frame outside torch and geotrain (the user's line)."""
+    skip = (os.path.dirname(os.path.abspath(__file__)) + os.sep,
+            os.path.dirname(os.path.abspath(torch.__file__)) + os.sep)  # fmt: skip
+    frame, level = sys._getframe(1), 1  # (level 1: misuse, which calls warnings.warn)
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(skip):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 def _refuse_joined_twice(model: torch.nn.Module) -> None:

@@ -1,0 +1,91 @@
+"""Ways to hold the own-loop API wrong are said at once (MisuseWarning), and refusals reach the
+user as public, typed errors with one short traceback."""
+
+from __future__ import annotations
+
+import traceback
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import geotrain
+from geotrain.node import Admission, Identity, config_from_toml
+
+CONFIG = """
+[identity]
+open_swarm = true
+[gossip]
+probe_interval_s = 0.2
+[state]
+status_every_s = 0.2
+"""
+
+
+def joined(tmp_path: Path, name: str, model: nn.Module, *overrides: str) -> geotrain.Swarm:
+    config = config_from_toml(CONFIG, base=tmp_path,
+                              overrides=[f'state.dir="{tmp_path / name}"', *overrides])
+    return geotrain.join(config, model, identity=Identity.generate(),
+                         admission=Admission.open_swarm("geotrain"))
+
+
+def model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Linear(4, 1)
+
+
+def step(opt, m: nn.Module) -> None:
+    m(torch.randn(8, 4)).pow(2).mean().backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def test_stepping_the_raw_optimizer_after_wrap_warns_at_once_at_the_users_line(tmp_path):
+    m = model()
+    with joined(tmp_path, "a", m) as swarm:
+        adamw = torch.optim.AdamW(m.parameters(), lr=0.01)
+        opt = swarm.wrap(adamw)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            step(opt, m)  # through the wrapper: nothing said
+        assert swarm.step == 1
+        with pytest.warns(geotrain.MisuseWarning, match=r"stepped directly.*opt.step\(\)") as said:
+            step(adamw, m)
+        assert said[0].filename == __file__  # the user's line, not torch's or geotrain's
+        assert swarm.step == 1  # (the raw step was not the swarm's)
+
+
+def test_a_scheduler_not_passed_to_wrap_warns_and_one_passed_does_not(tmp_path):
+    m = model()
+    with joined(tmp_path, "a", m) as swarm:
+        adamw = torch.optim.AdamW(m.parameters(), lr=0.01)
+        torch.optim.lr_scheduler.CosineAnnealingLR(adamw, T_max=10)
+        opt = swarm.wrap(adamw)
+        with pytest.warns(geotrain.MisuseWarning, match=r"swarm.wrap\(optimizer, scheduler\)"):
+            step(opt, m)
+    m = model()
+    with joined(tmp_path, "b", m) as swarm:
+        adamw = torch.optim.AdamW(m.parameters(), lr=0.01)
+        schedule = torch.optim.lr_scheduler.CosineAnnealingLR(adamw, T_max=10)
+        opt = swarm.wrap(adamw, schedule)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            step(opt, m)
+            schedule.step()
+
+
+def test_a_joiner_with_another_model_gets_ModelMismatch_with_a_short_traceback(tmp_path):
+    first = joined(tmp_path, "a", model(), "training.wait_for_peers=0")
+    try:
+        other = nn.Linear(4, 3)  # other shapes
+        with pytest.raises(geotrain.ModelMismatch) as caught:
+            joined(tmp_path, "b", other, f'network.bootstrap=["{first.address}"]',
+                   "training.wait_for_peers=1")
+    finally:
+        first.close()
+    text = "".join(traceback.format_exception(caught.value))
+    assert "ExceptionGroup" not in text and "trio" not in text, text
+    assert text.count("File ") <= 4, text  # this test, join, its wait: not the node's thread
+    assert isinstance(caught.value, geotrain.ConfigError)  # (what a caller catching those gets)
