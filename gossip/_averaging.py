@@ -91,27 +91,48 @@ def check_update(local: Params, remote: Params, *, max_norm_ratio: float) -> Non
     """
     if set(local) != set(remote):
         missing, extra = sorted(set(local) - set(remote)), sorted(set(remote) - set(local))
-        raise RejectedUpdate("names", f"missing {missing[:3]}, unexpected {extra[:3]}")
+        raise RejectedUpdate("names", f"the peer's tensors are not named as ours (missing "
+                             f"{missing[:3]}, unexpected {extra[:3]}): another model")
     for name, mine in local.items():
         theirs = remote[name]
         if theirs.shape != mine.shape:
-            raise RejectedUpdate("shape", f"{name}: {tuple(theirs.shape)} != {tuple(mine.shape)}")
+            raise RejectedUpdate("shape", f"the peer's {name} is {tuple(theirs.shape)}, ours "
+                                 f"{tuple(mine.shape)}: another model")
         if not theirs.is_floating_point():
-            raise RejectedUpdate("dtype", f"{name}: {theirs.dtype} is not floating point")
+            raise RejectedUpdate("dtype", f"the peer's {name} is {theirs.dtype}, not floating "
+                                 "point")
         if not all_finite(theirs):
-            raise RejectedUpdate("nonfinite", f"{name} holds NaN or inf")
+            raise RejectedUpdate("nonfinite", f"the peer's {name} holds NaN or inf: its model "
+                                 "diverged")
     check_norm_ratio(params_norm(remote), params_norm(local), max_norm_ratio=max_norm_ratio)
 
 
-def check_norm_ratio(theirs_norm: float, mine_norm: float, *, max_norm_ratio: float) -> None:
+def check_norm_ratio(
+    theirs_norm: float,
+    mine_norm: float,
+    *,
+    max_norm_ratio: float,
+    what: str = "model",
+    against: str = "our model",
+) -> None:
     """check_update's norm check on norms worked out already (an update checked as it streams).
 
+    Args:
+        what / against: what the norms are of, for the message: the peer's `what` (its model,
+            its update) against `against` ("our model").
+
     Raises:
-        RejectedUpdate: ||remote|| > max_norm_ratio * ||local|| + 1 ("norm").
+        RejectedUpdate: ||remote|| > max_norm_ratio * ||local|| + 1 ("norm"); the message says
+            what was compared and the setting (gossip.max_norm_ratio) that governs it.
     """
-    if theirs_norm > max_norm_ratio * mine_norm + 1.0:
+    limit = max_norm_ratio * mine_norm + 1.0
+    if theirs_norm > limit:
         raise RejectedUpdate(
-            "norm", f"norm {theirs_norm:.3g} > {max_norm_ratio} x local {mine_norm:.3g} + 1"
+            "norm", f"the peer's {what} has norm {theirs_norm:.3g}, above the {limit:.3g} allowed "
+            f"(gossip.max_norm_ratio {max_norm_ratio:g} x the norm of {against}, {mine_norm:.3g}, "
+            "+ 1): "
+            "a diverged or hostile peer, or peers far apart (raise gossip.max_norm_ratio if they "
+            "legitimately are)"
         )
 
 

@@ -89,3 +89,20 @@ def test_a_joiner_with_another_model_gets_ModelMismatch_with_a_short_traceback(t
     assert "ExceptionGroup" not in text and "trio" not in text, text
     assert text.count("File ") <= 4, text  # this test, join, its wait: not the node's thread
     assert isinstance(caught.value, geotrain.ConfigError)  # (what a caller catching those gets)
+
+
+def test_a_rejected_update_says_what_was_compared_and_the_setting_that_governs_it():
+    from geotrain.gossip import RejectedUpdate, check_norm_ratio, check_update
+
+    ours = {"w": torch.full((4,), 0.05)}
+    with pytest.raises(RejectedUpdate) as caught:
+        check_update(ours, {"w": torch.full((4,), 2.0)}, max_norm_ratio=10.0)
+    said = str(caught.value)
+    assert caught.value.reason == "norm"
+    assert "the peer's model has norm 4" in said and "the norm of our model, 0.1" in said, said
+    assert "gossip.max_norm_ratio 10" in said and "2 allowed" in said, said
+    with pytest.raises(RejectedUpdate, match=r"update \(pseudo-gradient\) has norm 3.62.*"
+                       r"the norm of our model, 0.0982"):
+        check_norm_ratio(3.62, 0.0982, max_norm_ratio=10.0, what="update (pseudo-gradient)")
+    with pytest.raises(RejectedUpdate, match=r"the peer's w is \(3,\), ours \(4,\): another"):
+        check_update(ours, {"w": torch.zeros(3)}, max_norm_ratio=10.0)

@@ -18,7 +18,7 @@ import torch
 import trio
 
 from geotrain import compress
-from geotrain.gossip import ChocoLink, ChocoLinks, RejectedUpdate, params_norm
+from geotrain.gossip import ChocoLink, ChocoLinks, RejectedUpdate, check_norm_ratio, params_norm
 
 from .._config import GossipConfig, check_field, check_types
 from .._log_quota import log_within_quota
@@ -249,10 +249,9 @@ class Choco(Algorithm):
         norm = params_norm({s.label: v for s, v in zip(slices, values, strict=True)})
         ours = self.ctx.trainer.read(lambda live: params_norm(
             {s.label: live[s.name].reshape(-1)[s.start : s.stop] for s in slices}))
-        ratio = self.ctx.gossip.max_norm_ratio
-        if norm > ratio * ours + 1.0:
-            raise RejectedUpdate("norm", f"chunk {index}: norm {norm:.3g} > {ratio} x local "
-                                 f"{ours:.3g} + 1")  # fmt: skip
+        check_norm_ratio(norm, ours, max_norm_ratio=self.ctx.gossip.max_norm_ratio,
+                         what=f"model difference (chunk {index})",
+                         against=f"our model's chunk {index}")
         return [(s.name, s.start, v) for s, v in zip(slices, values, strict=True)]
 
     def _add(self, link: ChocoLink, q_mine: list, q_theirs: list, stream=None) -> bool:

@@ -998,7 +998,9 @@ class Diloco(Algorithm):
             RejectedUpdate: "norm".
         """
         mine = self._start_norm() if start else params_norm(self.ctx.trainer.params())
-        check_norm_ratio(update.norm, mine, max_norm_ratio=self.ctx.gossip.max_norm_ratio)
+        check_norm_ratio(update.norm, mine, max_norm_ratio=self.ctx.gossip.max_norm_ratio,
+                         what="outer parameters" if start else "update (pseudo-gradient)",
+                         against="our outer parameters" if start else "our model")
 
     def _rejected_from(self, peer: str, spec: str, exc: Exception) -> None:
         """A partner's answer failed a check: count it, choose the partner less, say why."""
