@@ -9,7 +9,9 @@ import math
 from collections.abc import Iterable
 from typing import Any
 
-BASELINES = ("ddp", "localsgd", "hivemind", "hivemind-local")
+BASELINES = ("ddp", "localsgd", "hivemind", "hivemind-local", "ideal")
+# the ideal, DDP on links that cost nothing, exists only in virtual time (--clock virtual)
+VIRTUAL_ONLY = ("ideal",)
 
 # hivemind's two ways of training, with the values its quick start and Optimizer docs use
 # (https://learning-at-home.readthedocs.io/en/latest/user/quickstart.html: matchmaking_time=3.0,
@@ -36,6 +38,7 @@ HIVEMIND_PRESETS: dict[str, dict[str, Any]] = {
 # node's own can be set by --node-set training.lr: each system at its own best rate.
 PRESETS: dict[str, dict[str, Any]] = {
     **HIVEMIND_PRESETS, "ddp": {"lr": None}, "localsgd": {"period": 16, "lr": None},
+    "ideal": {"lr": None},
 }
 COMPRESSIONS = ("none", "fp16", "uniform8bit", "quantile8bit")
 _TYPES: dict[str, type] = {
@@ -67,6 +70,9 @@ def parse_baselines(text: str) -> tuple[str, ...]:
 
 def missing_requirement(baseline: str) -> str | None:
     """Why `baseline` cannot run on this machine (hivemind not installed), or None."""
+    if baseline in VIRTUAL_ONLY:
+        return (f"--baseline {baseline}: DDP on links that cost nothing exists only in virtual "
+                "time (--clock virtual)")  # fmt: skip
     if baseline.startswith("hivemind") and importlib.util.find_spec("hivemind") is None:
         return (
             f"--baseline {baseline}: hivemind is not installed; "

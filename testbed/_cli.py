@@ -90,6 +90,23 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                           "(repeatable)")  # fmt: skip
     run.add_argument("--no-link-check", action="store_true",
                      help="skip measuring RTT/throughput of each region pair")  # fmt: skip
+    run.add_argument("--clock", choices=("real", "virtual"), default="real",
+                     help="real: peers are processes behind emulated links, in wall time; "
+                          "virtual: one process on a virtual clock, the model math real and "
+                          "time taken from the scenario's links and compute profile, so the "
+                          "figures do not depend on this machine (baselines ddp, localsgd and "
+                          "ideal: DDP on free links) (default: real)")  # fmt: skip
+    run.add_argument("--seed", type=int, default=0,
+                     help="--clock virtual: seeds the scheduler and the jitter (default: 0)")
+    run.add_argument("--step-jitter", type=float, default=0.02, metavar="F",
+                     help="--clock virtual: each step costs step-ms x slowdown x (1 +- F), "
+                          "drawn per step (default: 0.02)")  # fmt: skip
+    run.add_argument("--mtu", type=int, default=1500,
+                     help="--clock virtual: the path MTU whose TCP/IP headers the bytes count "
+                          "(default: 1500)")  # fmt: skip
+    run.add_argument("--max-steps", type=int, default=0, metavar="N",
+                     help="--clock virtual: stop each system after N steps (0: no limit), for "
+                          "systems figures of models too big to train to a target")  # fmt: skip
     run.set_defaults(handler=lambda args: cmd_run(args, command=_command_line(run, args)))
 
     report = sub.add_parser(
@@ -297,6 +314,9 @@ def _sigterm_as_interrupt() -> None:
 def cmd_run(args: argparse.Namespace, command: tuple[str, ...] = ()) -> int:
     from ._run import RunOptions, TestbedError, check_memory_for, check_node_config, run_testbed
 
+    if getattr(args, "clock", "real") == "virtual":
+        return cmd_run_virtual(args, command)
+
     out = (args.out or Path("testbed-runs") / time.strftime("%Y%m%d-%H%M%S")).resolve()
     try:
         sc = _scenario_from_args(args)
@@ -418,4 +438,52 @@ def cmd_down(args: argparse.Namespace) -> int:
         print(f"removed {item}")
     if not removed:
         print("nothing left over")
+    return 0
+
+
+def _same_hash_seed() -> None:
+    """A virtual run is the same bit for bit only with one string hash seed (set iteration
+    order): without PYTHONHASHSEED, run this command again with it set to 0."""
+    if os.environ.get("PYTHONHASHSEED") is None and not os.environ.get("GEOTRAIN_NO_REEXEC"):
+        env = {**os.environ, "PYTHONHASHSEED": "0"}
+        sys.stdout.flush()
+        os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], env)
+
+
+def cmd_run_virtual(args: argparse.Namespace, command: tuple[str, ...] = ()) -> int:
+    from ._run import RunOptions, TestbedError
+    from ._virtual import VirtualOptions, check_virtual, run_virtual
+
+    out = (args.out or Path("testbed-runs") / time.strftime("%Y%m%d-%H%M%S")).resolve()
+    try:
+        sc = _scenario_from_args(args)
+        target, metric, higher = _task_target(sc, args.target, _task_params(args.param))
+        options = RunOptions(
+            scenario=sc, out=out, target=target, metric=metric, higher_is_better=higher,
+            emulation="none", baseline=args.baseline, baseline_set=tuple(args.baseline_set),
+            link_check=False, node_overrides=tuple(args.node_set),
+            eval_every_s=args.eval_every_s, command=command, cwd=os.getcwd(),
+        )  # fmt: skip
+        virtual = VirtualOptions(seed=args.seed, step_jitter=args.step_jitter, mtu=args.mtu,
+                                 max_steps=args.max_steps)  # fmt: skip
+        check_virtual(options)
+        if out.exists() and (not out.is_dir() or any(out.iterdir())):
+            raise TestbedError(f"--out {str(out)!r}: exists and is not an empty folder")
+    except (ScenarioError, TestbedError, ValueError) as exc:
+        print(f"geotrain testbed run: {exc}", file=sys.stderr)
+        return 2
+    _same_hash_seed()
+    print(f"scenario {sc.name}: {sc.description}")
+    print(f"{sc.n_peers} peers in {', '.join(f'{r.name} ({r.peers})' for r in sc.regions)}; "
+          f"task {sc.task}, target {metric} {target:g}, at most {sc.duration_s:g} virtual s per "
+          f"system; output {out}")  # fmt: skip
+    for fault in sc.faults:
+        print(f"fault: {fault.describe()}")
+    started = time.monotonic()
+    try:
+        run_virtual(options, virtual, echo=lambda line: print(line, flush=True))
+    except (TestbedError, ValueError) as exc:
+        print(f"geotrain testbed run: {exc}", file=sys.stderr)
+        return 1
+    print(f"done in {time.monotonic() - started:.0f} s of wall time; results in {out}")
     return 0

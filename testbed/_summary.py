@@ -447,6 +447,8 @@ def build_summary(out: Path) -> dict[str, Any]:
         "target": {"metric": run["metric"], "value": run["target_value"]},
         "systems": systems,
         "equal_quality": equal_quality(run, systems, loaded),
+        # time to target over the ideal's (DDP on links that cost nothing; virtual runs only)
+        "wan_penalty": wan_penalty(systems),
         "links": run["links"],
         "faults": run["faults"],
         "rate_scale": run["rate_scale"],
@@ -741,6 +743,17 @@ def render_table(summary: dict[str, Any]) -> str:
 CUT_SHORT = ("interrupted", "failed")  # a system the run stopped while it ran: partial figures
 
 
+def wan_penalty(systems: list[dict[str, Any]]) -> dict[str, float] | None:
+    """Each system's time to target as a multiple of the ideal's (DDP on links that cost
+    nothing, a virtual run's baseline): what the WAN costs it. None without the ideal."""
+    by = {s["system"]: s for s in systems}
+    ideal = by.get("ideal", {}).get("time_to_target_s")
+    if not ideal:
+        return None
+    return {name: round(s["time_to_target_s"] / ideal, 3) for name, s in by.items()
+            if s.get("time_to_target_s")}  # fmt: skip
+
+
 def _ratios(systems: list[dict[str, Any]]) -> list[str]:
     """geotrain against each baseline: time to target and bytes of the whole runs."""
     by = {s["system"]: s for s in systems}
@@ -763,6 +776,10 @@ def _ratios(systems: list[dict[str, Any]]) -> list[str]:
         if g["bytes_sent_total"] and d["bytes_sent_total"]:
             ratio = g["bytes_sent_total"] / d["bytes_sent_total"]
             out.append(f"bytes sent: geotrain/{label} = {ratio:.3g} (whole runs)")
+    penalty = wan_penalty(systems)
+    if penalty:
+        out.append("WAN penalty (time to target over the ideal's, DDP on free links): "
+                   + ", ".join(f"{name} {x:.2f}x" for name, x in penalty.items()))
     return out
 
 

@@ -13,5 +13,8 @@ from ._memory import MemoryTransport as MemoryTransport
 from ._memory import StaticMembership as StaticMembership
 from ._memory import algorithm_on as algorithm_on
 from ._memory import open_memory_network as open_memory_network
+from ._parts import PeerParts as PeerParts
+from ._parts import header_codec as header_codec
+from ._parts import peer_parts as peer_parts
 from ._swarm import LocalSwarm as LocalSwarm
 from ._swarm import SwarmNode as SwarmNode

@@ -19,6 +19,7 @@ from ._messages import HeaderDecodeError as HeaderDecodeError
 from ._messages import Name as Name
 from ._messages import Ping as Ping
 from ._messages import Pong as Pong
+from ._noise import frame_length as frame_length
 from ._transport import Transport as Transport
 from ._transport import open_raw_pynng_exchange as open_raw_pynng_exchange
 from ._transport import open_raw_pynng_pair as open_raw_pynng_pair

@@ -1,0 +1,664 @@
+# `geotrain testbed run --clock virtual`: the scenario in one process on virtual time. Invariants:
+# every peer's model math runs for real (forward, backward, optimizer, codecs, checks, mixing) and
+# so does every message, through the daemon's own membership and algorithm code; time, though,
+# comes from the scenario alone: a step costs the peer's compute profile (step_ms x its slowdown,
+# with seeded jitter), a message what its links give it (testbed/_vnet.py), an evaluation nothing
+# (it is the measurement, not training); the run directory has the real testbed's layout, so the
+# summary, the report and `testbed compare` read it unchanged; the same scenario and seed give the
+# same figures bit for bit (trio's scheduler and every RNG are seeded, no thread runs, no figure
+# reads the machine's clock).
+from __future__ import annotations
+
+import contextlib
+import copy
+import hashlib
+import json
+import math
+import random
+import time
+from collections.abc import Callable
+from contextlib import ExitStack
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import structlog
+import torch
+import trio
+import trio.testing
+
+from geotrain.node import EvalCadence, config_from_toml, config_to_toml
+from geotrain.node.identity import peer_id_from_public_key
+from geotrain.node.state import StateDir
+from geotrain.node.testing import header_codec, peer_parts
+from geotrain.node.training import TaskContext, Trainer, resolve_task
+
+from ._allreduce import allreduce_cost
+from ._availability import availability_json
+from ._ddp import task_optimizer
+from ._faults import FaultRunner
+from ._run import RunOptions, TestbedError, consensus_of_finite
+from ._rundir import write_json
+from ._summary import at_or_past, build_summary, render_table
+from ._vnet import VirtualNetwork, peer_address
+
+DEFAULT_STEP_MS = 100.0  # a step's cost when the scenario gives no compute profile (said)
+VIRTUAL_BASELINES = ("ddp", "localsgd", "ideal")
+STATUS_EVERY_S = 1.0  # a peer's metrics line, as a testbed node writes one a second
+SAMPLE_EVERY_S = 0.25  # the bytes meter's samples, as the real testbed's supervisor takes them
+TIE_BREAK_S = 1e-7  # peer i's step costs i x this more: no two peers' steps end at one instant
+
+
+@dataclass(frozen=True)
+class VirtualOptions:
+    """What only a virtual-time run has.
+
+    Attributes:
+        seed: seeds trio's scheduler, the jitter and each peer's Random (the models and data
+            are seeded by the task, as in a real run).
+        step_jitter: each step's cost is drawn uniformly from step x (1 +- this).
+        mtu: the path MTU whose TCP/IP headers the byte counts include (1500: the internet's).
+        max_steps: stop each system after this many steps of its slowest peer (0: no limit):
+            for systems figures at sizes where reaching a target takes too long.
+    """
+
+    seed: int = 0
+    step_jitter: float = 0.02
+    mtu: int = 1500
+    max_steps: int = 0
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.step_jitter < 1:
+            raise ValueError(f"--step-jitter {self.step_jitter!r}: expected a fraction in [0, 1)")
+        if not 576 <= self.mtu <= 65_535:
+            raise ValueError(f"--mtu {self.mtu!r}: expected 576..65535 bytes")
+        if self.max_steps < 0:
+            raise ValueError(f"--max-steps {self.max_steps!r}: expected >= 0 (0: no limit)")
+
+
+def check_virtual(options: RunOptions) -> None:
+    """Refuse what a virtual run does not model, naming it, before anything starts."""
+    sc = options.scenario
+    unsupported = [b for b in options.baselines if b not in VIRTUAL_BASELINES]
+    if unsupported:
+        raise TestbedError(f"--baseline {','.join(unsupported)}: not in virtual time (it has "
+                           f"{', '.join(VIRTUAL_BASELINES)}); run hivemind with --clock real")
+    if sc.attackers:
+        raise TestbedError("scenario.attackers: attackers run only in real time (--clock real)")
+    if sc.availability:
+        raise TestbedError("scenario.availability: availability windows run only in real time "
+                           "(--clock real)")  # fmt: skip
+    if sc.nat:
+        raise TestbedError("scenario.nat: peers behind NAT run only in real time (--clock real)")
+
+
+class _Clock:
+    """The compute profile: what each peer's step costs, drawn from one seeded stream per peer."""
+
+    def __init__(self, options: RunOptions, virtual: VirtualOptions) -> None:
+        sc = options.scenario
+        self.step_s = (sc.step_ms or DEFAULT_STEP_MS) / 1000
+        self._slowdowns = [sc.slowdown(i) for i in range(sc.n_peers)]
+        self._jitter = virtual.step_jitter
+        self._seed = virtual.seed
+
+    def stream(self, peer: int, system: str) -> Callable[[], float]:
+        rng = random.Random(f"{self._seed}/{system}/{peer}")
+        base = self.step_s * self._slowdowns[peer] + peer * TIE_BREAK_S
+
+        def cost() -> float:
+            return base * (1 + self._jitter * rng.uniform(-1, 1)) if self._jitter else base
+
+        return cost
+
+
+def run_virtual(options: RunOptions, virtual: VirtualOptions,
+                echo: Callable[[str], None] = print) -> dict[str, Any]:  # fmt: skip
+    """Run every system of `options` in virtual time and write the run directory.
+
+    Returns:
+        The summary (also written to `out/summary.json`).
+    """
+    check_virtual(options)
+    sc, out = options.scenario, options.out
+    if out.exists() and any(out.iterdir()):
+        raise TestbedError(f"--out {str(out)!r}: exists and is not empty")
+    out.mkdir(parents=True, exist_ok=True)
+    profile = _Clock(options, virtual)
+    reason = (f"virtual time: links and compute modelled from the scenario (steps of "
+              f"{profile.step_s * 1000:g} ms x slowdown, jitter +-{virtual.step_jitter:g}; MTU "
+              f"{virtual.mtu}); real model math")  # fmt: skip
+    echo(f"emulation: virtual ({reason})")
+    if not sc.step_ms:
+        echo(f"NOTE: the scenario has no compute profile (step_ms): every step costs "
+             f"{DEFAULT_STEP_MS:g} ms x its slowdown (--step-ms sets it)")  # fmt: skip
+    write_json(out / "scenario.json", sc.to_json())
+    run: dict[str, Any] = {
+        "scenario": sc.name, "emulation": "virtual", "emulation_reason": reason,
+        "peers": sc.n_peers, "task": sc.task, "params": dict(sc.params),
+        "algorithm": sc.algorithm, "target_value": options.target, "metric": options.metric,
+        "higher_is_better": options.higher_is_better, "rate_scale": sc.rate_scale,
+        "duration_s": sc.duration_s, "systems": {}, "faults": [],
+        "links": _spec_links(sc), "node_overrides": list(options.node_overrides),
+        "command": list(options.command), "cwd": options.cwd, "partition": sc.partition,
+        "alpha": sc.alpha, "availability": availability_json(sc),
+        "step_ms": profile.step_s * 1000, "slowdowns": [sc.slowdown(i) for i in range(sc.n_peers)],
+        "eval_every_s": options.eval_every_s, "attackers": {}, "consensus_distance_final": None,
+        "bytes_source": f"virtual network: IP bytes at MTU {virtual.mtu} (frames, nng framing, "
+                        "TCP/IP headers, ACKs; control plane included)",
+        "virtual": {"seed": virtual.seed, "step_jitter": virtual.step_jitter,
+                    "mtu": virtual.mtu, "max_steps": virtual.max_steps},
+    }  # fmt: skip
+    torch.set_num_threads(1)  # (one core's arithmetic: the same bits on any box)
+    echo(f"the peers' log: {out / 'virtual.log'} (JSON lines, each with its peer_index)")
+    applied: list[dict[str, Any]] = []
+    with _peer_log(out / "virtual.log"):
+        _run_systems(options, virtual, profile, run, applied, echo)
+    run["faults"] = run.pop("applied", applied)
+    write_json(out / "run.json", run)
+    summary = build_summary(out)
+    write_json(out / "summary.json", summary)
+    try:
+        from ._plots import render_plots
+
+        for path in render_plots(out):
+            echo(f"plot: {path}")
+    except Exception as exc:  # (plots are a view; the figures are in summary.json)
+        echo(f"plots not drawn: {type(exc).__name__}: {exc}")
+    echo(render_table(summary))
+    return summary
+
+
+@contextlib.contextmanager
+def _peer_log(path: Path):
+    """The peers' structlog events go to `path` as JSON lines, stamped with virtual time,
+    instead of the terminal (eight peers' events drowned the progress lines)."""
+    previous = structlog.get_config()
+
+    def stamp(_logger, _method, event):
+        with contextlib.suppress(RuntimeError):  # (outside trio: no virtual time)
+            event["virtual_t"] = round(trio.current_time(), 4)
+        return event
+
+    with open(path, "a") as f:
+        structlog.configure(
+            processors=[structlog.contextvars.merge_contextvars, structlog.processors.add_log_level,
+                        stamp, structlog.processors.JSONRenderer()],
+            logger_factory=structlog.WriteLoggerFactory(f), cache_logger_on_first_use=False,
+        )  # fmt: skip
+        try:
+            yield
+        finally:
+            structlog.configure(**previous)
+
+
+def _run_systems(options: RunOptions, virtual: VirtualOptions, profile: _Clock,
+                 run: dict[str, Any], applied: list, echo: Callable[[str], None]) -> None:
+    sc = options.scenario
+    for system in ("geotrain", *options.baselines):
+        started = time.monotonic()
+        faults = FaultRunner(sc, None, echo, system=system, applied=applied)
+        if system == "geotrain":
+            entry = _run_geotrain(options, virtual, profile, faults, echo)
+            models = entry.pop("models")
+            run["consensus_distance_final"] = consensus_of_finite(models) if models else None
+        else:
+            entry = _run_allreduce(options, virtual, profile, faults, echo, system)
+        applied = faults.applied_all
+        run["systems"][system] = entry
+        echo(f"{system}: {entry['stopped']} after {entry['virtual_s']:.1f} virtual s "
+             f"({time.monotonic() - started:.0f} s of wall time)")  # fmt: skip
+    run["applied"] = applied
+
+
+def _spec_links(sc) -> list[dict[str, Any]]:
+    m = sc.matrix()
+    out = []
+    for (a, b), spec in sorted(m.links.items()):
+        out.append({"src": a, "dst": b, "spec": spec.to_json(), "measured": None,
+                    "note": "virtual: the spec is what the model gives"})  # fmt: skip
+    return out
+
+
+def _virtual_trio(fn: Callable[[], Any], seed: int) -> Any:
+    """Run `fn` under trio on a virtual clock, its scheduler's coin flips seeded."""
+    from trio._core import _run as trio_run  # trio's tie-breaking coin (its only randomness)
+
+    trio_run._r.seed(seed)
+    return trio.run(fn, clock=trio.testing.MockClock(autojump_threshold=0))
+
+
+# -- geotrain --------------------------------------------------------------------------------
+
+
+def _virtual_peer_id(index: int, seed: int) -> str:
+    return peer_id_from_public_key(hashlib.sha256(f"virtual/{seed}/{index}".encode()).digest())
+
+
+class _Proc:
+    """What the fault runner handles as a peer's process: a virtual peer that runs, is killed
+    (SIGKILL: gone mid-step, its network with it) and restarted from its last checkpoint."""
+
+    def __init__(self, swarm: _Swarm, index: int) -> None:
+        self.swarm, self.index = swarm, index
+        self.peer: _Peer | None = None
+        self.incarnation = 0
+        self.proc = self  # (the fault runner waits on proc.proc)
+        self.snapshot: dict[str, Any] | None = None
+
+    @property
+    def running(self) -> bool:
+        return self.peer is not None
+
+    def signal(self, signum: int) -> None:
+        if self.peer is not None:
+            self.peer.kill()
+            self.peer = None
+
+    def wait(self) -> int:
+        return 0
+
+    def note(self, event: str, **fields: object) -> None:
+        pass
+
+    def start(self) -> None:
+        self.incarnation += 1
+        self.swarm.start(self.index)
+
+
+class _Peers:
+    def __init__(self, procs: list[_Proc]) -> None:
+        self.procs = procs
+
+
+class _Swarm:
+    """The geotrain peers of one virtual run, their network and their metrics files."""
+
+    def __init__(self, options: RunOptions, virtual: VirtualOptions, profile: _Clock,
+                 nursery: trio.Nursery) -> None:  # fmt: skip
+        sc = options.scenario
+        self.options, self.virtual, self.profile = options, virtual, profile
+        self.nursery = nursery
+        self.net = VirtualNetwork(sc.matrix(), header_codec(), random.Random(virtual.seed),
+                                  nursery, mtu=virtual.mtu)  # fmt: skip
+        self.root = options.out / "geotrain"
+        self.procs = [_Proc(self, i) for i in range(sc.n_peers)]
+        self.first_step: float | None = None
+        self.stop = trio.Event()
+
+    def config(self, index: int):
+        sc, options = self.options.scenario, self.options
+        doc = {
+            "identity": {"open_swarm": True},  # (no handshake in memory: nothing to admit)
+            "network": {"bootstrap": [] if index == 0 else [peer_address(0)],
+                        "listen": peer_address(index)},
+            "training": {
+                "task": sc.task, "params": dict(sc.params), "seed": 0, "shard_index": index,
+                "num_shards": sc.n_peers, "wait_for_peers": sc.n_peers - 1,
+                "eval_every": options.eval_every, "eval_every_s": options.eval_every_s,
+                "partition": sc.partition, "alpha": sc.alpha,
+            },
+            "gossip": {"algorithm": sc.algorithm, "state_sync": False},
+        }  # fmt: skip
+        return config_from_toml(config_to_toml(doc), base=self.root,
+                                overrides=list(options.node_overrides))  # fmt: skip
+
+    def start(self, index: int) -> None:
+        proc = self.procs[index]
+        peer = _Peer(self, index, proc.incarnation, proc.snapshot)
+        proc.peer = peer
+        self.nursery.start_soon(peer.run)
+
+
+class _Peer:
+    """One geotrain peer: the daemon's trainer, membership and algorithm, its steps on the
+    compute profile's clock."""
+
+    def __init__(self, swarm: _Swarm, index: int, incarnation: int,
+                 snapshot: dict[str, Any] | None) -> None:  # fmt: skip
+        self.swarm, self.index = swarm, index
+        self.config = cfg = swarm.config(index)
+        t = cfg.training
+        ctx = TaskContext(shard_index=t.shard_index, num_shards=t.num_shards, seed=t.seed,
+                          partition=t.partition, alpha=t.alpha, params=t.params)  # fmt: skip
+        self.task = task = resolve_task(t.task)(ctx)
+        self.trainer = Trainer(
+            task, optimizer=t.optimizer, lr=t.lr, precision=t.precision,
+            weight_decay=t.weight_decay, warmup_steps=t.warmup_steps, schedule=t.schedule,
+            total_steps=t.total_steps, min_lr_ratio=t.min_lr_ratio,
+            clip_grad_norm=t.clip_grad_norm, accumulate=t.accumulate,
+        )  # fmt: skip
+        if snapshot is not None:
+            self._restore(snapshot)
+        self.pid = index * 1000 + incarnation  # (the summary splits a peer's lines by pid)
+        self.peer_id = _virtual_peer_id(index, swarm.virtual.seed)
+        self.cost = swarm.profile.stream(index, f"geotrain/{incarnation}")
+        self.step_ends: list[float] = []
+        self.transport = swarm.net.attach(index, self.peer_id, self._handle)
+        self.parts = peer_parts(
+            cfg, self.peer_id, peer_address(index), self.transport, self.trainer,
+            swarm.nursery.start_soon, rng=random.Random(f"{swarm.virtual.seed}/rng/{index}"),
+            step_interval_s=self._step_interval, clock=trio.current_time,
+        )  # fmt: skip
+        self.scope = trio.CancelScope()
+        self.metric: float | None = None
+        self.metric_step: int | None = None
+        self.train_s = 0.0
+        self.training_since: float | None = None
+        self.metrics = StateDir(swarm.root / f"peer-{index:02d}").metrics
+
+    async def _handle(self, peer, header, payload):
+        return await self.parts.handle(peer, header, payload)
+
+    def _step_interval(self) -> float | None:
+        ends = self.step_ends[-50:]
+        return (ends[-1] - ends[0]) / (len(ends) - 1) if len(ends) >= 2 else None
+
+    def kill(self) -> None:
+        self.swarm.net.detach(self.index)
+        self.scope.cancel()
+
+    def _restore(self, snapshot: dict[str, Any]) -> None:
+        tr = self.trainer
+        tr.model.load_state_dict(snapshot["model"])
+        tr.optimizer.load_state_dict(snapshot["optimizer"])
+        tr.scheduler.load_state_dict(snapshot["scheduler"])
+        tr.step = snapshot["step"]
+
+    def _checkpoint(self) -> None:
+        tr = self.trainer
+        self.swarm.procs[self.index].snapshot = copy.deepcopy({
+            "model": tr.model.state_dict(), "optimizer": tr.optimizer.state_dict(),
+            "scheduler": tr.scheduler.state_dict(), "step": tr.step})  # fmt: skip
+
+    async def run(self) -> None:
+        swarm = self.swarm
+        structlog.contextvars.bind_contextvars(peer_index=self.index, virtual_t=None)
+        with self.scope:
+            async with trio.open_nursery() as nursery:
+                await nursery.start(self.parts.membership.run)
+                want = self.config.training.wait_for_peers if self.trainer.step == 0 else 1
+                await self.parts.membership.wait_for_peers(
+                    want, self.config.training.wait_for_peers_s, swarm.stop)
+                nursery.start_soon(self._report)
+                await self._train()
+                nursery.cancel_scope.cancel()
+
+    async def _train(self) -> None:
+        swarm, tr = self.swarm, self.trainer
+        cadence = EvalCadence(self.config.training.eval_every,
+                              self.config.training.eval_every_s, clock=trio.current_time)
+        every = self.config.state.checkpoint_every
+        self.training_since = trio.current_time()
+        if swarm.first_step is None:
+            swarm.first_step = self.training_since
+        while not swarm.stop.is_set():
+            result = tr.train_step()  # (real math, inline: virtual time stands still)
+            cost = self.cost()
+            await trio.sleep(cost)
+            self.train_s += cost
+            self.step_ends.append(trio.current_time())
+            await self.parts.algorithm.after_step(replace(result, seconds=cost))
+            if cadence.due(result.step):
+                self._evaluate(cadence)
+            if result.step % every == 0:
+                self._checkpoint()
+        self._evaluate(cadence)
+        self._line()
+
+    def _evaluate(self, cadence: EvalCadence) -> None:
+        with cadence.evaluating():
+            metric = self.trainer.evaluate()
+        if metric is not None:
+            self.metric, self.metric_step = metric, self.trainer.step
+        self._line()
+
+    async def _report(self) -> None:
+        while True:
+            await trio.sleep(STATUS_EVERY_S)
+            self._line()
+
+    def _line(self) -> None:
+        now = trio.current_time()
+        stats = self.transport.statistics()
+        step = self.trainer.step
+        since = self.training_since
+        wall = None if since is None else now - since
+        busy = None if not wall else round(min(1.0, self.train_s / wall), 4)
+        record = {
+            "t": now, "pid": self.pid, "step": step, "loss": self.trainer.last_loss,
+            "metric": self.metric, "metric_step": self.metric_step,
+            "steps_per_s": step / wall if wall else 0.0,
+            "bytes_in": stats.bytes_in, "bytes_out": stats.bytes_out,
+            "train_s": round(self.train_s, 4), "eval_s": 0.0, "utilization": busy,
+            "utilization_without_eval": busy,
+            "exchanges_ok": self.parts.algorithm.counters.ok,
+            "exchanges_failed": self.parts.algorithm.counters.failed,
+        }  # fmt: skip
+        self.metrics.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.metrics, "a") as f:
+            f.write(json.dumps(record) + "\n")
+
+
+def _run_geotrain(options: RunOptions, virtual: VirtualOptions, profile: _Clock,
+                  faults: FaultRunner, echo: Callable[[str], None]) -> dict[str, Any]:  # fmt: skip
+    sc = options.scenario
+    echo(f"geotrain: {sc.n_peers} peers ({sc.algorithm}, {sc.task}) in virtual time")
+    holder: dict[str, Any] = {}
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            swarm = _Swarm(options, virtual, profile, nursery)
+            faults._links = swarm.net  # (partitions and degrades change the virtual links)
+            holder["swarm"] = swarm
+            await nursery.start(swarm.net.flows.run)
+            for i in range(sc.n_peers):
+                swarm.start(i)
+            holder["stopped"] = await _supervise(swarm, options, virtual, faults, echo)
+            swarm.stop.set()
+            await trio.sleep(profile.step_s * 4)  # each peer ends its step and evaluates
+            holder["virtual_s"] = trio.current_time()
+            nursery.cancel_scope.cancel()
+
+    _virtual_trio(main, virtual.seed)
+    swarm = holder["swarm"]
+    models = [dict(p.peer.trainer.model.state_dict()) for p in swarm.procs if p.peer is not None]
+    return {"launch_t": 0.0, "stopped": holder["stopped"], "virtual_s": holder["virtual_s"],
+            "metrics": "geotrain/peer-NN/metrics.jsonl", "models": models,
+            "bytes_wire": swarm.net.total_bytes()}  # fmt: skip
+
+
+async def _supervise(swarm: _Swarm, options: RunOptions, virtual: VirtualOptions,
+                     faults: FaultRunner, echo: Callable[[str], None]) -> str:  # fmt: skip
+    """Faults, byte samples and progress lines until the target, the duration or max_steps."""
+    sc = options.scenario
+    samples = open(options.out / "bytes-geotrain.jsonl", "w")
+    peers = _Peers(swarm.procs)
+    last_echo, wall = -math.inf, time.monotonic()
+    with samples:
+        while True:
+            await trio.sleep(SAMPLE_EVERY_S)
+            now = trio.current_time()
+            samples.write(json.dumps({"t": now, "bytes": swarm.net.total_bytes()}) + "\n")
+            if swarm.first_step is None:
+                continue
+            elapsed = now - swarm.first_step
+            faults.apply_due(elapsed, peers, wall_t=now)
+            live = [p.peer for p in swarm.procs if p.peer is not None]
+            if time.monotonic() - last_echo >= options.progress_every_s:
+                last_echo = time.monotonic()
+                echo(_progress("geotrain", now, time.monotonic() - wall,
+                               [(p.trainer.step, p.metric) for p in live],
+                               swarm.net.total_bytes()))  # fmt: skip
+            if live and all(p.metric is not None and at_or_past(
+                    p.metric, options.target, options.higher_is_better) for p in live) and (
+                    not any(f.action == "restart" for f in faults._pending)):  # fmt: skip
+                faults.not_reached(elapsed, "target")
+                return "target"
+            if elapsed >= sc.duration_s:
+                faults.not_reached(elapsed, "duration")
+                return "duration"
+            slowest = min((p.trainer.step for p in live), default=0)
+            if virtual.max_steps and slowest >= virtual.max_steps:
+                faults.not_reached(elapsed, "max_steps")
+                return "max_steps"
+
+
+def _progress(system: str, now: float, wall: float, states, sent: int | None) -> str:
+    parts = [f"p{i} {step} {'-' if m is None else f'{m:.3f}'}" for i, (step, m) in
+             enumerate(states)]  # fmt: skip
+    mb = "" if sent is None else f" | {sent / 1e6:.2f} MB sent"
+    return (f"[{system:8s} virtual {now:7.1f}s, wall {wall:5.0f}s] step metric: "
+            + ", ".join(parts) + mb)
+
+
+# -- the all-reduce baselines ------------------------------------------------------------------
+
+
+def _run_allreduce(options: RunOptions, virtual: VirtualOptions, profile: _Clock,
+                   faults: FaultRunner, echo: Callable[[str], None],
+                   system: str) -> dict[str, Any]:  # fmt: skip
+    """DDP (gradients averaged every step), DDP + local SGD (parameters averaged every
+    `period` steps) or the ideal (DDP on links that cost nothing), on one virtual clock: the
+    ranks' math as DDP does it, the all-reduce's time and bytes from the links."""
+    from ._baselines import baseline_settings, describe
+
+    sc = options.scenario
+    n = sc.n_peers
+    settings = dict(baseline_settings(("ddp" if system == "ideal" else system,),
+                                      options.baseline_set)["ddp" if system == "ideal"
+                                                            else system])  # fmt: skip
+    period = settings.get("period", 0) if system == "localsgd" else 0
+    tasks = [resolve_task(sc.task)(TaskContext(shard_index=i, num_shards=n, seed=0,
+                                               partition=sc.partition, alpha=sc.alpha,
+                                               params=dict(sc.params)))
+             for i in range(n)]  # fmt: skip
+    models = [t.model for t in tasks] if period else [tasks[0].model]
+    opts = [task_optimizer(tasks[i], models[i].parameters(), settings.get("lr"))
+            for i in range(len(models))]  # fmt: skip
+    numel = sum(p.numel() for p in models[0].parameters())
+    costs = [profile.stream(i, system) for i in range(n)]
+    links = _Links(sc.matrix())
+    faults._links = links
+    root = options.out / system
+    root.mkdir()
+    files = [open(root / f"peer-{i:02d}.jsonl", "w") for i in range(n)]
+    samples = open(options.out / f"bytes-{system}.jsonl", "w")
+    cadence = [EvalCadence(options.eval_every if period else options.ddp_eval_every,
+                           options.eval_every_s, clock=lambda: clock[0]) for _ in range(n)]
+    clock = [0.0]
+    t = [0.0] * n  # each rank's clock (they meet at every all-reduce)
+    sent, step, metrics = 0, 0, [None] * n
+    how = None
+    wall, last_echo = time.monotonic(), -math.inf
+    stopped = "duration"
+    what = "ideal: DDP on free links" if system == "ideal" else describe(system, settings)
+    echo(f"{system}: {n} ranks ({what}) in virtual time")
+    with ExitStack() as stack:
+        for f in (*files, samples):
+            stack.enter_context(f)
+        while True:
+            step += 1
+            base = max(t)
+            spent = [costs[i]() for i in range(n)]
+            if period:
+                for i in range(n):
+                    _local_step(tasks[i], models[i], *opts[i])
+                t = [t[i] + spent[i] for i in range(n)]
+                if step % period == 0:  # the ranks meet and average their parameters
+                    _average(models)
+                    comm, nbytes, how = allreduce_cost(links.matrix, 4 * numel, virtual.mtu)
+                    sent += nbytes
+                    t = [max(t) + comm] * n
+            else:
+                _ddp_step(tasks, models[0], *opts[0])
+                comm = 0.0
+                if system == "ddp":
+                    comm, nbytes, how = allreduce_cost(links.matrix, 4 * numel, virtual.mtu)
+                    sent += nbytes
+                # DDP overlaps the all-reduce with the backward pass (its strongest case): a
+                # step takes the slowest rank's compute or the all-reduce, whichever is longer
+                t = [base + max(max(spent), comm)] * n
+            now = min(t)
+            clock[0] = now
+            faults.apply_due(now, _Peers([]), wall_t=now)
+            samples.write(json.dumps({"t": now, "bytes": sent}) + "\n")
+            for i in range(n):
+                model = models[i] if period else models[0]
+                if cadence[i].due(step):
+                    if period or i == 0:
+                        metrics[i] = _evaluate(tasks[i], model)
+                    else:
+                        metrics[i] = metrics[0]
+                files[i].write(json.dumps({
+                    "system": system, "t": t[i], "step": step, "metric": metrics[i],
+                    "metric_step": step, "steps_per_s": step / t[i] if t[i] else 0.0,
+                    "eval_s": 0.0}) + "\n")  # fmt: skip
+            if time.monotonic() - last_echo >= options.progress_every_s:
+                last_echo = time.monotonic()
+                echo(_progress(system, now, time.monotonic() - wall,
+                               [(step, m) for m in metrics], sent))  # fmt: skip
+            if all(m is not None and at_or_past(m, options.target, options.higher_is_better)
+                   for m in metrics):  # fmt: skip
+                stopped = "target"
+                break
+            if now >= sc.duration_s:
+                break
+            if virtual.max_steps and step >= virtual.max_steps:
+                stopped = "max_steps"
+                break
+    faults.not_reached(min(t), stopped)
+    algorithm = {"ideal": "ideal: DDP on links that cost nothing",
+                 "ddp": f"allreduce ({how or 'none'}; DDP, virtual)",
+                 "localsgd": f"local SGD every {period} steps, allreduce ({how or 'none'})"}
+    return {"launch_t": 0.0, "stopped": stopped, "virtual_s": min(t),
+            "metrics": f"{system}/peer-NN.jsonl", "algorithm": algorithm[system],
+            "settings": {**settings, "allreduce": how}, "failed_peers": []}  # fmt: skip
+
+
+class _Links:
+    """The all-reduce baselines' view of the links (a fault changes them)."""
+
+    def __init__(self, matrix) -> None:
+        self.matrix = matrix
+
+    def set_matrix(self, matrix) -> None:
+        self.matrix = matrix
+
+
+def _ddp_step(tasks, model: torch.nn.Module, optimizer, scheduler) -> None:
+    """One DDP step: every rank's batch, gradients averaged (what the all-reduce gives)."""
+    optimizer.zero_grad(set_to_none=True)
+    for task in tasks:
+        (task.loss(model, next(task.batches)) / len(tasks)).backward()
+    tasks[0].recipe.clip(model.parameters())
+    optimizer.step()
+    scheduler.step()
+
+
+def _local_step(task, model, optimizer, scheduler) -> None:
+    optimizer.zero_grad(set_to_none=True)
+    task.loss(model, next(task.batches)).backward()
+    task.recipe.clip(model.parameters())
+    optimizer.step()
+    scheduler.step()
+
+
+@torch.no_grad()
+def _average(models: list[torch.nn.Module]) -> None:
+    for params in zip(*(m.parameters() for m in models), strict=True):
+        mean = torch.stack([p.data for p in params]).mean(0)
+        for p in params:
+            p.data.copy_(mean)
+
+
+def _evaluate(task, model: torch.nn.Module) -> float:
+    model.eval()
+    try:
+        return float(task.evaluate(model))
+    finally:
+        model.train()
+
+
+def read_run(out: Path) -> dict[str, Any]:
+    return json.loads((out / "run.json").read_text())
