@@ -140,6 +140,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                            " after 'namespaces:'); default: every testbed run's")  # fmt: skip
     down.set_defaults(handler=cmd_down)
 
+    from ._kubernetes_cli import register_kubernetes  # export, collect: testbed on Kubernetes
+
+    register_kubernetes(sub)
+
 
 def _run_prefix(text: str) -> str:
     """A run's name prefix as `testbed run` prints it (`gt-3fa9c1` or `gt-3fa9c1-`)."""
