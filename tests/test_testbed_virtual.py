@@ -1,0 +1,156 @@
+"""The virtual-time testbed run: its link model, its all-reduce cost, the run end to end, and the
+same figures bit for bit whatever else the machine is doing."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import trio
+import trio.testing
+
+from geotrain.testbed._allreduce import allreduce_cost
+from geotrain.testbed._linkspec import AccessLink, LinkMatrix, LinkSpec
+from geotrain.testbed._vnet import FlowNetwork, wire_bytes
+
+MB = 1_000_000
+
+
+def _capacities(rates):
+    return lambda key: rates.get(key)
+
+
+async def test_flows_share_a_link_fairly_and_a_lone_flow_takes_it_all(autojump_clock):
+    # an uplink of 8 MB/s: one flow of 8 MB alone takes 1 s; two at once take 2 s each
+    net = FlowNetwork(_capacities({("up", 0, None): 8 * MB}))
+    ends = {}
+
+    async def send(name, nbytes):
+        await net.transfer(nbytes, (("up", 0, None),), float("inf"))
+        ends[name] = trio.current_time()
+
+    async with trio.open_nursery() as nursery:
+        await nursery.start(net.run)
+        await send("alone", 8 * MB)
+        start = trio.current_time()
+        async with trio.open_nursery() as both:
+            both.start_soon(send, "a", 8 * MB)
+            both.start_soon(send, "b", 4 * MB)
+        nursery.cancel_scope.cancel()
+    assert ends["alone"] == pytest.approx(1.0)
+    # b's 4 MB at half the link: 1 s; then a alone finishes its remaining 4 MB in 0.5 s
+    assert ends["b"] - start == pytest.approx(1.0)
+    assert ends["a"] - start == pytest.approx(1.5)
+
+
+async def test_a_flow_is_held_by_its_slowest_resource_and_its_loss_cap(autojump_clock):
+    net = FlowNetwork(_capacities({("link", 0, 1): 10 * MB, ("down", 1, None): 2 * MB}))
+    async with trio.open_nursery() as nursery:
+        await nursery.start(net.run)
+        t0 = trio.current_time()
+        await net.transfer(2 * MB, (("link", 0, 1), ("down", 1, None)), float("inf"))
+        assert trio.current_time() - t0 == pytest.approx(1.0)
+        t0 = trio.current_time()
+        await net.transfer(1 * MB, (("link", 0, 1),), 0.5 * MB)  # its own (loss) cap
+        assert trio.current_time() - t0 == pytest.approx(2.0)
+        nursery.cancel_scope.cancel()
+
+
+def test_wire_bytes_count_tcp_ip_headers_and_acks():
+    sent, acks = wire_bytes(1448 * 10, 1500)
+    assert sent == 1448 * 10 + 10 * 52
+    assert acks == 5 * 52
+
+
+def _two_regions(rate_between):
+    inside = {"a": LinkSpec(delay_ms=1, rate_mbit=10_000), "b": LinkSpec(delay_ms=1,
+                                                                          rate_mbit=10_000)}
+    between = {frozenset({"a", "b"}): LinkSpec(delay_ms=50, rate_mbit=rate_between)}
+    return LinkMatrix.symmetric(("a",) * 4 + ("b",) * 4, inside, between)
+
+
+def test_allreduce_takes_the_faster_algorithm_and_names_it():
+    nbytes = 40 * MB
+    # a slow link between the regions: the hierarchical all-reduce crosses it with one ring of
+    # two leaders instead of a ring of eight whose every step waits on it
+    seconds, sent, how = allreduce_cost(_two_regions(100), nbytes)
+    assert how == "hierarchical"
+    ring_step = 0.05 + wire_bytes(nbytes // 8, 1500)[0] / (100e6 / 8)
+    assert seconds < 14 * ring_step
+    # on one region's links only a ring is possible: 2 (n - 1) steps of nbytes / n each
+    flat = LinkMatrix.uniform(4, LinkSpec(delay_ms=10, rate_mbit=1000))
+    seconds, sent, how = allreduce_cost(flat, nbytes)
+    piece = wire_bytes(nbytes // 4, 1500)
+    assert how == "ring"
+    assert seconds == pytest.approx(6 * (0.01 + piece[0] / (1000e6 / 8)))
+    assert sent == 6 * 4 * (piece[0] + piece[1])
+
+
+def test_allreduce_over_a_home_uplink_runs_at_the_uplink():
+    flat = LinkMatrix.uniform(2, LinkSpec(delay_ms=10, rate_mbit=1000))
+    homes = LinkMatrix(flat.regions, flat.peer_regions, flat.links,
+                       (AccessLink(up_mbit=20, down_mbit=100), None))  # fmt: skip
+    assert allreduce_cost(homes, 10 * MB)[0] > 4 * allreduce_cost(flat, 10 * MB)[0]
+
+
+def _virtual_run(out: Path, *extra: str, env=None) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "geotrain.node", "testbed", "run", "--clock", "virtual",
+         "--duration", "20", "--baseline", "ddp,localsgd,ideal", "--out", str(out), *extra],
+        capture_output=True, text=True, timeout=600, env=env,
+    )  # fmt: skip
+
+
+@pytest.mark.slow
+def test_a_virtual_run_is_the_same_bit_for_bit_beside_a_cpu_load(tmp_path):
+    first = _virtual_run(tmp_path / "quiet")
+    assert first.returncode == 0, first.stderr[-3000:]
+    load = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        second = _virtual_run(tmp_path / "loaded")
+    finally:
+        load.kill()
+        load.wait()
+    assert second.returncode == 0, second.stderr[-3000:]
+    quiet, loaded = tmp_path / "quiet", tmp_path / "loaded"
+    files = sorted(p.relative_to(quiet) for p in quiet.rglob("*.json*")
+                   if p.name not in ("run.json",))  # fmt: skip
+    assert len(files) >= 10  # (every system's metrics, the bytes, the summary)
+    for name in files:
+        assert (quiet / name).read_bytes() == (loaded / name).read_bytes(), name
+    summary = json.loads((quiet / "summary.json").read_text())
+    by = {s["system"]: s for s in summary["systems"]}
+    assert set(by) == {"geotrain", "ddp", "localsgd", "ideal"}
+    # the ideal is DDP on free links: the same steps, never later, and no bytes
+    assert by["ideal"]["bytes_sent_total"] == 0
+    assert by["ddp"]["bytes_sent_total"] > 0 and by["geotrain"]["bytes_sent_total"] > 0
+    assert by["ideal"]["time_to_target_s"] <= by["ddp"]["time_to_target_s"]
+    assert summary["wan_penalty"]["ideal"] == 1.0
+    assert "WAN penalty" in first.stdout
+    # a geotrain peer steps at its compute profile's pace (the demo's 100 ms steps), not at
+    # whatever this machine gives it
+    rates = [r for r in by["geotrain"]["steps_per_s_by_peer"] if r]
+    assert rates and all(r <= 10.5 for r in rates)
+
+
+def test_a_different_seed_gives_a_different_run(tmp_path):
+    a = _virtual_run(tmp_path / "a", "--duration", "5", "--baseline", "none")
+    b = _virtual_run(tmp_path / "b", "--duration", "5", "--baseline", "none", "--seed", "1")
+    assert a.returncode == 0 and b.returncode == 0, (a.stderr[-2000:], b.stderr[-2000:])
+    metrics = "geotrain/peer-01/metrics.jsonl"
+    assert (tmp_path / "a" / metrics).read_bytes() != (tmp_path / "b" / metrics).read_bytes()
+
+
+@pytest.mark.parametrize(("args", "said"), [
+    (["--clock", "virtual", "--baseline", "hivemind"], "not in virtual time"),
+    (["--baseline", "ideal"], "only in virtual time"),
+    (["--clock", "virtual", "--step-jitter", "2"], "--step-jitter"),
+])  # fmt: skip
+def test_what_a_clock_does_not_model_is_refused_before_anything_starts(tmp_path, args, said):
+    proc = subprocess.run([sys.executable, "-m", "geotrain.node", "testbed", "run", "--out",
+                           str(tmp_path / "out"), *args],
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert proc.returncode == 2
+    assert said in proc.stderr
+    assert not (tmp_path / "out").exists()
