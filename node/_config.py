@@ -768,14 +768,22 @@ def override_value(raw: str) -> Any:
         return raw
 
 
-def config_from_toml(text: str, *, base: Path, overrides: typing.Sequence[str] = ()) -> NodeConfig:
-    """Build a NodeConfig from TOML text plus `section.key=value` overrides.
+Settings = typing.Mapping[str, typing.Mapping[str, Any]]  # {"gossip": {"algorithm": ...}, ...}
+
+
+def config_from_toml(
+    text: str, *, base: Path, overrides: typing.Sequence[str] = (), settings: Settings | None = None
+) -> NodeConfig:
+    """Build a NodeConfig from TOML text, then `settings`, then `section.key=value` overrides.
 
     Args:
         text: the TOML document.
         base: the folder relative paths are resolved against (the config file's).
         overrides: `--set` items; values are TOML (`lr=0.1`, `bootstrap=["tcp://a:1"]`) or a bare
             string.
+        settings: section -> {key: value} with Python values (what `geotrain.join` takes as
+            keyword arguments), set over the file's keys as overrides are; a Path is a path
+            and an algorithm's table a dict (`{"diloco": {"inner_steps": 50}}` in "gossip").
 
     Raises:
         ConfigError: bad TOML, an unknown section or key, or a bad value.
@@ -784,6 +792,8 @@ def config_from_toml(text: str, *, base: Path, overrides: typing.Sequence[str] =
         doc = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"config is not valid TOML: {exc}") from exc
+    for section, values in (settings or {}).items():
+        _set_section(doc, section, values)
     for item in overrides:
         path, value = _parse_override(item)
         table = doc
@@ -813,6 +823,30 @@ def config_from_toml(text: str, *, base: Path, overrides: typing.Sequence[str] =
         identity=_rebased(config.identity, "key", base),
         state=_rebased(config.state, "dir", base),
     )
+
+
+def _set_section(doc: dict, section: str, values: Any) -> None:
+    """Set `values` (a mapping of one section's keys, Python values) over doc[section]."""
+    _check(isinstance(values, typing.Mapping), section, values, "a mapping of its keys, e.g. "
+           "gossip={'algorithm': 'diloco'}")  # fmt: skip
+
+    def plain(value: Any) -> Any:  # (as TOML would give it: paths as text, lists for tuples)
+        if isinstance(value, os.PathLike):
+            return os.fspath(value)
+        if isinstance(value, tuple):
+            return list(value)
+        if isinstance(value, typing.Mapping):
+            return {str(k): plain(v) for k, v in value.items()}
+        return value
+
+    table = doc.setdefault(section, {})
+    _check(isinstance(table, dict), section, table, "a table")
+    for key, value in values.items():
+        mine = table.get(key)
+        if isinstance(mine, dict) and isinstance(value, typing.Mapping):  # [gossip.diloco]
+            table[key] = {**mine, **plain(value)}
+        else:
+            table[key] = plain(value)
 
 
 def _rebased(section: Any, field: str, base: Path) -> Any:
@@ -879,7 +913,9 @@ def config_to_toml(doc: typing.Mapping[str, typing.Mapping[str, Any]]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def load_config(path: Path, overrides: typing.Sequence[str] = ()) -> NodeConfig:
+def load_config(
+    path: Path, overrides: typing.Sequence[str] = (), settings: Settings | None = None
+) -> NodeConfig:
     """Read a TOML config file (see config_from_toml)."""
     try:
         text = path.read_text(encoding="utf-8")
@@ -889,7 +925,8 @@ def load_config(path: Path, overrides: typing.Sequence[str] = ()) -> NodeConfig:
         raise ConfigError(f"config file {str(path)!r}: not UTF-8 text ({exc.reason} at byte "
                           f"{exc.start})") from None  # fmt: skip
     try:
-        return config_from_toml(text, base=path.resolve().parent, overrides=overrides)
+        return config_from_toml(text, base=path.resolve().parent, overrides=overrides,
+                                settings=settings)
     except ConfigError as exc:
         if str(exc).startswith("config is not valid TOML"):  # which file, with its line
             raise ConfigError(f"config file {str(path)!r} is not valid TOML: "

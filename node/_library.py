@@ -18,7 +18,7 @@ import sys
 import threading
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -26,10 +26,10 @@ import structlog
 import torch
 import trio
 
-from ._config import ConfigError, NodeConfig, load_config
+from ._config import ConfigError, NodeConfig, config_from_toml, load_config
 from ._credentials import load_identity
 from ._node import Node
-from .cli import configure_logging
+from .cli import configure_logging, launched_config
 from .identity import Admission, Identity
 from .state import NodeStatus
 from .training import (
@@ -324,20 +324,28 @@ for _name in ("register_step_pre_hook", "register_step_post_hook",
 
 
 def join(
-    config: str | Path | NodeConfig,
-    model: torch.nn.Module,
+    config: str | Path | NodeConfig | torch.nn.Module | None = None,
+    model: torch.nn.Module | None = None,
     *,
-    overrides: tuple[str, ...] = (),
+    overrides: Sequence[str] = (),
     evaluate: Callable[[torch.nn.Module], float] | None = None,
     metric: str = "metric",
     higher_is_better: bool = True,
-    identity: Identity | None = None,
+    identity: Identity | Mapping[str, Any] | None = None,
     admission: Admission | None = None,
     ready_timeout_s: float | None = None,
+    network: Mapping[str, Any] | None = None,
+    training: Mapping[str, Any] | None = None,
+    gossip: Mapping[str, Any] | None = None,
+    state: Mapping[str, Any] | None = None,
+    limits: Mapping[str, Any] | None = None,
+    metrics: Mapping[str, Any] | None = None,
+    privacy: Mapping[str, Any] | None = None,
 ) -> Swarm:
     """Join the swarm a node config describes, training `model` with your own loop.
 
-        swarm = geotrain.join("node.toml", model)
+        swarm = geotrain.join(model)  # under `geotrain local -n 3 -- python train.py`
+        swarm = geotrain.join("node.toml", model, gossip={"algorithm": "diloco"})
         opt = swarm.wrap(torch.optim.AdamW(model.parameters(), lr=3e-4))
         ...  # your loop: opt.step() takes part in the swarm
         swarm.close()  # or: with geotrain.join(...) as swarm:
@@ -350,13 +358,22 @@ def join(
 
     Args:
         config: a node config file (TOML) or a NodeConfig; its [training] task is not used.
+            Left out (`join(model)`): the config `geotrain local` made for this process, or
+            else only the settings given here (with `identity` and `admission` objects, or an
+            identity.key file in the working directory).
         model: the model your loop trains (same parameter names and shapes on every peer).
             Its parameters that require grad now are averaged; those frozen now (a fine-tuned
             model's base) are not sent: every peer must load the same frozen values.
-        overrides: `section.key=value` items applied to a config file.
+        network, training, gossip, state, limits, metrics, privacy: settings of that
+            section of the node config, as a dict of its keys with Python values (e.g.
+            gossip={"algorithm": "diloco", "diloco": {"inner_steps": 50}}), set over the
+            config file's; a dict given as `identity` sets the [identity] section.
+        overrides: `section.key=value` items (TOML values), set last: over the file's and the
+            keyword settings.
         evaluate / metric / higher_is_better: a held-out metric for the node's status and
             checkpoints' log (the loss is reported when none is given).
-        identity, admission: given directly instead of the config's files.
+        identity, admission: an Identity and Admission given directly instead of the
+            config's files.
         ready_timeout_s: give up waiting for the node after this long (None: wait).
 
     Raises:
@@ -366,10 +383,17 @@ def join(
             model without parameters, or with every one frozen (requires_grad False), or one
             an open swarm of this process trains already.
     """
-    if not isinstance(config, NodeConfig):
-        config = load_config(Path(config), overrides)
-    elif overrides:
-        raise ConfigError("overrides: give them with a config file, or build the NodeConfig")
+    if isinstance(config, torch.nn.Module) and model is None:  # join(model)
+        config, model = None, config
+    if isinstance(identity, Mapping):
+        settings_identity, identity = identity, None
+    else:
+        settings_identity = None
+    sections = {"identity": settings_identity, "network": network, "training": training,
+                "gossip": gossip, "state": state, "limits": limits, "metrics": metrics,
+                "privacy": privacy}  # fmt: skip
+    settings = {name: values for name, values in sections.items() if values is not None}
+    config, made_here = _config_of(config, overrides, settings)
     if not isinstance(model, torch.nn.Module) or not any(True for _ in model.parameters()):
         raise ValueError(f"model {type(model).__name__}: expected a torch.nn.Module with "
                          "parameters (there is nothing to train or average)")  # fmt: skip
@@ -379,7 +403,12 @@ def join(
     _refuse_joined_twice(model)
     loop = LoopTrainer(model, evaluate, metric=metric, higher_is_better=higher_is_better)
     if identity is None or admission is None:
-        identity, admission = load_identity(config)
+        try:
+            identity, admission = load_identity(config)
+        except ConfigError as exc:
+            if not made_here:
+                raise
+            raise _no_file(exc) from None
     if not structlog.is_configured():  # (its defaults print every debug line to stdout)
         configure_logging("info", "auto")
     ready = threading.Event()
@@ -412,6 +441,41 @@ def join(
     swarm = Swarm(node, loop, thread, box["token"], box)
     _open_swarms.add(swarm)
     return swarm
+
+
+def _config_of(config: str | Path | NodeConfig | None, overrides: Sequence[str],
+               settings: dict[str, Mapping[str, Any]]) -> tuple[NodeConfig, bool]:  # fmt: skip
+    """The node config join runs: a file's (or, with none, the one `geotrain local` made for
+    this process, or the defaults), with `settings` then `overrides` set over it; and whether
+    it was made from no file at all.
+
+    Raises:
+        ConfigError: a bad file, setting or override; settings given with a NodeConfig.
+    """
+    if isinstance(config, NodeConfig):
+        if overrides or settings:
+            raise ConfigError("settings and overrides go with a config file (or none): with a "
+                              "NodeConfig, build it with them (dataclasses.replace)")  # fmt: skip
+        return config, False
+    if config is None:
+        config = launched_config()
+        if config is None:
+            try:
+                return config_from_toml("", base=Path.cwd(), overrides=overrides,
+                                        settings=settings), True  # fmt: skip
+            except ConfigError as exc:
+                raise _no_file(exc) from None
+    if not isinstance(config, str | os.PathLike):
+        raise ConfigError(f"join({type(config).__name__}, ...): expected a config file's path, "
+                          "a NodeConfig, or the model first: geotrain.join(model)")  # fmt: skip
+    return load_config(Path(config), overrides, settings), False
+
+
+def _no_file(exc: ConfigError) -> ConfigError:
+    """`exc`, said of a config join made from no file: and how to give it one."""
+    return ConfigError(f"{exc}. join() was given no config file and this process was not "
+                       "started by `geotrain local`: run it as geotrain local -n 3 -- python "
+                       "SCRIPT, or pass a node config file (geotrain node init writes one)")
 
 
 def _wait_ready(node: Node, thread: threading.Thread, ready: threading.Event,

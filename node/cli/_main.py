@@ -16,6 +16,7 @@ from importlib import metadata
 import structlog
 
 from ._identity_cli import register_keygen, register_swarm
+from ._local import register_local
 from ._logging import LOG_FORMATS, LOG_LEVELS, configure_logging, warnings_as_log_lines
 from ._node_cli import register_node, register_status
 
@@ -29,6 +30,7 @@ BUILTIN_COMMANDS: tuple[Register, ...] = (
     register_status,
     register_keygen,
     register_swarm,
+    register_local,
 )
 
 
