@@ -98,7 +98,9 @@ class Swarm:
         """The user's optimizer, made to take part in the swarm at each `step()`.
 
         Its state (and the scheduler's, if given) is restored from the node's checkpoint when
-        there is one, and saved in the node's checkpoints from now on.
+        there is one, and saved in the node's checkpoints from now on. A node that took its
+        model from a peer at join fetches that peer's optimizer state here, when the peer's
+        optimizer is of the same class (wrap waits for it; another class fetches nothing).
 
         Wrapping the same optimizer again (or what wrap returned) with a scheduler adds that
         scheduler, e.g. one made on what the first wrap returned.

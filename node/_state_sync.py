@@ -7,10 +7,12 @@
 # arrived, so a failed or abandoned fetch leaves it as it was; progress is logged every few
 # seconds; nothing here runs tensor work on the event loop. Once the model is in, the joiner asks
 # the same peer for its optimizer's state the same way (layout first, then chunks, into a staging
-# copy); that part fails softly: a peer with another optimizer, or none yet, or a fetch that
+# copy; a loop of the user's own fetches the chunks at its wrap, once its optimizer's class is
+# known); that part fails softly: a peer with another optimizer, or none yet, or a fetch that
 # breaks, leaves the joiner with a fresh optimizer, said in the log.
 from __future__ import annotations
 
+import contextlib
 import math
 import random
 
@@ -270,7 +272,7 @@ class StateSync:
                 if step is not None:
                     await self._synced([peer], step, trio.current_time() - started)
                     await self.fetch_buffers(peer, address)
-                    await self.fetch_optimizer(peer, address)
+                    await self._optimizer_from(peer, address)
                     return True
                 self._check_mismatch(peers)
             await trio.sleep(0.2)
@@ -333,12 +335,38 @@ class StateSync:
         log.info("buffers_synced", peer=peer[:12], buffers=len(pairs))
         return True
 
-    async def fetch_optimizer(self, peer: str, address: str) -> bool:
+    async def _optimizer_from(self, peer: str, address: str) -> None:
+        """Take `peer`'s optimizer state now or, for a loop of the user's own that has wrapped
+        no optimizer yet, at its wrap: only then is our optimizer's class known, and a peer's
+        state of another class is refused from its layout, before any of it is fetched (a
+        joiner fetched 6.6 MB of it at join, and skipped it at wrap)."""
+        defer = getattr(self._trainer, "fetch_optimizer_at_wrap", None)
+        if defer is None or self._trainer.optimizer is not None:
+            await self.fetch_optimizer(peer, address)
+            return
+        if not await self.fetch_optimizer(peer, address, layout_only=True):
+            return  # (a layout no optimizer of this model could have: refused now, said)
+        token = trio.lowlevel.current_trio_token()
+
+        def at_wrap() -> None:  # (the user's thread, in wrap: it waits for the fetch)
+            with contextlib.suppress(trio.RunFinishedError):  # (the node stopped: start fresh)
+                trio.from_thread.run(self.fetch_optimizer, peer, address, trio_token=token)
+
+        defer(at_wrap)
+        log.info("optimizer_state_at_wrap", peer=peer[:12],
+                 detail="the peer's optimizer state is fetched at wrap(), if its optimizer is "
+                 "of the same class as the one wrapped")  # fmt: skip
+
+    async def fetch_optimizer(self, peer: str, address: str, *, layout_only: bool = False
+                              ) -> bool:  # fmt: skip
         """Take `peer`'s optimizer state into ours (our hyperparameters stay). Fails softly:
-        returns False, and says why in the log, when it could not.
+        returns False, and says why in the log, when it could not. `layout_only`: only check
+        that its layout fits our model (and optimizer, if there is one); fetch none of it.
         """
         try:
             layout = await self._optimizer_layout_of(peer, address)
+            if layout_only:
+                return True
             shapes = {name: tuple(shape) for name, shape, _ in layout.tensors}
             plan = _optimizer_plan(layout.tensors, self._chunk_numel)
             dtypes = {name: _float_dtype(dtype) for name, _, dtype in layout.tensors}

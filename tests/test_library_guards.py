@@ -37,7 +37,7 @@ def model() -> nn.Module:
 
 
 def step(opt, m: nn.Module) -> None:
-    m(torch.randn(8, 4)).pow(2).mean().backward()
+    m(torch.randn(8, m.in_features)).pow(2).mean().backward()
     opt.step()
     opt.zero_grad()
 
@@ -106,3 +106,35 @@ def test_a_rejected_update_says_what_was_compared_and_the_setting_that_governs_i
         check_norm_ratio(3.62, 0.0982, max_norm_ratio=10.0, what="update (pseudo-gradient)")
     with pytest.raises(RejectedUpdate, match=r"the peer's w is \(3,\), ours \(4,\): another"):
         check_update(ours, {"w": torch.zeros(3)}, max_norm_ratio=10.0)
+
+
+def test_a_late_joiner_fetches_optimizer_state_only_when_the_classes_match(tmp_path):
+    from structlog.testing import capture_logs
+
+    torch.manual_seed(0)
+    first = nn.Linear(64, 64)  # 4160 parameters: AdamW's state is 33 kB
+    with joined(tmp_path, "a", first, "training.wait_for_peers=0") as a:
+        step_a = a.wrap(torch.optim.AdamW(first.parameters(), lr=0.01))
+        for _ in range(3):
+            step(step_a, first)
+        for name, make in [("sgd", lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9)),
+                           ("adamw", lambda p: torch.optim.AdamW(p, lr=0.01))]:
+            late = nn.Linear(64, 64)
+            with capture_logs() as logs, joined(
+                    tmp_path, name, late, f'network.bootstrap=["{a.address}"]',
+                    "training.wait_for_peers=1") as b:  # fmt: skip
+                before = b.status().sync_bytes_in  # (the model, fetched at join)
+                optimizer = make(late.parameters())
+                b.wrap(optimizer)
+                fetched = b.status().sync_bytes_in - before
+            said = {e["event"]: e for e in logs}
+            if name == "sgd":
+                assert said["optimizer_state_skipped"]["reason"] == (
+                    "the peer's optimizer is AdamW, ours SGD"), said
+                total = before + fetched
+                assert total < 2 * 4 * 4160, total  # the model and a layout, none of the state
+                assert "optimizer_state_fetched" not in said, said
+            else:
+                assert "optimizer_state_synced" in said, said
+                assert fetched >= 2 * 4 * 4160, fetched  # exp_avg and exp_avg_sq
+                assert set(optimizer.state[late.weight]) >= {"exp_avg", "exp_avg_sq"}

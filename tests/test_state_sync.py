@@ -6,6 +6,7 @@ starts fresh."""
 from __future__ import annotations
 
 import random
+from typing import Any
 
 import pytest
 import torch
@@ -280,6 +281,21 @@ async def library_joiner_synced_from(server: Trainer) -> tuple[torch.nn.Module, 
     return model, joiner
 
 
+async def library_joiner_wrapped(server: Trainer, make) -> tuple[LoopTrainer, Any, Any]:
+    """A library node's trainer that state-synced from `server`, then wrapped the optimizer
+    and scheduler `make(model)` returns (scheduler None for none): the peer's optimizer state
+    is fetched at wrap, once its class is known. Returns the trainer, optimizer, scheduler."""
+    model = resolve_task("synthetic-linreg")(TaskContext(shard_index=1, num_shards=2)).model
+    joiner = LoopTrainer(model)
+    async with open_memory_network() as net:
+        sync(server, net, "server", ["joiner"])
+        s, _ = sync(joiner, net, "joiner", ["server"])
+        assert await s.fetch(trio.Event())
+        optimizer, scheduler = make(model)
+        await trio.to_thread.run_sync(joiner.attach, optimizer, scheduler)  # (the user's wrap)
+    return joiner, optimizer, scheduler
+
+
 @pytest.mark.parametrize("wrapped", ["SGD", "Adam"])
 async def test_a_library_joiner_gets_the_optimizer_state_at_wrap(autojump_clock, wrapped):
     # joined before its optimizer exists (geotrain.join, then swarm.wrap): the state waits for
@@ -289,13 +305,13 @@ async def test_a_library_joiner_gets_the_optimizer_state_at_wrap(autojump_clock,
     assert type(server.optimizer).__name__ == "SGD"
     for _ in range(5):
         server.train_step()
-    model, joiner = await library_joiner_synced_from(server)
+    def make(model):
+        if wrapped == "SGD":
+            return torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9), None
+        return torch.optim.Adam(model.parameters(), lr=0.5), None
+
+    joiner, optimizer, _ = await library_joiner_wrapped(server, make)
     assert same(joiner.params(), server.params())
-    if wrapped == "SGD":
-        optimizer = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
-    else:
-        optimizer = torch.optim.Adam(model.parameters(), lr=0.5)
-    joiner.attach(optimizer)
     mine = {f"{i}/{k}": v for i, st in optimizer.state_dict()["state"].items()
             for k, v in st.items() if torch.is_tensor(v)}  # fmt: skip
     if wrapped == "SGD":
@@ -354,7 +370,6 @@ async def test_a_library_joiner_moves_its_own_scheduler_on_at_wrap(autojump_cloc
     server = scheduled_trainer(0)
     for _ in range(30):
         server.train_step()
-    model, joiner = await library_joiner_synced_from(server)
     lr = torch.optim.lr_scheduler
 
     def schedule(optimizer):
@@ -366,9 +381,11 @@ async def test_a_library_joiner_moves_its_own_scheduler_on_at_wrap(autojump_cloc
                                    milestones=[10])  # fmt: skip
         return lr.ReduceLROnPlateau(optimizer)
 
-    optimizer = torch.optim.SGD(model.parameters(), lr=1.0, momentum=0.9)
-    scheduler = schedule(optimizer)
-    joiner.attach(optimizer, scheduler)
+    def make(model):
+        optimizer = torch.optim.SGD(model.parameters(), lr=1.0, momentum=0.9)
+        return optimizer, schedule(optimizer)
+
+    joiner, optimizer, scheduler = await library_joiner_wrapped(server, make)
     if kind == "plateau":
         assert optimizer.param_groups[0]["lr"] == 1.0
         return
@@ -389,9 +406,8 @@ async def test_a_library_joiner_s_schedule_point_waits_for_a_later_wrap_with_its
     server = scheduled_trainer(0)
     for _ in range(30):
         server.train_step()
-    model, joiner = await library_joiner_synced_from(server)
-    optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
-    joiner.attach(optimizer)
+    joiner, optimizer, _ = await library_joiner_wrapped(
+        server, lambda model: (torch.optim.SGD(model.parameters(), lr=1.0), None))
     scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=100)
     joiner.attach(optimizer, scheduler)
     assert scheduler.last_epoch == 30
@@ -449,12 +465,16 @@ async def test_a_schedule_that_cannot_go_as_far_as_the_swarms_starts_over_as_it_
     server = scheduled_trainer(0)
     for _ in range(30):
         server.train_step()
-    model, joiner = await library_joiner_synced_from(server)
-    optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
-    scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=0.5, total_steps=20)
-    before = [{k: float(v) if torch.is_tensor(v) else v for k, v in g.items() if k != "params"}
-              for g in optimizer.param_groups]  # fmt: skip
-    joiner.attach(optimizer, scheduler)
+    before = []
+
+    def make(model):
+        optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+        scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=0.5, total_steps=20)
+        before.extend({k: float(v) if torch.is_tensor(v) else v for k, v in g.items()
+                       if k != "params"} for g in optimizer.param_groups)  # fmt: skip
+        return optimizer, scheduler
+
+    joiner, optimizer, scheduler = await library_joiner_wrapped(server, make)
     assert "schedule_not_synced" in capsys.readouterr().out
     assert scheduler.last_epoch == 0  # where it was: its 20 steps are the user's to take
     after = [{k: float(v) if torch.is_tensor(v) else v for k, v in g.items() if k != "params"}

@@ -164,6 +164,7 @@ class LoopTrainer(OptimizerSync):
         self._said_optimizer_unsaved = False  # optimizer_not_checkpointed: warned once
         self._scheduler_state: dict | None = None  # likewise
         self._schedule_steps: int | None = None  # a peer's schedule point, for a later scheduler
+        self._fetch_at_wrap: Callable[[], None] | None = None  # state sync's optimizer fetch
         self._last_end: float | None = None  # perf_counter at the end of the last step
         self._bad_losses = 0  # steps in a row whose reported loss was NaN or infinite
         self.max_bad_losses = 100  # that many in a row: Diverged (0: never; the node sets it)
@@ -525,6 +526,15 @@ class LoopTrainer(OptimizerSync):
                                  "class and parameter groups), or start in another "
                                  "state.dir") from None  # fmt: skip
             self.optimizer, self.scheduler = optimizer, scheduler or self.scheduler
+        fetch, self._fetch_at_wrap = self._fetch_at_wrap, None
+        if fetch is not None:  # (outside the lock: the node's threads take it to load the state)
+            fetch()
+
+    def fetch_optimizer_at_wrap(self, fetch: Callable[[], None]) -> None:
+        """State sync's fetch of a peer's optimizer state, to run in `attach` (the user's wrap),
+        once the optimizer and its class are known; it loads the state into it, or says why
+        not in the log."""
+        self._fetch_at_wrap = fetch
 
     def _load_saved_state(self, optimizer: torch.optim.Optimizer, scheduler: Any) -> None:
         """Load the optimizer and scheduler state kept from a checkpoint or a peer into them."""
