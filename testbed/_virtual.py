@@ -18,7 +18,7 @@ import random
 import time
 from collections.abc import Callable
 from contextlib import ExitStack
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -195,19 +195,31 @@ def _peer_log(path: Path):
 def _run_systems(options: RunOptions, virtual: VirtualOptions, profile: _Clock,
                  run: dict[str, Any], applied: list, echo: Callable[[str], None]) -> None:
     sc = options.scenario
-    for system in ("geotrain", *options.baselines):
+    # DDP and the ideal are one model's steps on two clocks: trained once
+    groups = [("geotrain",)] + [(b,) for b in options.baselines if b not in ("ddp", "ideal")]
+    pair = tuple(b for b in ("ddp", "ideal") if b in options.baselines)
+    if pair:
+        groups.insert(1, pair)
+    for group in groups:
         started = time.monotonic()
-        faults = FaultRunner(sc, None, echo, system=system, applied=applied)
-        if system == "geotrain":
-            entry = _run_geotrain(options, virtual, profile, faults, echo)
+        faults = {}
+        for system in group:
+            faults[system] = FaultRunner(sc, None, echo, system=system, applied=applied)
+            applied = faults[system].applied_all
+        if group == ("geotrain",):
+            entry = _run_geotrain(options, virtual, profile, faults["geotrain"], echo)
             models = entry.pop("models")
             run["consensus_distance_final"] = consensus_of_finite(models) if models else None
+            entries = {"geotrain": entry}
         else:
-            entry = _run_allreduce(options, virtual, profile, faults, echo, system)
-        applied = faults.applied_all
-        run["systems"][system] = entry
-        echo(f"{system}: {entry['stopped']} after {entry['virtual_s']:.1f} virtual s "
-             f"({time.monotonic() - started:.0f} s of wall time)")  # fmt: skip
+            entries = _run_allreduce(options, virtual, profile, faults, echo, group)
+        applied = list(applied)
+        for system in group:  # (each runner holds what came before it and its own faults)
+            applied = [*applied, *(f for f in faults[system].applied_all if f not in applied)]
+        for system, entry in entries.items():
+            run["systems"][system] = entry
+            echo(f"{system}: {entry['stopped']} after {entry['virtual_s']:.1f} virtual s "
+                 f"({time.monotonic() - started:.0f} s of wall time)")  # fmt: skip
     run["applied"] = applied
 
 
@@ -515,107 +527,6 @@ def _progress(system: str, now: float, wall: float, states, sent: int | None) ->
 # -- the all-reduce baselines ------------------------------------------------------------------
 
 
-def _run_allreduce(options: RunOptions, virtual: VirtualOptions, profile: _Clock,
-                   faults: FaultRunner, echo: Callable[[str], None],
-                   system: str) -> dict[str, Any]:  # fmt: skip
-    """DDP (gradients averaged every step), DDP + local SGD (parameters averaged every
-    `period` steps) or the ideal (DDP on links that cost nothing), on one virtual clock: the
-    ranks' math as DDP does it, the all-reduce's time and bytes from the links."""
-    from ._baselines import baseline_settings, describe
-
-    sc = options.scenario
-    n = sc.n_peers
-    settings = dict(baseline_settings(("ddp" if system == "ideal" else system,),
-                                      options.baseline_set)["ddp" if system == "ideal"
-                                                            else system])  # fmt: skip
-    period = settings.get("period", 0) if system == "localsgd" else 0
-    tasks = [resolve_task(sc.task)(TaskContext(shard_index=i, num_shards=n, seed=0,
-                                               partition=sc.partition, alpha=sc.alpha,
-                                               params=dict(sc.params)))
-             for i in range(n)]  # fmt: skip
-    models = [t.model for t in tasks] if period else [tasks[0].model]
-    opts = [task_optimizer(tasks[i], models[i].parameters(), settings.get("lr"))
-            for i in range(len(models))]  # fmt: skip
-    numel = sum(p.numel() for p in models[0].parameters())
-    costs = [profile.stream(i, system) for i in range(n)]
-    links = _Links(sc.matrix())
-    faults._links = links
-    root = options.out / system
-    root.mkdir()
-    files = [open(root / f"peer-{i:02d}.jsonl", "w") for i in range(n)]
-    samples = open(options.out / f"bytes-{system}.jsonl", "w")
-    cadence = [EvalCadence(options.eval_every if period else options.ddp_eval_every,
-                           options.eval_every_s, clock=lambda: clock[0]) for _ in range(n)]
-    clock = [0.0]
-    t = [0.0] * n  # each rank's clock (they meet at every all-reduce)
-    sent, step, metrics = 0, 0, [None] * n
-    how = None
-    wall, last_echo = time.monotonic(), -math.inf
-    stopped = "duration"
-    what = "ideal: DDP on free links" if system == "ideal" else describe(system, settings)
-    echo(f"{system}: {n} ranks ({what}) in virtual time")
-    with ExitStack() as stack:
-        for f in (*files, samples):
-            stack.enter_context(f)
-        while True:
-            step += 1
-            base = max(t)
-            spent = [costs[i]() for i in range(n)]
-            if period:
-                for i in range(n):
-                    _local_step(tasks[i], models[i], *opts[i])
-                t = [t[i] + spent[i] for i in range(n)]
-                if step % period == 0:  # the ranks meet and average their parameters
-                    _average(models)
-                    comm, nbytes, how = allreduce_cost(links.matrix, 4 * numel, virtual.mtu)
-                    sent += nbytes
-                    t = [max(t) + comm] * n
-            else:
-                _ddp_step(tasks, models[0], *opts[0])
-                comm = 0.0
-                if system == "ddp":
-                    comm, nbytes, how = allreduce_cost(links.matrix, 4 * numel, virtual.mtu)
-                    sent += nbytes
-                # DDP overlaps the all-reduce with the backward pass (its strongest case): a
-                # step takes the slowest rank's compute or the all-reduce, whichever is longer
-                t = [base + max(max(spent), comm)] * n
-            now = min(t)
-            clock[0] = now
-            faults.apply_due(now, _Peers([]), wall_t=now)
-            samples.write(json.dumps({"t": now, "bytes": sent}) + "\n")
-            for i in range(n):
-                model = models[i] if period else models[0]
-                if cadence[i].due(step):
-                    if period or i == 0:
-                        metrics[i] = _evaluate(tasks[i], model)
-                    else:
-                        metrics[i] = metrics[0]
-                files[i].write(json.dumps({
-                    "system": system, "t": t[i], "step": step, "metric": metrics[i],
-                    "metric_step": step, "steps_per_s": step / t[i] if t[i] else 0.0,
-                    "eval_s": 0.0}) + "\n")  # fmt: skip
-            if time.monotonic() - last_echo >= options.progress_every_s:
-                last_echo = time.monotonic()
-                echo(_progress(system, now, time.monotonic() - wall,
-                               [(step, m) for m in metrics], sent))  # fmt: skip
-            if all(m is not None and at_or_past(m, options.target, options.higher_is_better)
-                   for m in metrics):  # fmt: skip
-                stopped = "target"
-                break
-            if now >= sc.duration_s:
-                break
-            if virtual.max_steps and step >= virtual.max_steps:
-                stopped = "max_steps"
-                break
-    faults.not_reached(min(t), stopped)
-    algorithm = {"ideal": "ideal: DDP on links that cost nothing",
-                 "ddp": f"allreduce ({how or 'none'}; DDP, virtual)",
-                 "localsgd": f"local SGD every {period} steps, allreduce ({how or 'none'})"}
-    return {"launch_t": 0.0, "stopped": stopped, "virtual_s": min(t),
-            "metrics": f"{system}/peer-NN.jsonl", "algorithm": algorithm[system],
-            "settings": {**settings, "allreduce": how}, "failed_peers": []}  # fmt: skip
-
-
 class _Links:
     """The all-reduce baselines' view of the links (a fault changes them)."""
 
@@ -624,6 +535,151 @@ class _Links:
 
     def set_matrix(self, matrix) -> None:
         self.matrix = matrix
+
+
+@dataclass
+class _Track:
+    """One all-reduce system's clocks, bytes and files (DDP and the ideal share one model)."""
+
+    name: str
+    t: list[float]
+    files: list[Any]
+    samples: Any
+    cadence: list[EvalCadence]
+    faults: FaultRunner
+    links: _Links
+    sent: int = 0
+    how: str | None = None
+    stopped: str | None = None
+    metrics: list[float | None] = field(default_factory=list)
+
+    def now(self) -> float:
+        return min(self.t)
+
+
+def _run_allreduce(options: RunOptions, virtual: VirtualOptions, profile: _Clock,
+                   faults: dict[str, FaultRunner], echo: Callable[[str], None],
+                   systems: tuple[str, ...]) -> dict[str, dict[str, Any]]:  # fmt: skip
+    """DDP and the ideal (DDP on links that cost nothing: one model, the same math, two clocks),
+    or DDP + local SGD (parameters averaged every `period` steps), on virtual clocks: the ranks'
+    math as DDP does it, the all-reduce's time and bytes from the links."""
+    from ._baselines import baseline_settings, describe
+
+    sc, n = options.scenario, options.scenario.n_peers
+    settings = {s: dict(baseline_settings((s,), options.baseline_set)[s]) for s in systems}
+    period = settings["localsgd"]["period"] if "localsgd" in systems else 0
+    lr = settings[systems[0]].get("lr")
+    tasks = [resolve_task(sc.task)(TaskContext(shard_index=i, num_shards=n, seed=0,
+                                               partition=sc.partition, alpha=sc.alpha,
+                                               params=dict(sc.params)))
+             for i in range(n)]  # fmt: skip
+    models = [t.model for t in tasks] if period else [tasks[0].model]
+    opts = [task_optimizer(tasks[i], models[i].parameters(), lr) for i in range(len(models))]
+    numel = sum(p.numel() for p in models[0].parameters())
+    costs = [profile.stream(i, "+".join(systems)) for i in range(n)]
+    tracks = []
+    with ExitStack() as stack:
+        for name in systems:
+            (options.out / name).mkdir()
+            files = [stack.enter_context(open(options.out / name / f"peer-{i:02d}.jsonl", "w"))
+                     for i in range(n)]  # fmt: skip
+            samples = stack.enter_context(open(options.out / f"bytes-{name}.jsonl", "w"))
+            links = _Links(sc.matrix())
+            faults[name]._links = links
+            track = _Track(name, [0.0] * n, files, samples, [], faults[name], links,
+                           metrics=[None] * n)  # fmt: skip
+            track.cadence = [EvalCadence(options.eval_every if period else options.ddp_eval_every,
+                                         options.eval_every_s, clock=track.now)
+                             for _ in range(n)]  # fmt: skip
+            tracks.append(track)
+            what = "ideal: DDP on free links" if name == "ideal" else describe(name, settings[name])
+            echo(f"{name}: {n} ranks ({what}) in virtual time")
+        _allreduce_loop(options, virtual, tracks, tasks, models, opts, costs, numel, period, echo)
+    out = {}
+    for track in tracks:
+        name, how = track.name, track.how or "none"
+        algorithm = {"ideal": "ideal: DDP on links that cost nothing",
+                     "ddp": f"allreduce ({how}; DDP, virtual)",
+                     "localsgd": f"DDP + local SGD every {period} steps, allreduce ({how})"}[name]
+        out[name] = {"launch_t": 0.0, "stopped": track.stopped, "virtual_s": track.now(),
+                     "metrics": f"{name}/peer-NN.jsonl", "algorithm": algorithm,
+                     "settings": {**settings[name], "allreduce": track.how},
+                     "failed_peers": []}  # fmt: skip
+    return out
+
+
+def _allreduce_loop(options, virtual, tracks, tasks, models, opts, costs, numel, period,
+                    echo) -> None:  # fmt: skip
+    n = options.scenario.n_peers
+    wall, last_echo, step = time.monotonic(), -math.inf, 0
+    while any(track.stopped is None for track in tracks):
+        step += 1
+        spent = [cost() for cost in costs]
+        if period:
+            for i in range(n):
+                _local_step(tasks[i], models[i], *opts[i])
+        else:
+            _ddp_step(tasks, models[0], *opts[0])
+        due = False
+        for track in (tr for tr in tracks if tr.stopped is None):
+            _advance(track, spent, step, period, numel, virtual.mtu, models)
+            now = track.now()
+            track.faults.apply_due(now, _Peers([]), wall_t=now)
+            track.samples.write(json.dumps({"t": now, "bytes": track.sent}) + "\n")
+            due = due or any(c.due(step) for c in track.cadence)
+        shared = _evaluate(tasks[0], models[0]) if due and not period else None
+        for track in (tr for tr in tracks if tr.stopped is None):
+            for i in range(n):
+                if period and track.cadence[i].due(step):
+                    track.metrics[i] = _evaluate(tasks[i], models[i])
+                elif shared is not None and track.cadence[i].due(step):
+                    track.metrics[i] = shared
+                t = track.t[i]
+                track.files[i].write(json.dumps({
+                    "system": track.name, "t": t, "step": step, "metric": track.metrics[i],
+                    "metric_step": step, "steps_per_s": step / t if t else 0.0,
+                    "eval_s": 0.0}) + "\n")  # fmt: skip
+            track.stopped = _stop_rule(track, options, virtual, step)
+            if track.stopped is not None:
+                track.faults.not_reached(track.now(), track.stopped)
+        if time.monotonic() - last_echo >= options.progress_every_s:
+            last_echo = time.monotonic()
+            for track in tracks:
+                echo(_progress(track.name, track.now(), time.monotonic() - wall,
+                               [(step, m) for m in track.metrics], track.sent))  # fmt: skip
+
+
+def _advance(track: _Track, spent: list[float], step: int, period: int, numel: int, mtu: int,
+             models) -> None:  # fmt: skip
+    """One step on `track`'s clocks: the ranks' compute, and the all-reduce when there is one."""
+    n = len(spent)
+    if period:
+        track.t = [track.t[i] + spent[i] for i in range(n)]
+        if step % period == 0:  # the ranks meet and average their parameters
+            _average(models)
+            comm, nbytes, track.how = allreduce_cost(track.links.matrix, 4 * numel, mtu)
+            track.sent += nbytes
+            track.t = [max(track.t) + comm] * n
+        return
+    comm = 0.0
+    if track.name == "ddp":
+        comm, nbytes, track.how = allreduce_cost(track.links.matrix, 4 * numel, mtu)
+        track.sent += nbytes
+    # DDP overlaps the all-reduce with the backward pass (its strongest case): a step takes the
+    # slowest rank's compute or the all-reduce, whichever is longer
+    track.t = [max(track.t) + max(max(spent), comm)] * n
+
+
+def _stop_rule(track: _Track, options: RunOptions, virtual: VirtualOptions,
+               step: int) -> str | None:  # fmt: skip
+    if all(m is not None and at_or_past(m, options.target, options.higher_is_better)
+           for m in track.metrics):  # fmt: skip
+        return "target"
+    if track.now() >= options.scenario.duration_s:
+        return "duration"
+    if virtual.max_steps and step >= virtual.max_steps:
+        return "max_steps"
+    return None
 
 
 def _ddp_step(tasks, model: torch.nn.Module, optimizer, scheduler) -> None:
