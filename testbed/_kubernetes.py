@@ -8,12 +8,15 @@
 from __future__ import annotations
 
 import base64
+import json
 import re
 import shlex
 import tempfile
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
+
+from geotrain.node import config_to_toml
 
 from ._peers import NODE_PORT, Host, write_swarm_files
 from ._run import RunOptions, _node_config, _spec_links, check_node_config
@@ -113,8 +116,6 @@ def export_manifests(options: RunOptions, target: KubernetesTarget,
                   for ext, path in (("key", key), ("cert", cert))}  # fmt: skip
         swarm = files[0][2].read_text()
     configs = _node_configs(options, target)
-    from geotrain.node import config_to_toml
-
     data = {f"peer-{i:02d}.toml": config_to_toml(doc) for i, doc in enumerate(configs)}
     data["swarm.json"] = swarm
     data["scenario.json"] = _json(sc.to_json())
@@ -129,8 +130,6 @@ def export_manifests(options: RunOptions, target: KubernetesTarget,
 
 
 def _json(doc: Any) -> str:
-    import json
-
     return json.dumps(doc, indent=2) + "\n"
 
 
