@@ -72,11 +72,10 @@ action = "heal"
 """
 SCENARIO = SCENARIO.replace("for\ngood", "for good")
 
-# Chaos Mesh's CRD fields (config/crd/bases/chaos-mesh.org_networkchaos.yaml, _podchaos.yaml,
-# _workflows.yaml, v2): what each object may hold and must hold
+# Chaos Mesh's fields (v1alpha1, as its CRD config/crd/bases/chaos-mesh.org_networkchaos.yaml
+# and its docs for PodChaos and Workflow state them): what each object may and must hold
 NETWORK_SPEC = {"action", "mode", "value", "selector", "direction", "target", "delay", "loss",
-                "duplicate", "corrupt", "bandwidth", "duration", "externalTargets", "device",
-                "targetDevice", "rate"}  # fmt: skip
+                "duplicate", "corrupt", "bandwidth", "duration", "externalTargets"}
 NETWORK_ACTIONS = {"netem", "delay", "loss", "duplicate", "corrupt", "partition", "bandwidth"}
 MODES = {"one", "all", "fixed", "fixed-percent", "random-max-percent"}
 SELECTOR = {"namespaces", "labelSelectors", "annotationSelectors", "fieldSelectors",
