@@ -13,6 +13,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
+from typing import Any
 from wsgiref.simple_server import WSGIRequestHandler, make_server
 
 import structlog
@@ -375,3 +376,30 @@ class MetricsServer:
     def close(self) -> None:
         self._server.shutdown()
         self._server.server_close()
+
+
+def serve_node_metrics(
+    listen: str,
+    snapshot: Callable[[], NodeStatus],
+    checkpointer: Callable[[], Any],
+) -> MetricsServer:
+    """Serve a node's metrics at `listen` (logged: metrics_listening).
+
+    Args:
+        snapshot: the node's status (called in the HTTP server's thread; it hops to the loop).
+        checkpointer: the node's Checkpointer once it runs, else None (its age and failures).
+
+    Raises:
+        ConfigError: the port is taken or the address is not this machine's.
+    """
+
+    def age() -> float | None:
+        at = getattr(checkpointer(), "written_at", None)
+        return None if at is None else time.monotonic() - at
+
+    def failures() -> int:
+        return getattr(checkpointer(), "failures", 0)
+
+    server = MetricsServer(listen, NodeCollector(snapshot, age, failures))
+    log.info("metrics_listening", address=f"{listen.rpartition(':')[0]}:{server.port}")
+    return server

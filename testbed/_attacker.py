@@ -73,7 +73,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         from ._attacks import Attack, arm
 
         await node.prepare()
-        trainer = node._prepared[1]  # type: ignore[index]  # the node's own, armed in place
+        trainer = node.trainer  # the node's own, armed in place
         attack = Attack(args.attack, trainer.snapshot(), n_peers=args.n_peers,
                         n_attackers=args.n_attackers, seed=config.training.shard_index)
         arm(trainer, attack)  # fmt: skip

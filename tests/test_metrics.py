@@ -356,9 +356,9 @@ async def test_a_status_that_cannot_be_written_is_logged_once_and_the_node_goes_
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(_files, "write_atomically", full)
-    import geotrain.node._node as node_module
+    import geotrain.node._state_hold as state_hold
 
-    monkeypatch.setattr(node_module, "write_atomically", full)
+    monkeypatch.setattr(state_hold, "write_atomically", full)
     with pytest.RaisesGroup(pytest.RaisesExc(ConfigError, match=r"state.dir = '.*/g': cannot "
                                              r"keep the node's state there: No space left"),
                             flatten_subgroups=True, allow_unwrapped=True):  # fmt: skip

@@ -240,7 +240,7 @@ async def test_a_node_fetching_the_swarms_model_answers_exchanges_busy_until_it_
     """A restarted node with no checkpoint served exchanges before its state sync and refused
     an honest peer's model by the norm check (its own was fresh), six times in 3 s, each
     counted against that peer."""
-    from geotrain.node._node import _Router
+    from geotrain.node._router import Router
     from geotrain.node.transport import PeerInfo
 
     served = []
@@ -252,7 +252,7 @@ async def test_a_node_fetching_the_swarms_model_answers_exchanges_busy_until_it_
             served.append(header)
             return Delivered(), b""
 
-    router = _Router()
+    router = Router()
     part = Part()
     router.add(part)
     router.hold(part, "starting: fetching the swarm's model (state sync)")

@@ -88,7 +88,7 @@ def _node_trainer(tmp_path: Path, training: str) -> tuple[Node, Trainer]:
                 f"{k} = {v}" for k, v in GPT_SMALL.items()))  # fmt: skip
     config = config_from_toml(text, base=tmp_path)
     node = Node(config, Identity.generate(), Admission.open_swarm("geotrain"))
-    _, trainer, _, _ = node._build_training()
+    trainer = node._build_training().trainer
     return node, trainer
 
 

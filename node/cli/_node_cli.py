@@ -5,10 +5,8 @@
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import math
-import os
 import signal
 import sys
 from pathlib import Path
@@ -38,73 +36,14 @@ def load_node(config: NodeConfig) -> Node:
     return Node(config, *load_identity(config))
 
 
-# A second signal this soon after the first is the same one delivered twice (timeout(1) and
-# process-group kills send it to the process and to its group): it is not a second request.
-DUPLICATE_SIGNAL_S = 0.5
-def stop_signals() -> tuple[int, ...]:
-    """What stops a node gracefully: SIGINT, SIGTERM, and SIGHUP (a node started in an ssh
-    session without nohup got it at logout and died at once, without its checkpoint or a leave)
-    unless it was ignored when the process started: under nohup the node is meant to outlive
-    the terminal. Read before the node ignores them itself."""
-    hup_ignored = signal.getsignal(signal.SIGHUP) is signal.SIG_IGN
-    return (signal.SIGINT, signal.SIGTERM) + (() if hup_ignored else (signal.SIGHUP,))
-
-
-def _terminals() -> tuple[int, ...]:
-    """Which of stdout and stderr are a terminal (asked at start: a hung-up one cannot say)."""
-    ttys = []
-    for fd in (1, 2):
-        with contextlib.suppress(OSError, ValueError):
-            if os.isatty(fd):
-                ttys.append(fd)
-    return tuple(ttys)
-
-
-def _detach(ttys: tuple[int, ...]) -> None:
-    """After a hangup, writes to the terminal fail (EIO), and the node's first log line on its
-    way out failed it, checkpoint and leave unwritten: what went there goes nowhere now."""
-    if not ttys:
-        return
-    devnull = os.open(os.devnull, os.O_WRONLY)
-    try:
-        for fd in ttys:
-            os.dup2(devnull, fd)
-    finally:
-        os.close(devnull)
-
-
 async def _run(node: Node, signals: tuple[int, ...] = (signal.SIGINT, signal.SIGTERM),
                ttys: tuple[int, ...] = ()) -> None:  # fmt: skip
-    """Run the node; the first of `signals` stops it gracefully (checkpoint, leave), a second
-    cancels what it waits for, and a third exits at once: a step running in a worker thread
-    cannot be cancelled, and a node inside a very long step ignored every later signal. A
-    SIGHUP also points `ttys` (the fds that were a terminal) at /dev/null."""
+    """Run the node until it stops; `signals` stop it (see stop_on_signals)."""
+    from .._signals import stop_on_signals
+
     async with trio.open_nursery() as nursery:
         run_scope = trio.CancelScope()
-
-        async def watch_signals() -> None:
-            requested_at, forced = None, False
-            with trio.open_signal_receiver(*signals) as received:
-                async for signum in received:
-                    name, now = signal.Signals(signum).name, trio.current_time()
-                    if signum == signal.SIGHUP:
-                        _detach(ttys)
-                    if requested_at is None:
-                        requested_at = now
-                        node.request_stop()  # (first: nothing below may keep it from happening)
-                        log.info("stop_requested", signal=name)
-                    elif now - requested_at < DUPLICATE_SIGNAL_S:
-                        continue
-                    elif not forced:
-                        forced = True
-                        log.warning("stop_forced", signal=name,
-                                    hint="another signal exits at once, without a checkpoint")
-                        run_scope.cancel()
-                    else:
-                        log.error("stop_immediate", signal=name)
-                        os._exit(128 + signum)  # (the node's threads may be mid-step)
-
-        nursery.start_soon(watch_signals)
+        nursery.start_soon(stop_on_signals, node, signals, ttys, run_scope)
         with run_scope:
             await node.run()
         nursery.cancel_scope.cancel()
@@ -113,6 +52,7 @@ async def _run(node: Node, signals: tuple[int, ...] = (signal.SIGINT, signal.SIG
 def node_run(args: argparse.Namespace) -> int:
     from .._checkpointer import ResumeError
     from .._node import leaf_errors
+    from .._signals import ignore_signals, restore_signals, stop_signals, terminals
     from ..training import Diverged
 
     try:
@@ -124,11 +64,10 @@ def node_run(args: argparse.Namespace) -> int:
     refused: list[BaseException] = []
     failed: list[BaseException] = []
     diverged: list[BaseException] = []
-    # ignored outside _run's own signal receiver, which restores this when it closes: after
-    # node_stopped a second SIGTERM (a supervisor's, timeout's) killed a cleanly stopped node
-    # with 143 (restored below for a caller in-process; the console script ignores them again)
-    signals, ttys = stop_signals(), _terminals()
-    previous = {s: signal.signal(s, signal.SIG_IGN) for s in signals}
+    # ignored outside _run's own signal receiver (see ignore_signals); restored below for a
+    # caller in-process; the console script ignores them again for the interpreter's exit
+    signals, ttys = stop_signals(), terminals()
+    previous = ignore_signals(signals)
     try:
         trio.run(_run, node, signals, ttys)
     except* Diverged as group:  # the model's fault, not ours: said without a traceback
@@ -138,8 +77,7 @@ def node_run(args: argparse.Namespace) -> int:
     except* Exception as group:  # a bug: one log event with the traceback, one line here
         failed = leaf_errors(group)
     finally:
-        for signum, handler in previous.items():
-            signal.signal(signum, handler)
+        restore_signals(previous)
     for exc in refused:
         print(f"geotrain node run: {exc}", file=sys.stderr)
     for exc in diverged:
