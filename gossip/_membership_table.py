@@ -72,7 +72,7 @@ class _Record:
     vouchers: list[str] = field(default_factory=list)  # the sender that brought each origin
     left_said: bool = False  # LEFT by its own word (hearsay's LEFT yields to its own word)
     # revived as a twin over its LEFT at this incarnation: hearsay of that leave (others keep
-    # it for dead_retention_s) no longer applies (it flipped the record left and alive)
+    # it for dead_retention_s) does not apply (it would flip the record between left and alive)
     revived_over: int = -1
 
 

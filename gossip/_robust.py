@@ -13,7 +13,7 @@
 #   most a short honest update's length; Byzantine peers that send near models only make tau
 #   smaller (slower agreement, never a bigger pull). A difference longer than ROBUST_FADE tau
 #   moves the node by tau x ROBUST_FADE tau / distance only (a redescending rule, not in
-#   ClippedGossip): a peer that keeps sending a model far off in one direction no longer drags
+#   ClippedGossip): a peer that keeps sending a model far off in one direction does not drag
 #   the node a whole tau that way at every exchange. An honest peer that far is pulled in by
 #   its own radius (a restarted one's starts at half its first distance; one cut off for long
 #   catches up once its window holds mostly long distances, as with plain clipping), while
@@ -44,18 +44,19 @@ ROBUST_RULES = ("none", "clip", "trim")
 ROBUST_WINDOW = 32  # distances remembered: enough for a stable quartile, few enough to follow the
 #                     swarm as it converges (distances shrink by orders of magnitude)
 ROBUST_QUANTILE = 0.25  # the lower quartile: honest while < 3/4 of the distances are inflated;
-#                        twice the median let 2 sign-flipping peers of 8 drag honest digits
-#                        peers to 24% accuracy, the lower quartile keeps them at 94% (BENCHMARKS.md)
+#                        with twice the median 2 sign-flipping peers of 8 drag honest digits
+#                        peers to a quarter of their accuracy, the lower quartile keeps it
+#                        (python -m geotrain.testbed.bench_byzantine)
 ROBUST_SCALE = 0.5  # tau is half that distance: with label-skewed shards (Dirichlet 0.5) honest
 #                    distances spread wide, and at 1.0 two IPM peers of 8 dragged honest peers
 #                    to 10% accuracy (81% at 0.5); IID shards lose nothing either way
 ROBUST_FADE = 4.0  # in units of tau (twice the lower quartile): a difference longer than this
 #                  pulls less the longer it is (tau x ROBUST_FADE tau / distance) instead of
-#                  a whole tau. Plain clipping let two sign-flipping or IPM peers of 8 pull
-#                  every exchange by tau toward where they point, steadily: honest charlm
-#                  peers ended at 0.93-0.97 of their no-attack accuracy, 0.98-1.04 with the
-#                  fade; honest distances (under twice the quartile, mostly) are clipped as
-#                  before (BENCHMARKS.md)
+#                  a whole tau: plain clipping lets two sign-flipping or IPM peers of 8 pull
+#                  every exchange by tau toward where they point, steadily, and costs honest
+#                  charlm peers a few points of their no-attack accuracy; honest distances
+#                  (under twice the quartile, mostly) are clipped plainly
+#                  (python -m geotrain.testbed.bench_byzantine)
 TRIM_FRACTION = 0.4  # of the values in each coordinate dropped at each end (at least one): 4
 #                     values drop 1 at each end, 5 (dpsgd's default degree 4) drop 2, leaving the
 #                     median, so two like-minded attackers in one round are both dropped

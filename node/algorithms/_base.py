@@ -145,12 +145,10 @@ async def inline(fn: Callable[..., Any], *args: Any) -> Any:
 
 # Chunks a node reads and codes at once for its exchanges (adpsgd, selsync, dpsgd: the
 # context's `coding`): each holds a few buffers of the chunk's size while it works, and chunks
-# worked on from many threads at once left their buffers spread over malloc's arenas. With no
-# bound, the four chunks in flight each way put a 100M-parameter adpsgd node with int8 at
-# +1.70-1.80 model copies beyond a plain loop, one at a time at +1.46-1.47 (selsync +1.49-1.57,
-# dpsgd +1.44-1.47 instead of +1.62; bench_memory, 2 cores), and a 400 MB int8 exchange took
-# 1.54 s instead of 1.47 s (bench_exchange, both nodes in one process; codec none 1.25-1.30 s
-# either way). A core for each two, at most four
+# worked on from many threads at once leave their buffers spread over malloc's arenas. Unbounded,
+# the chunks in flight each way raise a large node's peak by about a quarter of a model copy
+# and make an exchange no faster (python -m geotrain.node.bench.memory, .exchange). A core for
+# each two, at most four
 TENSOR_SLOTS = max(1, min(4, len(os.sched_getaffinity(0)) // 2 if hasattr(os, "sched_getaffinity")
                           else (os.cpu_count() or 2) // 2))  # (the cores we may run on)
 

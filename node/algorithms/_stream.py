@@ -42,11 +42,11 @@ FINE_CODECS = ("int8", "fp16", "bf16")  # dense codecs that round finely (no val
 # A model above this, mixing pairwise in a fine codec, keeps its mix buffer in bfloat16 and what
 # it sent as the encoded chunk (decoded again when the peer's chunk comes): the mix is then
 # x += w (Q(x_peer) - Q(x_sent)), the difference of what each end received from the other, so
-# the pair's sum is kept exactly. The float32 buffer (a whole model copy through every exchange)
-# and a float32 copy of every chunk in flight put a 100M-parameter adpsgd node with int8 at
-# +2.30 copies beyond a plain loop, selsync +2.49; with these two +1.70-1.80 (bench.memory, the
-# same build with this threshold out of reach; the goal is 1.5). bfloat16 keeps 8 bits of
-# mantissa of the difference (int8 itself rounds each value to 1/254 of its slice's largest)
+# the pair's sum is kept exactly. This saves the float32 buffer (a whole model copy through
+# every exchange) and a float32 copy of every chunk in flight, about half a model copy at a
+# 100M-parameter node's peak (python -m geotrain.node.bench.memory; the budget is 1.5 copies).
+# bfloat16 keeps 8 bits of mantissa of the difference (int8 itself rounds each value to 1/254
+# of its slice's largest)
 MIX_HALF_ABOVE_BYTES = 64 * 2**20
 MAX_CHUNKS = 1 << 16  # the most chunks a plan may have: a peer cannot make us cut a model finely
 
@@ -465,9 +465,9 @@ class PairwiseMix:
 
     With a sparse codec (top-k, random-k) only the values the peer sent are averaged; the ones it
     did not send decode as 0.0 and leave ours as they are (a value sent as exactly 0.0 is taken
-    for one not sent: ours stays there too). Mixing those zeros in pulled nine tenths of a model
-    halfway to zero at every exchange with `topk:0.1`: two digits nodes with `topk:0.01` ended
-    at 0.35 / 0.58, and now end at 0.94 / 0.95 (`python -m geotrain.node.bench.codecs`).
+    for one not sent: ours stays there too). Mixing those zeros in would pull most of the model
+    halfway to zero at every exchange (`python -m geotrain.node.bench.codecs` measures sparse
+    codecs' accuracy).
 
     Args:
         trainer: our model; plan: the chunk plan both ends agreed on; spec: the codec.

@@ -557,9 +557,8 @@ def keeps_feedback(spec: str) -> bool:
     """Whether whole models sent with `spec` take error feedback: lossy codecs that carry every
     value (int8, sign, ...) do; none needs none, and a sparse one (top-k, random-k) takes none
     because a model is not an increment: the residual of what a send left out is the model's
-    own value, which the next send would add again (two digits nodes with `topk:0.1`, values
-    not sent left as they were: training losses of 1e7-3e8 with it, 0.03-0.06 without in
-    `python -m geotrain.node.bench.codecs`, BENCHMARKS.md)."""
+    own value, which the next send would add again: with it, training diverges
+    (`python -m geotrain.node.bench.codecs`)."""
     return spec != "none" and not compress.get_codec(spec).sparse
 
 

@@ -133,32 +133,30 @@ class OuterReply(Header, frozen=True, tag="outer_reply"):
 
 
 DENSE_CODECS = MODEL_CODECS  # codecs that can carry parameters
+# Four thresholds trade exactness for memory on large models (python -m geotrain.node.bench.memory
+# measures a node's peak in model copies beyond a plain loop; diloco's budget is 2.5):
+#
 # A model up to this keeps its own update between rounds (to answer partners whose rounds end
 # later); a bigger one drops it after its outer step (its encoded chunks, with a lossy codec,
 # still answer offers in that codec): a whole model held through every inner step otherwise
 KEEP_UPDATE_BYTES = 64 * 2**20
 # A model above this holds the peers' updates that came with codec none in bfloat16 from the
 # moment each chunk is checked (its norm is the exact one) until its outer step: half a model
-# copy per update instead of one (a 100M node's peak went from +3.0-4.3 copies to +2.5-2.7,
-# bench_memory). bfloat16 keeps 8 bits of mantissa: in the tests' rounds the outer parameters
-# moved 0.12% differently, where the update was used at all
+# copy per update instead of one. bfloat16 keeps 8 bits of mantissa, far finer than an int8
+# update's own rounding
 HOLD_HALF_ABOVE_BYTES = 64 * 2**20
-# A model above this keeps its outer momentum in bfloat16: half a model copy through every inner
-# step and at the round end's peak (a 100M node with codec none: +2.70-2.76 copies beyond a plain
-# loop with float32 momentum, +2.09-2.17 with this, bench_memory; int8's peak is elsewhere). The
-# outer step's arithmetic stays float32 (the buffer is widened slice by slice); each buffer
-# value is rounded to 8 bits of mantissa per step: over 10-200 outer steps of noisy
-# pseudo-gradients the round start moved 0.14-0.22% differently from float32 momentum (norm of
-# the difference over the norm of the move), less than the bfloat16 holding above and far less
-# than an int8 update's own rounding
+# A model above this keeps its outer momentum in bfloat16: half a model copy saved through every
+# inner step and at the round end's peak. The outer step's arithmetic stays float32 (the buffer
+# is widened slice by slice); each stored value is rounded to 8 bits of mantissa per step, which
+# moves the round start less than the bfloat16 holding above and far less than an int8 update's
+# own rounding
 MOMENTUM_HALF_ABOVE_BYTES = 64 * 2**20
 # A model above this sends its update in a codec that rounds finely (FINE_CODECS) without error
-# feedback: the residual was half a model copy (float16) held through every inner step and at
-# the round end: a 100M node with int8 peaked +2.7-3.0 copies beyond a plain loop with it,
-# +2.1-2.5 without (bench_memory; the goal is 2.5). int8 then rounds stochastically (unbiased:
-# what a round loses to rounding is noise around zero, not a drift; our own update is always
-# used exact), seeded per node so that partners' rounding noise averages out. Coarse codecs
-# (int4, sign, the sparse ones) keep their feedback: they drop too much for rounding alone
+# feedback, whose residual would be half a model copy (float16) held through every inner step
+# and at the round end. int8 then rounds stochastically (unbiased: what a round loses to
+# rounding is noise around zero, not a drift; our own update is always used exact), seeded per
+# node so that partners' rounding noise averages out. Coarse codecs (int4, sign, the sparse
+# ones) keep their feedback: they drop too much for rounding alone
 FEEDBACK_FINE_UP_TO_BYTES = 64 * 2**20
 
 
@@ -186,7 +184,7 @@ class DilocoSettings:
     catch_up: a peer ends its round early when a partner's update of a whole round comes while
         it is at most halfway through its own (between a tenth and half of its inner steps):
         it is the slow one, and it takes the swarm's progress now instead of at its own round
-        end, H of its slow steps later (a 4x straggler waited 4 rounds of the others). Every
+        end, H of its slow steps later (a 4x straggler would wait 4 rounds of the others). Every
         update is weighted by the inner steps it took (capped at a whole round of ours), so
         such a short round counts for what it did. False: rounds of inner_steps only.
     round_s: 0: rounds count steps only. Above 0 a round also ends once its inner steps have
@@ -202,7 +200,7 @@ class DilocoSettings:
         their latest update we took (its offer or reply says its steps and their milliseconds),
         each forgotten after PACE_ROUNDS of that partner's rounds, so it is armed by the first
         update a node takes; off until then. Not with comm_fraction, which sets the rounds'
-        length itself. Measured on geo3 in BENCHMARKS.md.
+        length itself (docs/benchmarks.md measures it on geo3).
     """
 
     inner_steps: int = 20

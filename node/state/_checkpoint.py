@@ -351,9 +351,9 @@ def optimizer_from_checkpoint(
     `names` (our parameters' names in the optimizer's order) and the checkpoint's, by name.
 
     Raises:
-        ValueError: it was written by another optimizer class (checkpoints since 2026-12-03
-            say which; an Adam's state in an SGD failed only at its first step, KeyError
-            'momentum'), or torch refused it (another number of parameter groups).
+        ValueError: it was written by another optimizer class (a checkpoint names its class;
+            an Adam's state in an SGD would fail only at its first step, KeyError 'momentum'),
+            or torch refused it (another number of parameter groups).
     """
     saved = meta.get("cls")
     if saved is not None and saved != type(opt).__name__:

@@ -77,7 +77,7 @@ class StateDir:
         """Take the directory for this process: an exclusive flock on `lock` (with our pid in
         it), released when the returned file is closed or the process ends, however it ends;
         a child forked from this process does not hold it.
-        None where the filesystem has no flock (the node runs unguarded there, as before).
+        None where the filesystem has no flock (the node runs unguarded there).
 
         Raises:
             StateDirInUse: another node holds it (two nodes on one directory overwrote each

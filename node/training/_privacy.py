@@ -146,7 +146,7 @@ class PrivateTraining:
         """What RDPAccountant.get_epsilon gives for the history plus `more` steps, in
         microseconds instead of 20-250 ms a query: a step's Renyi divergence at each order is
         computed once (opacus' compute_rdp is that times the steps), so the binary search over
-        the steps allowed no longer took seconds at every start and restore."""
+        the steps allowed takes milliseconds, not seconds, at every start and restore."""
         analysis, history = self._rdp, self.accountant.history
         if not history and not more:
             return 0.0

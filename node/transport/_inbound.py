@@ -1,5 +1,5 @@
 # The listening side of the transport: pipe callbacks, handshakes, frames and the request handler.
-# Invariants: as node/_transport.py's; pipe callbacks only hand a note to the trio loop; a bad
+# Invariants: as _transport.py's; pipe callbacks only hand a note to the trio loop; a bad
 # frame or handshake closes its own pipe only and is counted and logged.
 from __future__ import annotations
 

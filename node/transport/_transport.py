@@ -1,6 +1,6 @@
-# The secure request/response transport. This module and its parts (_transport_wire: channels and
-# credentials; _transport_inbound: the listening side; _transport_outbound: the dialing side) are
-# the only modules that import pynng. Invariants: every socket has recv_max_size (nng's default is
+# The secure request/response transport. This module and its parts (_wire: channels and
+# credentials; _inbound: the listening side; _outbound: the dialing side) are the only modules
+# that import pynng. Invariants: every socket has recv_max_size (nng's default is
 # unlimited) and send/receive timeouts; no pynng exception leaves these modules; pipe callbacks
 # only hand a note to the trio loop; a pipe carries at most one handshake and one session, and any
 # bad frame on it closes that pipe only; nothing received is trusted before it authenticated under

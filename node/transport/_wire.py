@@ -1,6 +1,6 @@
 # The transport's building blocks below the request API: session channels (sealing and opening
 # frames straight into nng messages), reassembly records, credentials, and small pynng helpers.
-# Invariants: as node/_transport.py's (one of the transport modules that import pynng); a channel
+# Invariants: as _transport.py's (one of the transport modules that import pynng); a channel
 # moves its replay window only for authentic frames.
 from __future__ import annotations
 
@@ -122,7 +122,7 @@ def message_buffer(size: int) -> bytearray | np.ndarray:
     is used (all its parts must come). From LAZY_BUFFER_BYTES on it is left uninitialised
     (a bytearray zero-fills, so touches, all of it): malloc maps a big one afresh (see
     tune_allocator) and its pages are taken only as parts are written into them; a chunk below
-    the mmap threshold reuses the arenas' pages, as before."""
+    the mmap threshold is a bytearray, reusing the arenas' pages."""
     return bytearray(size) if size < LAZY_BUFFER_BYTES else np.empty(size, dtype=np.uint8)
 
 
