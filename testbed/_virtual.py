@@ -549,6 +549,7 @@ class _Track:
     faults: FaultRunner
     links: _Links
     sent: int = 0
+    faults_horizon: float = math.inf  # the run's duration: a hung all-reduce waits until then
     how: str | None = None
     stopped: str | None = None
     metrics: list[float | None] = field(default_factory=list)
@@ -587,7 +588,7 @@ def _run_allreduce(options: RunOptions, virtual: VirtualOptions, profile: _Clock
             links = _Links(sc.matrix())
             faults[name]._links = links
             track = _Track(name, [0.0] * n, files, samples, [], faults[name], links,
-                           metrics=[None] * n)  # fmt: skip
+                           metrics=[None] * n, faults_horizon=sc.duration_s)  # fmt: skip
             track.cadence = [EvalCadence(options.eval_every if period else options.ddp_eval_every,
                                          options.eval_every_s, clock=track.now)
                              for _ in range(n)]  # fmt: skip
@@ -657,17 +658,32 @@ def _advance(track: _Track, spent: list[float], step: int, period: int, numel: i
         track.t = [track.t[i] + spent[i] for i in range(n)]
         if step % period == 0:  # the ranks meet and average their parameters
             _average(models)
-            comm, nbytes, track.how = allreduce_cost(track.links.matrix, 4 * numel, mtu)
-            track.sent += nbytes
+            comm = _allreduce(track, max(track.t), 4 * numel, mtu)
             track.t = [max(track.t) + comm] * n
         return
     comm = 0.0
     if track.name == "ddp":
-        comm, nbytes, track.how = allreduce_cost(track.links.matrix, 4 * numel, mtu)
-        track.sent += nbytes
+        comm = _allreduce(track, max(track.t), 4 * numel, mtu)
     # DDP overlaps the all-reduce with the backward pass (its strongest case): a step takes the
     # slowest rank's compute or the all-reduce, whichever is longer
     track.t = [max(track.t) + max(max(spent), comm)] * n
+
+
+def _allreduce(track: _Track, now: float, nbytes: int, mtu: int) -> float:
+    """Seconds from `now` until an all-reduce of `nbytes` on `track`'s links is done. Over a
+    partition it cannot complete: it waits for the next fault that changes the links (a heal),
+    or for ever (the run's duration ends it), as gloo's ranks hang on a cut link."""
+    waited = 0.0
+    while True:
+        seconds, sent, track.how = allreduce_cost(track.links.matrix, nbytes, mtu)
+        if math.isfinite(seconds):
+            track.sent += sent
+            return waited + seconds
+        pending = [f for f in track.faults._pending if f.action in ("heal", "degrade")]
+        if not pending:
+            return max(0.0, track.faults_horizon - now)
+        waited = max(waited, pending[0].at_s - now)
+        track.faults.apply_due(pending[0].at_s, _Peers([]), wall_t=pending[0].at_s)
 
 
 def _stop_rule(track: _Track, options: RunOptions, virtual: VirtualOptions,
