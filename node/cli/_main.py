@@ -8,13 +8,13 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
-import signal
 import sys
 from collections.abc import Callable, Sequence
 from importlib import metadata
 
 import structlog
 
+from .._signals import ignore_stop_signals_at_exit
 from ._identity_cli import register_keygen, register_swarm
 from ._local import register_local
 from ._logging import LOG_FORMATS, LOG_LEVELS, configure_logging, warnings_as_log_lines
@@ -110,12 +110,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def console() -> int:
-    """The `geotrain` console script (and `python -m geotrain.node`): `main`, then SIGINT and
-    SIGTERM ignored for the interpreter's exit. That takes ~0.75 s with torch's threads, and a
-    second SIGTERM there (a supervisor's, timeout's) killed a cleanly stopped node with 143."""
+    """The `geotrain` console script (and `python -m geotrain.node`): `main`, then the stop
+    signals ignored for the interpreter's exit (see ignore_stop_signals_at_exit)."""
     code = main()
-    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-        signal.signal(signum, signal.SIG_IGN)
+    ignore_stop_signals_at_exit()
     return code
 
 
