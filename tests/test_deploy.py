@@ -83,7 +83,7 @@ listen = "0.0.0.0:9400"
 def _render(tmp_path: Path, credentials: Path, components: list[str],
             node_toml: str | None = None) -> list[dict]:  # fmt: skip
     """An operator's overlay of the base with `components`, rendered by kubectl kustomize."""
-    import yaml
+    yaml = pytest.importorskip("yaml", reason="pip install -e '.[dev]' installs PyYAML")
 
     site = tmp_path / "mysite"
     site.mkdir()

@@ -87,7 +87,7 @@ TEMPLATE_TYPES = {"Task", "Serial", "Parallel", "Suspend", "Schedule", "StatusCh
 
 
 def _export(tmp_path: Path, scenario: str, *more: str) -> dict[str, list[dict]]:
-    import yaml
+    yaml = pytest.importorskip("yaml", reason="pip install -e '.[dev]' installs PyYAML")
 
     out = tmp_path / "k8s"
     assert main(["testbed", "export", "--kubernetes", scenario, "--out", str(out),
