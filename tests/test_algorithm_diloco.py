@@ -75,7 +75,7 @@ async def test_the_outer_step_uses_the_partners_update_and_survives_a_checkpoint
         restored.load_state(tensors, json.loads(json.dumps(meta)))
         assert restored.round == 1
         # where its round began: the first round after a restart weighs its own steps
-        assert restored._round_end_step == a._round_end_step == 2
+        assert restored.rounds.round_end_step == a.rounds.round_end_step == 2
         assert same(restored.outer.buffers, momentum) and same(restored.start, start)
 
 
@@ -895,7 +895,7 @@ async def test_a_partner_that_failed_is_not_drawn_again_while_its_pause_runs(aut
         # each failure benches p2 for 1, 2, 4, 8 rounds: the rounds meanwhile go to p1
         assert stats.partners_missing <= 4, stats
         assert a.counters.statistics().ok >= 8
-        assert a._skip["p2"][1] == stats.partners_missing  # failures in a row, none reset
+        assert a.sit_outs.rounds["p2"][1] == stats.partners_missing  # failures in a row, none reset
 
 
 async def test_an_offer_declined_as_busy_is_no_failure_of_the_link(autojump_clock):
@@ -918,7 +918,7 @@ async def test_an_offer_declined_as_busy_is_no_failure_of_the_link(autojump_cloc
         await a.after_step(step(a, 2))
         assert a.counters.statistics().failed == 0
         assert a.ctx.peers.links.estimate("p1", trio.current_time()).failures == 0
-        assert a._skip["p1"] == (2, 0)  # it sits out the next round, no failure counted
+        assert a.sit_outs.rounds["p1"] == (2, 0)  # it sits out the next round, no failure counted
         assert a.statistics().partners_missing == 1  # its update did not come this round
 
 
@@ -978,7 +978,8 @@ async def test_a_slow_peer_ends_its_round_by_time_and_takes_a_partners_newest_ro
     settings = {**DILOCO, "algorithm_settings": {"diloco": DilocoSettings(
         inner_steps=10, fanout=1, consensus_every=0, round_s=round_s)}}  # fmt: skip
     async with runtimes(3, **settings) as (net, (fast, other, slow)):
-        fast._skip["p2"] = slow._skip["p1"] = (99, 0)  # fast draws the other; slow draws fast
+        # fast draws the other; slow draws fast
+        fast.sit_outs.rounds["p2"] = slow.sit_outs.rounds["p1"] = (99, 0)
         for _ in range(10):
             fast.ctx.trainer.train_step()
         await fast.after_step(step(fast, 10))
@@ -1034,7 +1035,7 @@ async def test_a_fast_peer_does_not_end_its_round_for_a_slower_peers_whole_round
         for _ in range(10):
             slow.ctx.trainer.train_step()
         await slow.after_step(step(slow, 10))  # a whole round, its first: offered to fast
-        assert fast.inbox["p1"][0] == 1 and fast._arrivals["p1"][1] == 10
+        assert fast.inbox["p1"][0] == 1 and fast.rounds.arrivals["p1"][1] == 10
         fast.ctx.trainer.train_step()
         await fast.after_step(step(fast, 16))
         assert fast.statistics().outer_steps == 1 and fast.statistics().catch_ups == 0
@@ -1061,7 +1062,8 @@ async def test_round_s_auto_ends_a_slow_peers_round_after_its_partners_pace(auto
     torch.manual_seed(0)
     settings = {**DILOCO, "algorithm_settings": {"diloco": DilocoSettings(**AUTO)}}
     async with runtimes(3, **settings) as (net, (fast, other, slow)):
-        fast._skip["p1"] = slow._skip["p1"] = (99, 0)  # fast draws the slow peer, and back
+        # fast draws the slow peer, and back
+        fast.sit_outs.rounds["p1"] = slow.sit_outs.rounds["p1"] = (99, 0)
         await take_steps(slow, 1, 1, 16.0)
         assert slow.statistics().round_budget_s == 0.0
         await take_steps(slow, 2, 2, 16.0)
@@ -1085,7 +1087,8 @@ async def test_round_s_auto_is_armed_by_the_reply_to_a_slow_peers_own_offer(auto
     torch.manual_seed(0)
     settings = {**DILOCO, "algorithm_settings": {"diloco": DilocoSettings(**AUTO)}}
     async with runtimes(3, **settings) as (net, (fast, other, slow)):
-        fast._skip["p2"] = slow._skip["p1"] = (99, 0)  # fast draws the other; slow draws fast
+        # fast draws the other; slow draws fast
+        fast.sit_outs.rounds["p2"] = slow.sit_outs.rounds["p1"] = (99, 0)
         await take_steps(fast, 1, 10, 2.0)
         assert "p0" not in slow.inbox
         await take_steps(slow, 1, 10, 8.0)  # its round of 10 steps, offered to the fast peer
@@ -1096,12 +1099,14 @@ async def test_round_s_auto_is_armed_by_the_reply_to_a_slow_peers_own_offer(auto
 async def test_round_s_auto_takes_the_upper_median_and_bounds_what_peers_claim(autojump_clock):
     settings = {**DILOCO, "algorithm_settings": {"diloco": DilocoSettings(**AUTO)}}
     async with runtimes(1, **settings) as (net, (a,)):
-        a._saw_pace("x", 10, 20_000)  # 2 s a step
-        a._saw_pace("liar", 10, 10)  # 1 ms a step: one low value does not halve the budget
+        a.rounds.saw_pace("x", 10, 20_000, a.ctx.now())  # 2 s a step
+        # 1 ms a step: one low value does not halve the budget
+        a.rounds.saw_pace("liar", 10, 10, a.ctx.now())
         assert a.round_budget_s() == pytest.approx(30.0)
-        a._saw_pace("y", 2**62, 1)  # a pace below 0.1 ms a step: not taken
-        a._saw_pace("z", 10**6, 20_000)  # steps count at most max_inner_steps (1000)
-        assert "y" not in a._paces and a._paces["z"][0] == pytest.approx(0.02)
+        a.rounds.saw_pace("y", 2**62, 1, a.ctx.now())  # a pace below 0.1 ms a step: not taken
+        # steps count at most max_inner_steps (1000)
+        a.rounds.saw_pace("z", 10**6, 20_000, a.ctx.now())
+        assert "y" not in a.rounds.paces and a.rounds.paces["z"][0] == pytest.approx(0.02)
         await trio.sleep(20 * 10 * 2 + 1)  # 20 of x's rounds: its pace is forgotten
         assert a.round_budget_s() == 0.0
 
@@ -1115,7 +1120,7 @@ async def test_an_updates_time_counts_the_steps_it_saw_after_a_restart_mid_round
         for _ in range(8):
             a.ctx.trainer.train_step()
         await take_steps(a, 9, 10, 2.0)
-        assert a._latest_round_ms == 20_000 and a._latest_steps == 10
+        assert a.rounds.latest_round_ms == 20_000 and a.rounds.latest_steps == 10
 
 
 def test_round_s_takes_seconds_or_auto_and_names_the_field_otherwise():

@@ -42,6 +42,7 @@ from .._log_quota import log_within_quota
 from ..training import StepResult
 from ..transport import U63, CodecSpec, ErrorReply, Header, PeerInfo, TransportError
 from ._base import MODEL_CODECS, Algorithm, AlgorithmContext, AlgorithmSpec, Reply, Tensors
+from ._diloco_rounds import RoundClock, SitOuts
 from ._registry import register_algorithm
 from ._stream import (
     FINE_CODECS,
@@ -288,10 +289,6 @@ def held_share(codec: str, numel: int) -> float:
     return 1.0 if hold is None else wire_share(hold)
 
 
-AUTO_ROUND_MARGIN = 1.5  # round_s "auto": rounds end by time after this x the swarm's usual round
-MIN_STEP_S = 1e-4  # round_s "auto": a partner's seconds per step below this are not taken,
-MAX_STEP_S = 86400.0  # nor above this
-PACE_ROUNDS = 20  # round_s "auto": a partner's pace counts for this many of its rounds
 
 
 @dataclass(frozen=True)
@@ -364,9 +361,7 @@ class Diloco(Algorithm):
         self._seed_base = twin.getrandbits(31)
         self._rejected_now: set[str] = set()  # partners whose update this round was refused
         self._declined_now: set[str] = set()  # partners that declined this round's offer (busy)
-        # partners that failed or declined: peer -> (the last round it sits out, failures in a
-        # row); rounds, not seconds, since a round may last a minute
-        self._skip: dict[str, tuple[int, int]] = {}
+        self.sit_outs = SitOuts()  # partners that failed or declined sit out rounds
         self._replied: dict[str, int] = {}  # partner -> the round of its update this round end
         # offers crossing at a round end (both partners offer at once): each update travels in
         # its own offer only, and the replies carry none (else each went twice: bytes, memory)
@@ -382,32 +377,27 @@ class Diloco(Algorithm):
         self.consensus: dict[str, tuple[int, Update]] = {}
         self._outer_in: tuple[str, int, int, EncodedAssembly] | None = None  # peer, xid, round
         self._stepping = False  # the outer step is changing self.start: answer no consensus
-        self._round_end_step = 0  # the trainer's step when the last round ended
-        self._latest_steps = 0  # the inner steps our latest update took
         # the inner steps peers' updates took: (peer, its round) -> steps (0: not said)
         self._steps_of: dict[tuple[str, int], int] = {}
-        # catch_up: peer -> (our step when its update came to the inbox, the steps it took, its
-        # round)
-        self._arrivals: dict[str, tuple[int, int, int]] = {}
-        self._phase = 0  # fixed rounds end at steps = this modulo inner_steps (catch_up moves it)
-        self.catch_ups = 0
-        self.timed_rounds = 0
-        # round_s "auto": peer -> (seconds per inner step of its latest update used, when)
-        self._paces: dict[str, tuple[float, float]] = {}
-        self._latest_round_ms = 0  # how long our latest update's inner steps took
-        self._timed_s, self._timed_steps = 0.0, 0  # this round's steps' seconds, and count
+        self.rounds = RoundClock(ctx.settings)  # when rounds end (sans-I/O)
         rule = ctx.gossip.robust
         self._consensus_radius = ClipRadius("none" if rule == "none" else "clip",
                                             cap=ctx.gossip.clip)  # fmt: skip
-        self.inner_steps = ctx.settings.inner_steps  # this round's (adaptive rounds change it)
-        self._next_round_at: int | None = None  # the step that ends this round (adaptive)
-        self._step_s: float | None = None  # seconds per step, a moving average (adaptive)
 
     def statistics(self) -> DilocoStatistics:
         return DilocoStatistics(self.outer_steps, self.peer_deltas_used, self.missing,
                                 self.consensus_mixes, self.inner_steps,
-                                self.catch_ups, self.timed_rounds,
+                                self.rounds.catch_ups, self.rounds.timed_rounds,
                                 self.round_budget_s())  # fmt: skip
+
+    @property
+    def inner_steps(self) -> int:
+        """This round's inner steps (adaptive rounds change them)."""
+        return self.rounds.inner_steps
+
+    def round_budget_s(self) -> float:
+        """The seconds after which a round ends by time (0: never; RoundClock.budget_s)."""
+        return self.rounds.budget_s(self.ctx.now())
 
     def state(self) -> tuple[Tensors, dict]:
         # (no copies: a checkpoint is written under the trainer's lock, and the round start and
@@ -418,8 +408,7 @@ class Diloco(Algorithm):
             tensors = {f"start/{n}": t + live[n] for n, t in self.start.items()}
         tensors.update({f"momentum/{n}": t for n, t in self.outer.buffers.items()})
         tensors.update({f"ef/{n}": t for n, t in self.feedback.state_dict().items()})
-        return tensors, {"round": self.round, "round_end_step": self._round_end_step,
-                         "phase": self._phase}
+        return tensors, {"round": self.round, **self.rounds.meta()}
 
     def load_state(self, tensors: Tensors, meta: dict) -> None:
         device = self.ctx.trainer.task_device
@@ -447,13 +436,8 @@ class Diloco(Algorithm):
         residuals = {k[3:]: v for k, v in tensors.items() if k.startswith("ef/") and "@" not in k}
         self.feedback.load_state_dict({k: v.to(device) for k, v in residuals.items()})
         self.round = int(meta.get("round", 0))
-        # where this round began (an older checkpoint: the last multiple of inner_steps), so the
-        # first round after a restart weighs and catches up as it would have
-        step, h = self.ctx.trainer.step, self.ctx.settings.inner_steps
-        self._round_end_step = int(meta.get("round_end_step", step - step % h))
-        if dropped:  # the round starts from the restored model at this step
-            self._round_end_step = step
-        self._phase = int(meta.get("phase", 0)) % h
+        # (dropped: the round starts from the restored model at this step)
+        self.rounds.restore(self.ctx.trainer.step, meta, afresh=dropped)
 
     def model_replaced(self) -> None:
         def restart(live: Tensors) -> None:
@@ -545,10 +529,7 @@ class Diloco(Algorithm):
     def _round_end(self, spec: str) -> tuple[Tensors, list[bytes]]:
         """Our update of this round, and its chunks encoded once (error feedback applies once;
         codec none: no chunks kept, see `_chunk`)."""
-        step = self.ctx.trainer.step
-        # (clamped: the first round after a restart counts from step 0)
-        self._latest_steps = max(1, min(step - self._round_end_step, self.inner_steps))
-        self._round_end_step = step
+        self.rounds.update_made(self.ctx.trainer.step)
 
         def over_start(live: Tensors) -> Tensors:  # in place: start - live, where start was
             with self._start_lock:
@@ -639,104 +620,22 @@ class Diloco(Algorithm):
                    incoming[1] if incoming is not None else 0,
                    self._replied.get(peer, 0))  # fmt: skip
 
-    def _round_ends(self, result: StepResult) -> bool:
-        """Whether `result`'s step ends an outer round (every inner_steps steps, or adaptive, or
-        early to catch up)."""
-        cfg = self.ctx.settings
-        if not cfg.comm_fraction:
-            ends = result.step % cfg.inner_steps == self._phase
-        else:
-            seconds = result.seconds
-            self._step_s = seconds if self._step_s is None else 0.8 * self._step_s + 0.2 * seconds
-            if self._next_round_at is None:  # (also after a restart: the next multiple)
-                self._next_round_at = result.step + (-result.step) % cfg.inner_steps
-            ends = result.step >= self._next_round_at
-        if ends:
-            return True
-        if self._catching_up(result.step):
-            self.catch_ups += 1
-            log.info("round_caught_up", step=result.step,
-                     inner_steps=result.step - self._round_end_step)  # fmt: skip
-        elif self._timed_out(result.step):
-            self.timed_rounds += 1
-            log.info("round_timed", step=result.step, budget_s=round(self.round_budget_s(), 2),
-                     inner_steps=result.step - self._round_end_step)  # fmt: skip
-        else:
-            return False
-        self._phase = result.step % cfg.inner_steps  # (fixed rounds: H steps from here on)
-        return True
-
-    def _timed_out(self, step: int) -> bool:
-        """round_s: whether this round's inner steps have taken round_s seconds (their own
-        time, as partners' paces are timed: evaluations, checkpoints and waits between steps
-        left out), with a tenth of them done."""
-        round_s = self.round_budget_s()
-        return (bool(round_s) and step - self._round_end_step >= max(1, self.inner_steps // 10)
-                and self._timed_s >= round_s)  # fmt: skip
-
-    def round_budget_s(self) -> float:
-        """The seconds after which a round ends by time (0: never): round_s, or with "auto"
-        AUTO_ROUND_MARGIN x inner_steps x the (upper) median of partners' seconds per step,
-        each from its latest update we used within PACE_ROUNDS of its rounds."""
-        round_s = self.ctx.settings.round_s
-        if round_s != "auto":
-            return float(round_s)
-        h, now = self.ctx.settings.inner_steps, self.ctx.now()
-        paces = sorted(pace for pace, at in self._paces.values()
-                       if now - at <= PACE_ROUNDS * h * pace)  # fmt: skip
-        if not paces:
-            return 0.0
-        return AUTO_ROUND_MARGIN * h * paces[len(paces) // 2]
-
-    def _saw_pace(self, peer: str, steps: int, round_ms: int) -> None:
-        """round_s "auto": `peer`'s update we took had `steps` inner steps that took `round_ms`
-        (0: not said). Its claimed steps count at most a whole round of its longest kind;
-        paces outside MIN_STEP_S..MAX_STEP_S are not taken."""
-        if self.ctx.settings.round_s != "auto" or steps <= 0 or round_ms <= 0:
-            return
-        cfg = self.ctx.settings
-        pace = round_ms / 1000 / min(steps, max(cfg.inner_steps, cfg.max_inner_steps))
-        if MIN_STEP_S <= pace <= MAX_STEP_S:
-            self._paces[peer] = (pace, self.ctx.now())
-
-    def _catching_up(self, step: int) -> bool:
-        """catch_up: whether a partner that has made more rounds than we have sent an update of
-        a whole round while we were between a tenth and half of our round's inner steps: we
-        are the slow one. (Without the rounds, a fast peer took a 1.5x slower peer's whole
-        round, landing anywhere in its own, for a reason to end half of its rounds early.)"""
-        if not self.ctx.settings.catch_up or not self._arrivals:
-            return False
-        h, begun = self.inner_steps, self._round_end_step
-        low, high = max(1, h // 10), h // 2
-        return any(low <= at - begun <= high and (steps or h) >= h and their > self.round
-                   for at, steps, their in self._arrivals.values())  # fmt: skip
-
-    def _adapt(self, step: int, waited_s: float) -> None:
-        """Set the next round's inner steps from this round end's wait and the step time."""
-        cfg = self.ctx.settings
-        if not cfg.comm_fraction or not self._step_s:
-            return
-        wanted = math.ceil(waited_s / (cfg.comm_fraction * self._step_s) * (1 - 1e-9))  # (float)
-        self.inner_steps = max(cfg.inner_steps, min(cfg.max_inner_steps, wanted))
-        self._next_round_at = step + self.inner_steps
-
     async def after_step(self, result: StepResult) -> None:
         ctx = self.ctx
-        self._timed_s += max(0.0, result.seconds)
-        self._timed_steps += 1
-        if not self._round_ends(result):
+        end = self.rounds.step_done(result.step, result.seconds, self.round, ctx.now())
+        if end is None:
             return
-        # how long our update's inner steps took, from the seconds of the steps we saw (after
-        # a restart mid-round, not all of them): it goes with the update (round_s "auto")
-        steps = max(1, min(result.step - self._round_end_step, self.inner_steps))
-        self._latest_round_ms = int(1000 * steps * self._timed_s / self._timed_steps)
-        self._timed_s, self._timed_steps = 0.0, 0
+        if end.reason == "caught_up":
+            log.info("round_caught_up", step=result.step, inner_steps=end.inner_steps)
+        elif end.reason == "timed":
+            log.info("round_timed", step=result.step, budget_s=round(self.round_budget_s(), 2),
+                     inner_steps=end.inner_steps)  # fmt: skip
         started = ctx.now()
         round_ = self.round + 1
         # a client-mode peer offers, is not offered to; one that failed lately sits out some
         # rounds (a crashed peer drew a fanout-1 round in two of three, seen)
         dialable = sorted(ctx.peers.dialable_peers())
-        live = [p for p in dialable if self._skip.get(p, (0, 0))[0] < round_] or dialable
+        live = self.sit_outs.available(dialable, round_)
         partners = sorted(ctx.rng.sample(live, min(len(live), ctx.settings.fanout)))
         spec = self._spec(partners)
         # the last round's update goes before this one is made (one update held, not two); an
@@ -753,7 +652,7 @@ class Diloco(Algorithm):
         if 4 * ctx.peers.numel > RELEASE_ABOVE_BYTES:  # the chunk buffers freed (below the
             # mmap threshold) back to the system, not kept through the inner steps
             await ctx.to_thread(release_free_memory)
-        self._adapt(result.step, ctx.now() - started)
+        self.rounds.round_ended(result.step, ctx.now() - started)
 
     async def _end_round(self, round_: int, partners: list[str], spec: str) -> None:
         """Our update made, offered to `partners`, and the outer step on what came."""
@@ -778,13 +677,12 @@ class Diloco(Algorithm):
         now = ctx.now()
         for peer in partners:  # an offer cut off by the deadline raised nothing: count it here
             if peer in replies:
-                self._skip.pop(peer, None)
+                self.sit_outs.answered(peer)
                 ctx.peers.answered(peer, True, now)
-            elif peer in self._declined_now:  # busy: it sits out the next round, no failure
-                self._skip[peer] = (round_ + 1, self._skip.get(peer, (0, 0))[1])
-            else:  # failed or rejected: it sits out 1, 2, 4, 8, then 16 rounds
-                failures = self._skip.get(peer, (0, 0))[1] + 1
-                self._skip[peer] = (round_ + 2 ** min(failures - 1, 4), failures)
+            elif peer in self._declined_now:
+                self.sit_outs.declined(peer, round_)
+            else:
+                self.sit_outs.failed(peer, round_)
                 if peer not in self._rejected_now:
                     ctx.peers.failed(peer, now)
                     self.counters.record_failed(peer, spec)
@@ -810,10 +708,10 @@ class Diloco(Algorithm):
         others = [offered[p][1] for p in use]
         # each update weighted by the inner steps it took, a peer's at most a whole round of
         # ours (nobody outweighs us by saying so); 0, not said: a whole round
-        whole = max(self._latest_steps, self.inner_steps)
+        whole = max(self.rounds.latest_steps, self.inner_steps)
         weights = [float(min(self._steps_of.get((p, offered[p][0]), 0) or whole, whole))
                    for p in use]  # fmt: skip
-        own = float(self._latest_steps)
+        own = float(self.rounds.latest_steps)
         self._replied.clear()
         rule, radius = self.ctx.gossip.robust, self.ctx.robust
         assert radius is not None
@@ -825,7 +723,7 @@ class Diloco(Algorithm):
         def step(live: Tensors) -> None:
             # a loop of the user's own kept training while the round ended: keep those steps
             # (live - live at the round end = live - (start - delta)) on top of the new start
-            drift = self.ctx.trainer.step != self._round_end_step
+            drift = self.ctx.trainer.step != self.rounds.round_end_step
             if drift:
                 for name, tensor in live.items():
                     tensor.sub_(self.start[name]).add_(delta[name])
@@ -841,7 +739,7 @@ class Diloco(Algorithm):
 
         def step_in_place(live: Tensors) -> None:
             # self.start holds our update (start - live); the model waited for the round end
-            if self.ctx.trainer.step != self._round_end_step:
+            if self.ctx.trainer.step != self.rounds.round_end_step:
                 raise RuntimeError("diloco: the model stepped during an in-place round end")
             shares = self._consensus_shares(mixes, lambda o: self._start_distance(o, live))
             for name, tensor in live.items():  # the round start, made where the model is
@@ -871,10 +769,10 @@ class Diloco(Algorithm):
                 del self.inbox[peer]
         self._steps_of = {k: v for k, v in self._steps_of.items()
                           if self.inbox.get(k[0], (None,))[0] == k[1]}  # fmt: skip
-        self._arrivals = {p: a for p, a in self._arrivals.items() if p in self.inbox}
+        self.rounds.forget_arrivals(self.inbox)
         live = set(self.ctx.peers.live_peers())
         self.used = {p: r for p, r in self.used.items() if p in live}
-        self._skip = {p: s for p, s in self._skip.items() if p in live}
+        self.sit_outs.keep(live)
         self._answering = {p: a for p, a in self._answering.items() if p in live}
         self.round = round_
         self.outer_steps += 1
@@ -1029,8 +927,8 @@ class Diloco(Algorithm):
         async def one(index: int) -> None:
             header = DeltaOffer(codec=spec, round=round_, xid=xid, plan=plan.digest,
                                 chunk_numel=plan.chunk_numel, chunks=len(plan), index=index,
-                                have=have, steps=self._latest_steps,
-                                round_ms=self._latest_round_ms)  # fmt: skip
+                                have=have, steps=self.rounds.latest_steps,
+                                round_ms=self.rounds.latest_round_ms)  # fmt: skip
             ours = await self._chunk(plan, index, spec)
             reply, data, _ = await ctx.network.request(
                 address, header, ours, deadline_s=deadline, expect_peer=peer
@@ -1082,7 +980,7 @@ class Diloco(Algorithm):
         if delta is not None:
             self._replied[peer] = their_round[0]
             self._steps_of[(peer, their_round[0])] = their_steps[0]
-            self._saw_pace(peer, their_steps[0], their_ms[0])
+            self.rounds.saw_pace(peer, their_steps[0], their_ms[0], self.ctx.now())
         self.counters.record_ok(peer, spec)
 
     async def handle(self, peer: PeerInfo, header: Header, payload: memoryview) -> Reply:
@@ -1121,8 +1019,8 @@ class Diloco(Algorithm):
         if answering[1] == 0 or not available:  # none, or none it lacks
             return DeltaReply(round=0), b""
         try:
-            return (DeltaReply(round=round_, steps=self._latest_steps,
-                               round_ms=self._latest_round_ms),
+            return (DeltaReply(round=round_, steps=self.rounds.latest_steps,
+                               round_ms=self.rounds.latest_round_ms),
                     await self._chunk(plan, header.index, header.codec))
         except _Stale:  # our outer step took it meanwhile: as if our round had ended (none)
             return DeltaReply(round=0), b""
@@ -1190,8 +1088,8 @@ class Diloco(Algorithm):
             if header.round > self.inbox.get(peer, (-1, None))[0]:
                 self.inbox[peer] = (header.round, assembly)
                 self._steps_of[(peer, header.round)] = header.steps
-                self._arrivals[peer] = (ctx.trainer.step, header.steps, header.round)
-                self._saw_pace(peer, header.steps, header.round_ms)
+                self.rounds.update_arrived(peer, ctx.trainer.step, header.steps, header.round)
+                self.rounds.saw_pace(peer, header.steps, header.round_ms, ctx.now())
         finally:  # (checked before it stops counting as arriving: a round end waits for it)
             if self._incoming.get(peer, (None,))[0] == header.xid:  # (a newer offer may
                 del self._incoming[peer]  # have replaced it)
