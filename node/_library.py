@@ -116,9 +116,8 @@ class Swarm:
             optimizer = optimizer.optimizer  # made on what the first wrap returned)
         self._loop.attach(optimizer, scheduler)
         self.node.measure_optimizer(optimizer)
-        if self._raw_hook is None and callable(getattr(optimizer, "register_step_post_hook",
-                                                       None)):  # fmt: skip
-            self._raw_hook = optimizer.register_step_post_hook(self._raw_step)
+        if self._raw_hook is None:
+            self._raw_hook = _step_hook(optimizer, self._raw_step)
         return SwarmOptimizer(self, optimizer, scheduler)
 
     def _raw_step(self, *_: Any) -> None:
@@ -512,6 +511,19 @@ class MisuseWarning(UserWarning):
     """A way of holding geotrain's API that silently does less than it seems to: an optimizer
     stepped around its wrapper, a scheduler not passed to wrap. The message says what to do.
     (`-W error::geotrain.MisuseWarning` makes each an error.)"""
+
+
+def _step_hook(optimizer: torch.optim.Optimizer, hook: Callable[..., None]) -> Any:
+    """`hook` after each step of `optimizer`, or of the optimizer inside it (Opacus'
+    DPOptimizer steps its `original_optimizer`, and has no hooks of its own); None when
+    neither takes one."""
+    inner = optimizer
+    while isinstance(getattr(inner, "original_optimizer", None), torch.optim.Optimizer):
+        inner = inner.original_optimizer
+    for target in (inner, optimizer):
+        with contextlib.suppress(AttributeError, TypeError):
+            return target.register_step_post_hook(hook)
+    return None
 
 
 def _user_stacklevel() -> int:

@@ -36,8 +36,8 @@ def model() -> nn.Module:
     return nn.Linear(4, 1)
 
 
-def step(opt, m: nn.Module) -> None:
-    m(torch.randn(8, m.in_features)).pow(2).mean().backward()
+def step(opt, m: nn.Module, features: int = 0) -> None:
+    m(torch.randn(8, features or m.in_features)).pow(2).mean().backward()
     opt.step()
     opt.zero_grad()
 
@@ -138,3 +138,20 @@ def test_a_late_joiner_fetches_optimizer_state_only_when_the_classes_match(tmp_p
                 assert "optimizer_state_synced" in said, said
                 assert fetched >= 2 * 4 * 4160, fetched  # exp_avg and exp_avg_sq
                 assert set(optimizer.state[late.weight]) >= {"exp_avg", "exp_avg_sq"}
+
+
+def test_an_opacus_optimizer_is_wrapped_and_its_raw_step_is_said_too(tmp_path):
+    opacus = pytest.importorskip("opacus")
+    m = model()
+    with joined(tmp_path, "a", m) as swarm:
+        private = opacus.GradSampleModule(m)
+        dp = opacus.optimizers.DPOptimizer(torch.optim.SGD(m.parameters(), lr=0.1),
+                                           noise_multiplier=0.0, max_grad_norm=1.0,
+                                           expected_batch_size=8)  # fmt: skip
+        opt = swarm.wrap(dp)  # (a DPOptimizer has no step hooks of its own)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", geotrain.MisuseWarning)
+            step(opt, private, 4)
+        with pytest.warns(geotrain.MisuseWarning, match="stepped directly"):
+            step(dp, private, 4)
+        assert swarm.step == 1

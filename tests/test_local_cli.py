@@ -67,7 +67,7 @@ def test_local_runs_n_peers_of_a_script_in_one_swarm_of_their_own(tmp_path):
     assert sorted(results) == ["[0]", "[1]"], out  # each peer's output, its index in front
     assert results["[0]"]["peer"] != results["[1]"]["peer"]
     assert all(r["step"] == 300 and r["peers"] == "2" for r in results.values())
-    root = tmp_path / "geotrain-local"  # the default folder, relative to where it ran
+    root = tmp_path / "geotrain-local" / "train"  # the default: the script's, where it ran
     assert {Path(r["config"]).parent for r in results.values()} == {
         root / "peer-0", root / "peer-1"}
     for i in (0, 1):  # separate state dirs and logs
@@ -80,7 +80,7 @@ def test_local_runs_n_peers_of_a_script_in_one_swarm_of_their_own(tmp_path):
 @pytest.mark.slow
 def test_ctrl_c_stops_every_peer_cleanly(tmp_path):
     proc = local(tmp_path, 2, 0)  # trains until stopped
-    root = tmp_path / "geotrain-local"
+    root = tmp_path / "geotrain-local" / "train"
     try:
         deadline = time.monotonic() + 180
         while time.monotonic() < deadline and proc.poll() is None:

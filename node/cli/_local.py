@@ -53,9 +53,10 @@ def register_local(sub: argparse._SubParsersAction) -> None:
         epilog="example: geotrain local -n 3 -- python train.py --steps 1000",
     )
     p.add_argument("-n", "--peers", type=int, default=2, help="how many peers (default 2)")
-    p.add_argument("--dir", type=Path, default=Path("geotrain-local"),
+    p.add_argument("--dir", type=Path, default=None,
                    help="where each peer's folder goes; a second run resumes from it "
-                   "(default ./geotrain-local)")  # fmt: skip
+                   "(default ./geotrain-local/SCRIPT, SCRIPT the name of the command's .py "
+                   "file: another script starts afresh)")  # fmt: skip
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                    help="a setting for every peer's node config, e.g. gossip.algorithm=diloco "
                    "(repeatable)")  # fmt: skip
@@ -78,16 +79,23 @@ def run_local(args: argparse.Namespace) -> int:
     if args.peers < 1:
         print(f"geotrain local: -n {args.peers}: expected at least 1 peer", file=sys.stderr)
         return 2
+    folder = args.dir if args.dir is not None else Path("geotrain-local") / _run_name(command)
     try:
-        configs = write_configs(args.dir.resolve(), args.peers, args.set)
+        configs = write_configs(folder.resolve(), args.peers, args.set)
     except ConfigError as exc:
         print(f"geotrain local: {exc}", file=sys.stderr)
         return 2
     peers = [ManagedProcess(command, config.parent / "log.txt", _env(config, i, args.peers))
              for i, config in enumerate(configs)]  # fmt: skip
-    log.info("local_swarm", peers=args.peers, dir=str(args.dir), command=" ".join(command),
-             detail=f"logs in {args.dir}/peer-*/log.txt; Ctrl-C stops them all")  # fmt: skip
+    log.info("local_swarm", peers=args.peers, dir=str(folder), command=" ".join(command),
+             detail=f"logs in {folder}/peer-*/log.txt; Ctrl-C stops them all")  # fmt: skip
     return _supervise(peers, args.grace_s)
+
+
+def _run_name(command: list[str]) -> str:
+    """The stem of the command's first .py file ("train" for python train.py), or "run"."""
+    script = next((Path(a) for a in command if a.endswith(".py")), None)
+    return script.stem if script is not None else "run"
 
 
 def write_configs(root: Path, n: int, overrides: list[str]) -> list[Path]:
