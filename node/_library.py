@@ -13,7 +13,6 @@ import atexit
 import contextlib
 import numbers
 import os
-import signal
 import sys
 import threading
 import time
@@ -29,6 +28,7 @@ import trio
 from ._config import ConfigError, NodeConfig, config_from_toml, load_config
 from ._credentials import load_identity
 from ._node import Node
+from ._signals import default_sigterm, exit_on_sigterm
 from .cli import configure_logging, launched_config
 from .identity import Admission, Identity
 from .state import NodeStatus
@@ -37,7 +37,6 @@ from .training import (
     LoopClosed,
     LoopTrainer,
     StepResult,
-    exit_or_defer,
     exits_deferred,
     take_deferred_exit,
 )
@@ -201,7 +200,7 @@ class Swarm:
                 # program's own: the node is stopped all the same)
                 early = exc
             interrupted = _stop_and_wait(self._token, self._stop, self._box, timeout_s) or early
-            _default_sigterm()  # (once stopped, and no swarm is open: SIGTERM ends it as before)
+            _default_sigterm()  # (once stopped, and no swarm is open: SIGTERM's default again)
         deferred = take_deferred_exit()
         interrupted = interrupted or deferred
         error = self._box.pop("error", None)
@@ -431,7 +430,7 @@ def join(
             box["ended"].set()
 
     thread = threading.Thread(target=run, name="geotrain-node", daemon=True)
-    _exit_on_sigterm()
+    exit_on_sigterm()
     thread.start()
     try:
         _wait_ready(node, thread, ready, box, ready_timeout_s)
@@ -600,29 +599,10 @@ def _stop_and_wait(
 _open_swarms: set[Swarm] = set()  # (held here: a swarm whose node runs is open whoever holds it)
 
 
-def _sigterm_exits(signum: int, frame: Any) -> None:
-    exit_or_defer(128 + signum)  # (after a mix the loop's thread is applying, not mid-way)
-
-
-def _exit_on_sigterm() -> None:
-    """SIGTERM (systemd, `kill`, a scheduler, `timeout`) ended a program that joined without
-    its exit handlers: the node was cut off, no checkpoint, no leave. A program without a
-    SIGTERM handler of its own gets one that exits (143) as the end of a script does, closing
-    its swarms; set in the main thread only (Python runs handlers there)."""
-    if threading.current_thread() is not threading.main_thread():
-        return
-    with contextlib.suppress(ValueError, OSError):
-        if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
-            signal.signal(signal.SIGTERM, _sigterm_exits)
-
-
 def _default_sigterm() -> None:
-    """Put SIGTERM's default back once no swarm is open, where _exit_on_sigterm set it."""
-    if _open_swarms or threading.current_thread() is not threading.main_thread():
-        return
-    with contextlib.suppress(ValueError, OSError):
-        if signal.getsignal(signal.SIGTERM) is _sigterm_exits:
-            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    """Put SIGTERM's default back once no swarm is open (see _signals.exit_on_sigterm)."""
+    if not _open_swarms:
+        default_sigterm()
 
 
 @atexit.register
