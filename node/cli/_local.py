@@ -24,6 +24,7 @@ import structlog
 
 from .._config import ConfigError, config_to_toml, load_config, override_value
 from .._launch import ManagedProcess
+from .._signals import DUPLICATE_SIGNAL_S
 from ..identity import Identity
 
 log = structlog.get_logger()
@@ -32,7 +33,6 @@ CONFIG_ENV = "GEOTRAIN_CONFIG"  # the node config of a peer `geotrain local` sta
 INDEX_ENV = "GEOTRAIN_LOCAL_INDEX"  # which peer this process is (0 .. N-1), as LOCAL_RANK
 PEERS_ENV = "GEOTRAIN_LOCAL_PEERS"  # how many there are, as LOCAL_WORLD_SIZE
 POLL_S = 0.1
-DUPLICATE_SIGNAL_S = 0.5  # a second signal this soon is the first delivered twice (timeout(1))
 
 
 def launched_config() -> Path | None:
