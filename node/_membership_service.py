@@ -95,12 +95,16 @@ class MembershipService:
         links: LinkTable,
         selector: PartnerSelector,
         rng: random.Random,
+        incarnation: int | None = None,
     ) -> None:
         self.config = MembershipConfig(
             probe_interval_s=probe_interval_s, probe_timeout_s=0.4 * probe_interval_s
         )
+        # a restart announces a higher incarnation than its last life's: the wall clock's
+        # seconds (a virtual run passes its own, so that its runs repeat bit for bit)
         self.membership = Membership(
-            peer_id, address, self.config, rng, incarnation=int(time.time())
+            peer_id, address, self.config, rng,
+            incarnation=int(time.time()) if incarnation is None else incarnation,
         )
         # this process's own mark, in our refusal of a message signed with our identity: a
         # refusal that carries it came from this very node (a bootstrap address that reaches us

@@ -88,7 +88,7 @@ class FaultRunner:
     def _apply(self, fault: Fault, peers: Peers) -> str | None:
         """Do it; return None, or why it was skipped."""
         if fault.action in ("kill", "restart"):
-            if self.system in ("ddp", "localsgd"):
+            if self.system in ("ddp", "localsgd", "ideal"):
                 return "a DDP job cannot lose or regain a rank"
             proc = peers.procs[fault.peer]  # type: ignore[index]
             if fault.action == "kill":

@@ -351,6 +351,7 @@ class _Peer:
             cfg, self.peer_id, peer_address(index), self.transport, self.trainer,
             swarm.nursery.start_soon, rng=random.Random(f"{swarm.virtual.seed}/rng/{index}"),
             step_interval_s=self._step_interval, clock=trio.current_time,
+            incarnation=1 + incarnation,
         )  # fmt: skip
         self.scope = trio.CancelScope()
         self.metric: float | None = None
@@ -367,7 +368,7 @@ class _Peer:
         return (ends[-1] - ends[0]) / (len(ends) - 1) if len(ends) >= 2 else None
 
     def kill(self) -> None:
-        self.swarm.net.detach(self.index)
+        self.swarm.net.detach(self.index, self._handle)
         self.scope.cancel()
 
     def _restore(self, snapshot: dict[str, Any]) -> None:
@@ -393,8 +394,11 @@ class _Peer:
                 await self.parts.membership.wait_for_peers(
                     want, self.config.training.wait_for_peers_s, swarm.stop)
                 nursery.start_soon(self._report)
-                await self._train()
-                nursery.cancel_scope.cancel()
+                try:
+                    await self._train()
+                finally:  # (its process ends: nobody answers at its address any more)
+                    self.swarm.net.detach(self.index, self._handle)
+                    nursery.cancel_scope.cancel()
 
     async def _train(self) -> None:
         swarm, tr = self.swarm, self.trainer

@@ -190,9 +190,13 @@ class VirtualNetwork:
         self.counters.setdefault(index, _Counters())
         return VirtualTransport(self, index, peer_id)
 
-    def detach(self, index: int) -> None:
-        """Peer `index` is gone (killed): requests to it fail as to a machine that is off."""
-        self._handlers.pop(index, None)
+    def detach(self, index: int, handler: Handler) -> None:
+        """Peer `index` is gone (killed, or its process ended): requests to it fail as to a
+        machine that is off. Nothing happens when another `handler` answers there by now (a
+        restart)."""
+        entry = self._handlers.get(index)
+        if entry is not None and entry[1] == handler:
+            del self._handlers[index]
 
     def set_matrix(self, matrix: LinkMatrix) -> None:
         """The links change (a fault: partition, degrade, heal) from now on."""
@@ -296,8 +300,14 @@ class VirtualTransport:
         net.counters[src].count(peer_id, 0, size)
         net.counters[dst].count(self.peer_id, size, 0)
 
+        mine = net.handler_at(self.address)
+
+        def gone(at: str, was) -> bool:  # (killed, or restarted: the connection died with it)
+            now = net.handler_at(at)
+            return now is None or was is None or now[2] is not was[2]
+
         async def serve() -> None:
-            if not await net.carry(src, dst, size) or net.handler_at(address) is None:
+            if not await net.carry(src, dst, size) or gone(address, target):
                 return
             net.counters[dst].requests_served += 1
             answer, answer_payload = await handler(me, net.codec.decode(wire), memoryview(data))
@@ -305,7 +315,7 @@ class VirtualTransport:
             back = frame_length(len(reply_wire), len(reply_data)) + NNG_FRAMING
             net.counters[dst].count(self.peer_id, 0, back)
             net.counters[src].count(peer_id, back, 0)
-            if not await net.carry(dst, src, back) or net.handler_at(self.address) is None:
+            if not await net.carry(dst, src, back) or gone(self.address, mine):
                 return
             reply.append((net.codec.decode(reply_wire), reply_data))
             done.set()

@@ -58,6 +58,7 @@ def peer_parts(
     rng: random.Random,
     step_interval_s: Callable[[], float | None],
     clock: Callable[[], float],
+    incarnation: int | None = None,
 ) -> PeerParts:
     """Membership and algorithm of one peer, wired as the daemon wires them.
 
@@ -69,14 +70,16 @@ def peer_parts(
         trainer: its model.
         start_soon: where background exchanges start.
         rng: its seeded Random; step_interval_s: seconds between its steps lately (the codec
-            choice reads it); clock: what times tensor work (a virtual run's stands still).
+            choice reads it); clock: what times tensor work (a virtual run's stands still);
+            incarnation: what its membership announces (None: the wall clock's seconds; a
+            restart must announce more than its last life did).
     """
     links = LinkTable()
     selector = PartnerSelector(config.gossip.policy, peer_id, rng=rng)
     announced = address if config.network.reachable else client_address(peer_id)
     membership = MembershipService(
         peer_id, announced, list(config.network.bootstrap), config.gossip.probe_interval_s,
-        transport, links, selector, rng,
+        transport, links, selector, rng, incarnation,
     )  # fmt: skip
     params = trainer.params()
     shapes = [(n, tuple(p.shape)) for n, p in params.items()]
