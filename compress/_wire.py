@@ -129,7 +129,7 @@ class Reader:
 
 
 _STRUCTS: dict[str, struct.Struct] = {}  # compiled formats (a model of many small tensors reads
-# a few per tensor: building them afresh was a visible share of decoding it)
+# a few per tensor: building them afresh is a visible share of decoding it)
 
 
 def read_header(reader: Reader, max_numel: int, codec_ids: set[int] | frozenset[int]) -> Header:

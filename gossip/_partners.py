@@ -242,8 +242,8 @@ class PartnerSelector:
                 fallback = peer
         # everyone tried is pausing: a busy or much-chosen one will do at once, one that failed
         # only once its last failure is busy_cooldown_s old (taken at once, a node whose only
-        # peer was gone retried it at every step; held to its whole pause, up to 16 times that,
-        # a node whose only peer came back waited minutes)
+        # peer is gone would retry it at every step; held to its whole pause, up to 16 times
+        # that, a node whose only peer came back would wait minutes)
         return fallback
 
     def _may_retry(self, peer: str, now: float) -> bool:

@@ -135,7 +135,7 @@ class Checkpointer:
             # a diverged model (NaN or inf in its parameters or any optimizer or algorithm
             # state) would rotate the last good files out. Buffers are not checked: an
             # attention mask holds -inf by design (charlm's `causal`), and a healthy model
-            # with one was refused every checkpoint
+            # with one would be refused every checkpoint
             params = {f"model/{name}" for name, _ in self._trainer.model.named_parameters()}
             bad = [name for name, t in tensors.items()
                    if (name in params or not name.startswith("model/")) and not all_finite(t)]
@@ -178,7 +178,7 @@ class Checkpointer:
         self._written_step = step
         self.written_at = now = time.monotonic()
         # every write at debug, the final one and one every SAY_WRITTEN_EVERY_S at info: a fast
-        # task's checkpoint every 200 steps was 98% of a node's log lines
+        # task's checkpoint every 200 steps would otherwise be most of a node's log lines
         loud = final or self._said_at is None or now - self._said_at >= SAY_WRITTEN_EVERY_S
         if loud:
             self._said_at = now

@@ -26,7 +26,7 @@ GOSSIP_PRESETS: dict[str, dict[str, Any]] = {
     # the fewest bytes measured to a given quality on WAN links (BENCHMARKS.md, "Presets"):
     # local SGD with long rounds; each round's update sparsified to its largest 1% (int8 values,
     # error feedback keeps the rest for later rounds) and sent to one partner; failure detection
-    # every 5 s instead of 2 (its pings were a visible share of the bytes at these volumes)
+    # every 5 s instead of 2 (its pings are a visible share of the bytes at these volumes)
     "frugal": {
         "algorithm": "diloco",
         "codec": "topk:0.01+int8",
@@ -146,7 +146,7 @@ class IdentityConfig:
         )
         from .identity import public_key_from_peer_id  # noqa: PLC0415 (identity imports config)
 
-        for peer in self.allow:  # a typo'd ID was accepted: that peer was refused, unexplained
+        for peer in self.allow:  # (a typo'd ID taken would refuse that peer, unexplained)
             try:
                 public_key_from_peer_id(peer)
             except ValueError:

@@ -62,8 +62,8 @@ NOT_DIALLED_AFTER_S = 15.0
 LEAVE_FLOOR_S = 1.0  # a leave gets at least this long to be delivered
 NOT_DIALLED_PROBE_PERIODS = 5
 # A bootstrap peer that does not answer is warned about once it has not for this long (at once
-# when it answered and refused us): swarms start in any order, and a peer not up yet was warned
-# about as if its address were wrong
+# when it answered and refused us): swarms start in any order, and a peer not up yet is not
+# to be warned about as if its address were wrong
 BOOTSTRAP_PATIENCE_S = 10.0
 PROBE_BYTES = 256 * 1024  # above the link table's smallest goodput sample, small on any link
 log = structlog.get_logger()

@@ -633,7 +633,7 @@ class Diloco(Algorithm):
         started = ctx.now()
         round_ = self.round + 1
         # a client-mode peer offers, is not offered to; one that failed lately sits out some
-        # rounds (a crashed peer drew a fanout-1 round in two of three, seen)
+        # rounds (else a crashed peer would keep drawing rounds it cannot answer)
         dialable = sorted(ctx.peers.dialable_peers())
         live = self.sit_outs.available(dialable, round_)
         partners = sorted(ctx.rng.sample(live, min(len(live), ctx.settings.fanout)))

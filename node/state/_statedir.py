@@ -18,8 +18,8 @@ LOCK_TRIES = 10  # 0.5 s in all
 
 # The lock files this process holds. A forked child (a DataLoader worker, a user's subprocess
 # started by fork) closes its copies at once: a flock belongs to the open file, so a child still
-# running with a copy kept the directory locked after the node had closed (its next join on the
-# same directory was refused as "in use").
+# running with a copy would keep the directory locked after the node closed (its next join on
+# the same directory refused as "in use").
 _HELD: weakref.WeakSet[BinaryIO] = weakref.WeakSet()
 
 
