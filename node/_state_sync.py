@@ -127,7 +127,7 @@ class StateSync:
         # gossip.robust set (peers may be malicious): no optimizer state or buffers are taken
         # from a donor.
         # (Its model is taken with the finite-value checks only: a norm check against our own
-        # freshly made model refused honest donors whose norm had grown 12x in 5 steps.)
+        # freshly made model would refuse honest donors, whose norm grows fast early on.)
         self._untrusted = untrusted
         self._algorithm = algorithm
         self._name = algorithm_name

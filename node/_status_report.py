@@ -195,7 +195,7 @@ class StatusReporter:
         async with self._lock:
             try:
                 await trio.to_thread.run_sync(write)
-            except OSError as exc:  # a full disk: the node goes on (it stopped it, mid-run)
+            except OSError as exc:  # a full disk: the node goes on (training is not stopped)
                 self.write_failures += 1
                 if self.write_failures % 600 == 1:  # the first, then about every 10 minutes
                     log.error("status_not_written", error=str(exc), failures=self.write_failures,
