@@ -23,7 +23,7 @@ PARTITIONS = ("iid", "dirichlet")
 # [gossip] preset = NAME: named settings under the [gossip] table (what the table itself sets
 # wins, key by key, [gossip.<algorithm>] tables included)
 GOSSIP_PRESETS: dict[str, dict[str, Any]] = {
-    # the fewest bytes measured to a given quality on WAN links (BENCHMARKS.md, "Presets"):
+    # the fewest bytes measured to a given quality on WAN links (docs/benchmarks.md):
     # local SGD with long rounds; each round's update sparsified to its largest 1% (int8 values,
     # error feedback keeps the rest for later rounds) and sent to one partner; failure detection
     # every 5 s instead of 2 (its pings are a visible share of the bytes at these volumes)

@@ -6,7 +6,7 @@
 runtimes, tensor work inline; testbed/_byzantine.py), so the figures do not depend on the load of
 the machine; runs with the same arguments still differ (trio orders simultaneous tasks
 differently each run): a lot under an attack without robust mixing, about 0.01 with it. Prints
-markdown tables for BENCHMARKS.md:
+markdown tables for docs/benchmarks.md:
 - attacks: 2 of 8 peers attack (each kind), adpsgd, robust mixing off and on: the honest peers'
   worst final accuracy and its ratio to the worst with no attack (`--alpha A`, here and in trim:
   on label-skewed Dirichlet(A) shards instead of IID ones);

@@ -1,6 +1,7 @@
-"""The README's "Run a swarm on your machines", run as written: three machines, each a network
-namespace with its own address on one bridge (not the testbed's launcher), the operator's
-commands beside them; only PEER_ID_n is pasted in from what machine n's `node init` printed."""
+"""The tutorial "A swarm of three machines" (docs/tutorials/swarm.md), run as written: three
+machines, each a network namespace with its own address on one bridge (not the testbed's
+launcher), the operator's commands beside them; only PEER_ID_n is pasted in from what machine
+n's `node init` printed."""
 
 from __future__ import annotations
 
@@ -23,12 +24,12 @@ pytestmark = [
     pytest.mark.skipif(os.geteuid() != 0, reason="the machines are network namespaces: root"),
 ]
 
-README = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+TUTORIAL = (Path(__file__).resolve().parent.parent / "docs" / "tutorials" / "swarm.md").read_text()
 
 
 def readme_steps() -> list[tuple[int | None, str]]:
-    """(machine number or None for the operator, command) in the README's order."""
-    section = README[README.index("### Run a swarm on your machines") :]
+    """(machine number or None for the operator, command) in the tutorial's order."""
+    section = TUTORIAL
     block = re.search(r"```bash\n(.*?)```", section, re.S).group(1)
     steps, machine = [], None
     for line in block.splitlines():
@@ -43,7 +44,7 @@ def readme_steps() -> list[tuple[int | None, str]]:
 
 def readme_renewal() -> str:
     """The section's certificate renewal command (the bash block with --renew)."""
-    section = README[README.index("### Run a swarm on your machines") :]
+    section = TUTORIAL
     blocks = re.findall(r"```bash\n(.*?)```", section, re.S)
     (renewal,) = [b.strip() for b in blocks if "--renew" in b]
     return renewal
@@ -87,7 +88,7 @@ def test_the_readme_deployment_runs_as_written(tmp_path):
                         re.search(r"^node\s+(gt\w+)", done.stdout, re.M)[1][:12]}
                     rows = [line for line in done.stdout.splitlines() if line[:12] in others]
                     assert len(rows) == 2 and all(" alive " in r for r in rows), done.stdout
-            # the operator renews machine 1's certificate as the README says: its node reloads it
+            # the operator renews machine 1's certificate as the tutorial says: its node reloads it
             renewal = re.sub(r"PEER_ID_(\d)", lambda m: peer_ids[int(m.group(1))], readme_renewal())
             done = run(None, renewal)
             assert done.returncode == 0, (renewal, done.stdout, done.stderr)

@@ -15,7 +15,7 @@ def _params(model: torch.nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-# the ranges the README and BENCHMARKS.md state for each named size
+# the ranges the docs (reference/tasks.md) state for each named size
 RANGES = {"1m": (0.8e6, 1.25e6), "5m": (4e6, 6e6), "10m": (8e6, 12.5e6), "25m": (20e6, 30e6)}
 
 

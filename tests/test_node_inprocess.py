@@ -395,7 +395,7 @@ async def test_a_table_of_another_algorithm_is_said_to_do_nothing(tmp_path):
 async def test_a_codec_that_drops_values_for_whole_models_is_said(tmp_path, algorithm, codec,
                                                                   said):  # fmt: skip
     """adpsgd, dpsgd and selsync average whole models: sign, and less so top-k and random-k
-    (which average only what they carry), cost accuracy there (BENCHMARKS)."""
+    (which average only what they carry), cost accuracy there (docs/benchmarks.md)."""
     logs = await _logs_of_a_short_run(
         config(tmp_path, "w", f'gossip.algorithm="{algorithm}"', f'gossip.codec="{codec}"',
                "training.max_steps=2"))  # fmt: skip

@@ -1,4 +1,5 @@
-"""The README stays true: its task example works, its commands exist."""
+"""The README and the docs stay true: the task example works, the README's commands exist, its
+own-loop example runs, the scenario example is a valid scenario."""
 
 from __future__ import annotations
 
@@ -10,12 +11,14 @@ from geotrain.node.cli._main import build_parser
 from geotrain.node.training._tasks import TaskContext, resolve_task
 from geotrain.node.training._trainer import Trainer
 
-README = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+ROOT = Path(__file__).resolve().parent.parent
+README = (ROOT / "README.md").read_text()
+OWN_TASK = (ROOT / "docs" / "how-to" / "own-task.md").read_text()
+SCENARIOS = (ROOT / "docs" / "how-to" / "testbed-scenarios.md").read_text()
 
 
 def test_the_custom_task_example_trains(tmp_path, monkeypatch):
-    section = README[README.index("### Your own task") :]
-    code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    code = re.search(r"```python\n(.*?)```", OWN_TASK, re.S).group(1)
     package = tmp_path / "my_package"
     package.mkdir()
     (package / "__init__.py").write_text("")
@@ -42,7 +45,7 @@ def test_the_own_training_script_example_runs(tmp_path, monkeypatch):
 
     from geotrain.node import Identity
 
-    section = README[README.index("### Use it from your own training script") :]
+    section = README[README.index("## Your own training loop") :]
     code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
     Identity.generate().save(tmp_path / "me.key")
     (tmp_path / "node.toml").write_text(
@@ -68,9 +71,9 @@ def test_the_scenario_file_example_is_a_valid_scenario():
 
     from geotrain.testbed._scenario import scenario_from_dict
 
-    section = README[README.index("A scenario of your own") :]
+    section = SCENARIOS[SCENARIOS.index("## A scenario file") :]
     text = re.search(r"```toml\n(.*?)```", section, re.S).group(1)
-    scenario = scenario_from_dict(tomllib.loads(re.sub(r"(?m)^  ", "", text)))
+    scenario = scenario_from_dict(tomllib.loads(text))
     assert scenario.peer_regions == ("us", "us", "us", "eu", "eu")
     assert scenario.slowdown(4) == 3.0 and [f.action for f in scenario.faults] == [
         "kill", "restart", "degrade", "partition", "heal"]  # fmt: skip

@@ -201,9 +201,8 @@ def test_sigterm_mid_run_stops_cleanly_and_leaves_nothing(tmp_path: Path):
 
 
 def _readme_task_example() -> str:
-    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
-    section = readme[readme.index("### Your own task") :]
-    return section.split("```python\n", 1)[1].split("```", 1)[0]
+    page = Path(__file__).resolve().parent.parent / "docs" / "how-to" / "own-task.md"
+    return page.read_text().split("```python\n", 1)[1].split("```", 1)[0]
 
 
 @pytest.mark.slow

@@ -198,7 +198,7 @@ def test_hivemind_workers_train_behind_the_emulator_and_a_killed_one_rejoins(tmp
     # (hivemind resets its accumulators before the round), and small epochs (640 samples) made
     # every fast local step an epoch that waited for the last averaging round (the tracker's
     # ETA is 0 s at digits' speed): neither can promise 0.85 within a minute on a loaded 2-core
-    # box (CI failed with both). Their settings are tested above, figures in BENCHMARKS.md.
+    # box (CI failed with both). Their settings are tested above, figures in docs/benchmarks.md.
     if os.geteuid() != 0 or choose_backend("auto").backend == "none":
         pytest.skip("the testbed needs root and a link emulator")
     if missing_requirement("hivemind"):

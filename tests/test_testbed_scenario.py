@@ -580,7 +580,7 @@ def test_a_baselines_end_is_recorded_as_it_was(tmp_path: Path, monkeypatch, code
     ids=lambda p: p.name,
 )
 def test_every_shipped_scenario_file_loads_and_its_task_takes_its_params(path: Path):
-    # BENCHMARKS.md's commands name these files: a typo'd param or field would fail only when
+    # docs/benchmarks.md's commands name these files: a typo'd param or field would fail only when
     # a reader ran one
     from geotrain.testbed._cli import _task_target
 

@@ -33,7 +33,7 @@ class GPTSize:
 
 
 # Named sizes (`training.params.size`), parameters at context 128 (measured: tests/test_gpt.py and
-# BENCHMARKS.md). 1m's rate was measured (BENCHMARKS.md: 2e-3 as good as 3e-3 at batch 16 after
+# docs/benchmarks.md). 1m's rate was measured (2e-3 as good as 3e-3 at batch 16 after
 # 150 steps and without 3e-3's loss spike at batch 64, DDP's batch with 4 peers; 6e-3 and 1e-2
 # worse); the larger sizes' shrink with width, as is usual, unmeasured.
 SIZES: dict[str, GPTSize] = {
@@ -252,7 +252,7 @@ def gpt(ctx: TaskContext) -> Task:
         evaluate=lambda m: bits_per_byte(m, eval_seqs),
         metric="bits_per_byte",
         higher_is_better=False,
-        # measured with 1m (BENCHMARKS.md): one model alone is at ~4.1 after 100 steps and ~3.4
+        # measured with 1m (docs/benchmarks.md): one model alone is at ~4.1 after 100 steps and ~3.4
         # after 300; 4 geotrain peers on 2 shared cores (~0.7 steps/s each) were at 4.14 after
         # 94 s, so 4.0 is a couple of minutes' work for a few peers here
         default_target=4.0,

@@ -6,7 +6,7 @@ For each size: the parameter count, steps/s of the daemon's Trainer (the task's 
 warmup + cosine, clipping) after two warm-up steps, and the seconds one evaluation of the held-out
 slice takes (in steps, the evaluation's share of the default eval_every = 50 follows). With
 --curve N, the 1m model is also trained N steps alone and its bits per byte printed every N/10.
-One process, one torch thread unless told: figures for BENCHMARKS.md, on the machine they name.
+One process, one torch thread unless told: figures for docs/benchmarks.md, on the machine they name.
 """
 
 from __future__ import annotations
