@@ -269,31 +269,28 @@ async def test_an_optimizer_state_that_does_not_fit_leaves_a_fresh_optimizer(
         assert all(bool(torch.isfinite(v).all()) for v in optimizer_state(joiner).values())
 
 
-async def library_joiner_synced_from(server: Trainer) -> tuple[torch.nn.Module, LoopTrainer]:
-    """A library node's trainer (geotrain.join, not wrapped yet) that state-synced from
-    `server`, and its model."""
+async def library_joiner_synced_from(server: Trainer, make=None
+                                     ) -> tuple[torch.nn.Module, LoopTrainer]:  # fmt: skip
+    """A library node's trainer (geotrain.join) that state-synced from `server`, and its model;
+    with `make`, it then wrapped the optimizer and scheduler `make(model)` returns (scheduler
+    None for none) while the server was there: the peer's optimizer state is fetched at wrap,
+    once its class is known."""
     model = resolve_task("synthetic-linreg")(TaskContext(shard_index=1, num_shards=2)).model
     joiner = LoopTrainer(model)
     async with open_memory_network() as net:
         sync(server, net, "server", ["joiner"])
         s, _ = sync(joiner, net, "joiner", ["server"])
         assert await s.fetch(trio.Event())
+        if make is not None:
+            optimizer, scheduler = make(model)
+            await trio.to_thread.run_sync(joiner.attach, optimizer, scheduler)  # (the user's wrap)
     return model, joiner
 
 
 async def library_joiner_wrapped(server: Trainer, make) -> tuple[LoopTrainer, Any, Any]:
-    """A library node's trainer that state-synced from `server`, then wrapped the optimizer
-    and scheduler `make(model)` returns (scheduler None for none): the peer's optimizer state
-    is fetched at wrap, once its class is known. Returns the trainer, optimizer, scheduler."""
-    model = resolve_task("synthetic-linreg")(TaskContext(shard_index=1, num_shards=2)).model
-    joiner = LoopTrainer(model)
-    async with open_memory_network() as net:
-        sync(server, net, "server", ["joiner"])
-        s, _ = sync(joiner, net, "joiner", ["server"])
-        assert await s.fetch(trio.Event())
-        optimizer, scheduler = make(model)
-        await trio.to_thread.run_sync(joiner.attach, optimizer, scheduler)  # (the user's wrap)
-    return joiner, optimizer, scheduler
+    """library_joiner_synced_from with `make`: the trainer, its optimizer and scheduler."""
+    _, joiner = await library_joiner_synced_from(server, make)
+    return joiner, joiner.optimizer, joiner.scheduler
 
 
 @pytest.mark.parametrize("wrapped", ["SGD", "Adam"])
