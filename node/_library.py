@@ -377,11 +377,12 @@ def join(
         ready_timeout_s: give up waiting for the node after this long (None: wait).
 
     Raises:
-        ConfigError: a bad config or identity files (before anything starts), or a model that
-            does not fit limits.memory_gb. ResumeError: the state directory holds another
-            algorithm's checkpoint. TimeoutError: not ready in `ready_timeout_s`. ValueError: a
-            model without parameters, or with every one frozen (requires_grad False), or one
-            an open swarm of this process trains already.
+        ConfigError: a bad config, setting or identity files (before anything starts), or a
+            model that does not fit limits.memory_gb. ModelMismatch (a ConfigError): the
+            swarm's peers refuse this model as another one. ResumeError: the state directory
+            holds another algorithm's checkpoint. TimeoutError: not ready in `ready_timeout_s`.
+            ValueError: a model without parameters, or with every one frozen (requires_grad
+            False), or one an open swarm of this process trains already.
     """
     if isinstance(config, torch.nn.Module) and model is None:  # join(model)
         config, model = None, config
