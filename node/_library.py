@@ -117,7 +117,23 @@ class Swarm:
         self.node.measure_optimizer(optimizer)
         if self._raw_hook is None:
             self._raw_hook = _step_hook(optimizer, self._raw_step)
+        self._check_unstepped(optimizer)
         return SwarmOptimizer(self, optimizer, scheduler)
+
+    def _check_unstepped(self, optimizer: torch.optim.Optimizer) -> None:
+        """Parameters that were trainable at join (so exchanged at every exchange) but that the
+        wrapped optimizer does not step: a base the user meant to freeze travels whole."""
+        stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        idle = [(n, p) for n, p in self._loop.model.named_parameters()  # (frozen since join:
+                if n in self._loop.params() and p.requires_grad  # frozen_after_join says it)
+                and id(p) not in stepped]  # fmt: skip
+        if idle:
+            values = sum(p.numel() for _, p in idle)
+            self.misuse("unstepped", f"{len(idle)} parameter(s) ({values:,} values, e.g. "
+                        f"{idle[0][0]!r}) trainable at join are not in the wrapped optimizer: "
+                        "they are exchanged and averaged all the same, and never trained. "
+                        "Freeze what does not train before geotrain.join "
+                        "(module.requires_grad_(False)), or give it to the optimizer")  # fmt: skip
 
     def _raw_step(self, *_: Any) -> None:
         """The wrapped optimizer's step hook: a step not taken through what wrap returned."""

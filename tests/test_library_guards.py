@@ -155,3 +155,17 @@ def test_an_opacus_optimizer_is_wrapped_and_its_raw_step_is_said_too(tmp_path):
         with pytest.warns(geotrain.MisuseWarning, match="stepped directly"):
             step(dp, private, 4)
         assert swarm.step == 1
+
+
+def test_an_optimizer_that_leaves_out_trainable_parameters_is_said_at_wrap(tmp_path):
+    base, head = nn.Linear(4, 8), nn.Linear(8, 1)  # the base was meant to be frozen
+    m = nn.Sequential(base, head)
+    with joined(tmp_path, "a", m) as swarm:
+        with pytest.warns(geotrain.MisuseWarning, match=r"2 parameter\(s\) \(40 values, e.g. "
+                          r"'0.weight'\).*requires_grad_\(False\)") as said:
+            swarm.wrap(torch.optim.AdamW(head.parameters()))
+        assert said[0].filename == __file__
+    base.requires_grad_(False)  # frozen before join: nothing to say
+    with joined(tmp_path, "b", m) as swarm, warnings.catch_warnings():
+        warnings.simplefilter("error", geotrain.MisuseWarning)
+        swarm.wrap(torch.optim.AdamW(head.parameters()))
