@@ -54,7 +54,7 @@ _LAZY = {
     "LoopClosed": ".training",
     "MisuseWarning": "._library",
     "ModelMismatch": "._state_sync",
-    "open_node": "._node",
+    "open_node": "._open_node",
     "ResumeError": "._checkpointer",
     "MemoryBudgetError": "._memory",
     "Task": ".training",

@@ -103,6 +103,13 @@ class Checkpointer:
             except (ValueError, KeyError, TypeError) as exc:
                 log.warning("link_state_ignored", reason=str(exc))
         self._written_step = ckpt.step
+        if isinstance(self._trainer, Trainer):
+            log.info("resumed", step=ckpt.step)
+        else:  # (a loop that keeps checkpoints of its own loses newer work unawares)
+            log.info("resumed", step=ckpt.step, state_dir=str(self._store.directory.parent),
+                     detail="the model given to join is now this checkpoint's, and so will the "
+                     "optimizer's and scheduler's state be at wrap: a loop with a step counter "
+                     "or checkpoints of its own goes on from swarm.step")  # fmt: skip
 
     async def write(self, *, final: bool = False) -> None:
         """Write a checkpoint unless one of this step exists already: between two iterations of

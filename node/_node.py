@@ -14,8 +14,7 @@ import math
 import random
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Callable
-from contextlib import asynccontextmanager
+from collections.abc import Callable
 from pathlib import Path
 
 import structlog
@@ -28,7 +27,6 @@ from ._allocator import tune_allocator
 from ._certificate_watch import CertificateWatch
 from ._checkpointer import Checkpointer
 from ._config import ConfigError, NodeConfig
-from ._credentials import load_identity
 from ._driver import LoopDriver, TrainingDriver
 from ._limits import raise_open_files_limit
 from ._membership_service import MembershipService
@@ -39,7 +37,6 @@ from ._peer_choice import PeerChoice, model_dtype
 from ._privacy_ledger import PrivacyLedger
 from ._protocol import node_header_codec
 from ._router import Router
-from ._signals import stop_on_ctrl_c
 from ._startup import bootstrap_peers, check_certificate, config_warnings, state_dir_moved
 from ._state_hold import StateDirHold
 from ._state_sync import ModelMismatch, StateSync
@@ -48,7 +45,7 @@ from ._training_setup import Prepared, build_training, say_estimate
 from .algorithms import Algorithm, AlgorithmContext, get_algorithm
 from .identity import Admission, Identity
 from .state import NodeStatus, StateDir
-from .training import Diverged, LoopTrainer, Trainer
+from .training import Diverged, LoopTrainer
 from .transport import ListenError, Transport, TransportConfig, open_transport
 
 STOP_GRACE_S = 5.0
@@ -274,8 +271,7 @@ class Node:
             checkpointer = Checkpointer(self._prepared.store, cfg.gossip.algorithm,
                                         cfg.training.task, trainer, algorithm, self.links)
             if ckpt is not None:
-                checkpointer.restore(ckpt)
-                self._say_resumed(ckpt.step, own_loop=not isinstance(trainer, Trainer))
+                checkpointer.restore(ckpt)  # (logged: resumed)
             await self._ledger.resume(trainer)
             state_sync = StateSync(
                 trainer, algorithm, cfg.gossip.algorithm, transport, membership, self.links,
@@ -334,16 +330,6 @@ class Node:
             raise diverged
         if self._mismatch is not None:
             raise self._mismatch
-
-    def _say_resumed(self, step: int, *, own_loop: bool) -> None:
-        if not own_loop:
-            log.info("resumed", step=step)
-            return
-        # (a loop that keeps checkpoints of its own loses newer work unawares)
-        log.info("resumed", step=step, state_dir=str(self.config.state.dir),
-                 detail="the model given to join is now this checkpoint's, and so will the "
-                 "optimizer's and scheduler's state be at wrap: a loop with a step counter or "
-                 "checkpoints of its own goes on from swarm.step")  # fmt: skip
 
     def _make_reporter(self, transport: Transport, algorithm: Algorithm,
                        state_sync: StateSync) -> StatusReporter:  # fmt: skip
@@ -436,58 +422,3 @@ class Node:
         ckpt = self._prepared.checkpoint
         return ((ckpt is None or ckpt.step == 0) and self.config.gossip.state_sync
                 and bool(self.membership.bootstrap))  # fmt: skip
-
-
-@asynccontextmanager
-async def open_node(
-    config: NodeConfig, *, identity: Identity | None = None, admission: Admission | None = None
-) -> AsyncIterator[Node]:
-    """Run a node inside the caller's trio program; yields it once it listens.
-
-    Training runs in the background; leaving the block asks the node to stop and waits for its
-    clean shutdown (exchange finished or abandoned, checkpoint written, swarm told). Ctrl-C
-    stops it the same way, then raises KeyboardInterrupt (see stop_on_ctrl_c).
-
-    Args:
-        config: the node's configuration.
-        identity, admission: given directly, or (both None) loaded from `config.identity`.
-
-    Raises:
-        ConfigError: the identity files are wrong; MemoryBudgetError (a ConfigError): the config
-            does not fit limits.memory_gb. ResumeError: the state directory holds another
-            algorithm's checkpoint. ValueError: the task cannot be built.
-    """
-    if identity is None or admission is None:
-        identity, admission = load_identity(config)
-    node = Node(config, identity, admission)
-    await node.prepare()
-    interrupted, diverged = trio.Event(), []
-    async with trio.open_nursery() as nursery:
-
-        async def run(task_status=trio.TASK_STATUS_IGNORED) -> None:
-            try:
-                await node.run(task_status=task_status)
-            except* Diverged as group:  # raised after the block, not in an exception group
-                diverged.extend(leaf_errors(group))
-                nursery.cancel_scope.cancel()  # the block ends with the node
-
-        await nursery.start(run)
-        watching = trio.CancelScope()
-        nursery.start_soon(stop_on_ctrl_c, node, watching, interrupted, nursery.cancel_scope)
-        try:
-            yield node
-        finally:
-            watching.cancel()
-            node.request_stop()
-    if diverged:
-        raise diverged[0]
-    if interrupted.is_set():  # (raised here, outside the nursery: a plain KeyboardInterrupt)
-        raise KeyboardInterrupt
-
-
-def leaf_errors(group: BaseExceptionGroup) -> list[BaseException]:
-    """The errors inside trio's (nested) exception groups, in order."""
-    out: list[BaseException] = []
-    for exc in group.exceptions:
-        out += leaf_errors(exc) if isinstance(exc, BaseExceptionGroup) else [exc]
-    return out

@@ -393,7 +393,7 @@ def test_a_budget_spent_without_the_flag_is_found_spent_at_restart():
 async def test_a_node_refuses_to_spread_a_spent_budget_over_far_more_steps(tmp_path, capsys):
     import re
 
-    from geotrain.node._node import leaf_errors
+    from geotrain.node._open_node import leaf_errors
 
     toml = ('[identity]\nopen_swarm = true\n[training]\ntask = "digits-mlp"\nmax_steps = 30\n'
             "num_shards = 8\n[privacy]\nepsilon = 3.0\n[state]\nstatus_every_s = 0.1\n")

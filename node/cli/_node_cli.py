@@ -51,7 +51,7 @@ async def _run(node: Node, signals: tuple[int, ...] = (signal.SIGINT, signal.SIG
 
 def node_run(args: argparse.Namespace) -> int:
     from .._checkpointer import ResumeError
-    from .._node import leaf_errors
+    from .._open_node import leaf_errors
     from .._signals import ignore_signals, restore_signals, stop_signals, terminals
     from ..training import Diverged
 
