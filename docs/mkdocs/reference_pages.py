@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import re
 import sys
 import typing
@@ -33,7 +34,33 @@ def on_config(config):
     # the package; without it the package is found where it is installed (an editable install
     # maps `geotrain` to the repository root).
     sys.path[:] = [p for p in sys.path if not (Path(p or ".") / "geotrain").is_file()]
+    _prune_unimportable_folders()
     return config
+
+
+def _prune_unimportable_folders() -> None:
+    """griffe walks every folder below a package for modules; the package here is the repository
+    root, where a local .venv holds thousands of files none of which can be geotrain's. Folders
+    whose names are not identifiers (.venv, .git, *.egg-info) cannot hold a submodule, so the
+    walk skips them. A speed-up only: if griffe's internals change, the build is slower, not
+    different."""
+    try:
+        from griffe._internal.finder import ModuleFinder
+    except ImportError:
+        return
+    walk = getattr(ModuleFinder, "_filter_py_modules", None)
+    if walk is None or getattr(walk, "pruned", False):
+        return
+
+    def pruned(self, path: Path):
+        for root, dirs, files in os.walk(path, topdown=True, followlinks=True):
+            dirs[:] = [d for d in dirs if d.isidentifier() and d != "__pycache__"]
+            for name in files:
+                if os.path.splitext(name)[1] in self.extensions_set:  # noqa: PTH122
+                    yield Path(root, name)
+
+    pruned.pruned = True
+    ModuleFinder._filter_py_modules = pruned
 
 
 def on_files(files, config):
