@@ -4,6 +4,13 @@ from __future__ import annotations
 
 import pytest
 import structlog
+import torch
+
+# One torch thread in the test process: its models are small, and with two threads each tiny op
+# waits on the other thread while the nodes the tests start take the cores (1,000 digits-mlp
+# steps took 107 s with two threads on a busy 2-core box, 3.4 s with one). A test that needs
+# more sets them itself (in-process nodes set their training.threads).
+torch.set_num_threads(1)
 
 
 @pytest.fixture(autouse=True)

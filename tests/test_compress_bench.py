@@ -9,8 +9,12 @@ from geotrain.compress import bench
 
 def test_bench_json_has_every_codec_and_the_baselines(capsys):
     threads = torch.get_num_threads()
-    assert bench.main(["--json", "--sizes", "20000", "--repeat", "1", "--threads", "1"]) == 0
-    assert torch.get_num_threads() == threads  # the process setting is restored
+    torch.set_num_threads(2)  # (conftest sets 1: the bench's 1 would restore nothing visible)
+    try:
+        assert bench.main(["--json", "--sizes", "20000", "--repeat", "1", "--threads", "1"]) == 0
+        assert torch.get_num_threads() == 2  # the process setting is restored
+    finally:
+        torch.set_num_threads(threads)
     result = json.loads(capsys.readouterr().out)
     codecs = [row["codec"] for row in result["rows"]]
     assert {"memcpy", "torch.topk", *bench.CODECS} <= set(codecs)
