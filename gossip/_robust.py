@@ -3,7 +3,7 @@
 # mixes changes `live` in place and only there; the clipping radius depends only on distances
 # observed before (and including) the update it bounds, never on that update's direction.
 #
-# Assumptions and limits (the README repeats them):
+# Assumptions and limits (docs/explanation/security.md repeats them):
 # - "clip" (self-centred clipping, ClippedGossip, He, Karimireddy & Jaggi 2022): every
 #   neighbour's difference x_j - x_i is scaled down to at most tau before it is mixed. tau is
 #   ROBUST_SCALE (1/2) x the ROBUST_QUANTILE quantile (the lower quartile) of the raw (unclipped)

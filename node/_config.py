@@ -432,7 +432,7 @@ class GossipConfig:
     """How this node averages with the swarm.
 
     algorithm: what the swarm runs (every node of a swarm must run the same one); see
-        node/algorithms/ and the README's table:
+        node/algorithms/ and docs/explanation/algorithms.md:
         "adpsgd" (default): asynchronous pairwise model averaging. Assumes nothing about peers'
             speed; trades a slower agreement (one partner at a time) for never waiting.
         "dpsgd": synchronous rounds of exchange_every steps with up to [gossip.dpsgd] degree
@@ -597,7 +597,7 @@ class LimitsConfig:
 
     memory_gb: the most memory the node may need, estimated at start from the model's size: the
         plain training loop (weights, gradients, optimizer state), what the algorithm keeps (see
-        the README's memory table) and the runtime. A config that cannot fit is refused before
+        docs/explanation/memory.md) and the runtime. A config that cannot fit is refused before
         anything starts, with the figures. Unset: no limit (the estimate is still logged).
     """
 

@@ -193,7 +193,8 @@ def check_budget(config: NodeConfig, estimate: MemoryEstimate) -> None:
         return
     raise MemoryBudgetError(
         f"limits.memory_gb = {limit:g}: this node needs about {estimate.explain()}; raise the "
-        f"limit, use a smaller model, or an algorithm that keeps fewer copies (README: Memory)"
+        f"limit, use a smaller model, or an algorithm that keeps fewer copies "
+        f"(docs/how-to/memory.md)"
     )
 
 

@@ -165,7 +165,7 @@ def _seconds(text: str) -> float:
 def register_node(sub: argparse._SubParsersAction) -> None:
     node = sub.add_parser("node", help="run a node daemon")
     node_sub = node.add_subparsers(title="node commands", metavar="COMMAND", required=True)
-    run = node_sub.add_parser("run", help="join a swarm and train (see README: Node daemon)")
+    run = node_sub.add_parser("run", help="join a swarm and train")
     run.add_argument("--config", type=Path, required=True, help="the node's TOML config")
     run.add_argument(
         "--set", action="append", metavar="SECTION.KEY=VALUE", help="override a config value"

@@ -23,7 +23,7 @@ certificate = "member.cert.json"     # this node's membership, from `geotrain sw
 [network]
 {network}
 [training]
-# a built-in task, or "my_package.tasks:my_task" (see README: Your own task)
+# a built-in task, or "my_package.tasks:my_task" (see docs/how-to/own-task.md)
 task = "{task}"
 # this machine's part of the data, out of num_shards
 shard_index = {shard_index}
@@ -49,11 +49,11 @@ advertise = "{advertise}"
 bootstrap = [{bootstrap}]
 # behind NAT (nobody can dial this machine)? `geotrain node init --client`, or reachable =
 # false, listen = "tcp://127.0.0.1:0", no advertise, and a bootstrap list of reachable members
-# (README: Behind NAT)
+# (docs/how-to/nat.md)
 """
 
 CLIENT = """\
-# client mode (README: Behind NAT): nobody can dial this machine, so it dials the members
+# client mode (docs/how-to/nat.md): nobody can dial this machine, so it dials the members
 # below, keeps those connections and starts every exchange itself
 reachable = false
 listen = "tcp://127.0.0.1:0"         # loopback only: for `geotrain status` on this machine
