@@ -61,21 +61,26 @@ def _broadcast(matrix: LinkMatrix, leader: int, members: list[int], nbytes: int,
     return seconds, (len(chain) - 1) * (wire + acks)
 
 
-def allreduce_cost(matrix: LinkMatrix, nbytes: int, mtu: int = 1500) -> tuple[float, int, str]:
-    """(seconds, IP bytes on the wire, "ring" | "hierarchical") of the faster all-reduce of
-    `nbytes` (the model's fp32 gradients) among every peer of `matrix`."""
+ALGORITHMS = ("best", "ring", "hierarchical")
+
+
+def allreduce_cost(matrix: LinkMatrix, nbytes: int, mtu: int = 1500,
+                   algorithm: str = "best") -> tuple[float, int, str]:  # fmt: skip
+    """(seconds, IP bytes on the wire, "ring" | "hierarchical") of an all-reduce of `nbytes`
+    (the model's fp32 gradients) among every peer of `matrix`: the faster of the two ("best"),
+    or the one named (gloo's DDP runs a ring)."""
     peers = list(range(matrix.n_peers))
     order = sorted(peers, key=lambda p: (matrix.regions.index(matrix.peer_regions[p]), p))
     ring = _ring(matrix, order, nbytes, mtu)
     groups = [[p for p in order if matrix.peer_regions[p] == r] for r in matrix.regions]
     groups = [g for g in groups if g]
-    if len(groups) < 2:
+    if len(groups) < 2 or algorithm == "ring":
         return ring[0], ring[1], "ring"
     inside = [_ring(matrix, g, nbytes, mtu) for g in groups]
     leaders = _ring(matrix, [g[0] for g in groups], nbytes, mtu)
     spread = [_broadcast(matrix, g[0], g, nbytes, mtu) for g in groups]
     hier = (max(s for s, _ in inside) + leaders[0] + max(s for s, _ in spread),
             sum(b for _, b in inside) + leaders[1] + sum(b for _, b in spread))  # fmt: skip
-    if hier[0] < ring[0]:
+    if algorithm == "hierarchical" or hier[0] < ring[0]:
         return hier[0], hier[1], "hierarchical"
     return ring[0], ring[1], "ring"

@@ -104,6 +104,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     run.add_argument("--mtu", type=int, default=1500,
                      help="--clock virtual: the path MTU whose TCP/IP headers the bytes count "
                           "(default: 1500)")  # fmt: skip
+    run.add_argument("--allreduce", choices=("best", "ring", "hierarchical"), default="best",
+                     help="--clock virtual: the DDP baselines' all-reduce: the faster of a ring "
+                          "and a hierarchical one (DDP at its strongest), or the one named "
+                          "(gloo, which the real testbed runs, does a ring) (default: best)")
     run.add_argument("--max-steps", type=int, default=0, metavar="N",
                      help="--clock virtual: stop each system after N steps (0: no limit), for "
                           "systems figures of models too big to train to a target")  # fmt: skip
@@ -469,7 +473,7 @@ def cmd_run_virtual(args: argparse.Namespace, command: tuple[str, ...] = ()) -> 
             eval_every_s=args.eval_every_s, command=command, cwd=os.getcwd(),
         )  # fmt: skip
         virtual = VirtualOptions(seed=args.seed, step_jitter=args.step_jitter, mtu=args.mtu,
-                                 max_steps=args.max_steps)  # fmt: skip
+                                 max_steps=args.max_steps, allreduce=args.allreduce)
         check_virtual(options)
         if out.exists() and (not out.is_dir() or any(out.iterdir())):
             raise TestbedError(f"--out {str(out)!r}: exists and is not an empty folder")

@@ -33,7 +33,7 @@ from geotrain.node.state import StateDir
 from geotrain.node.testing import header_codec, peer_parts
 from geotrain.node.training import TaskContext, Trainer, resolve_task
 
-from ._allreduce import allreduce_cost
+from ._allreduce import ALGORITHMS, allreduce_cost
 from ._availability import availability_json
 from ._ddp import task_optimizer
 from ._faults import FaultRunner
@@ -46,6 +46,8 @@ DEFAULT_STEP_MS = 100.0  # a step's cost when the scenario gives no compute prof
 VIRTUAL_BASELINES = ("ddp", "localsgd", "ideal")
 STATUS_EVERY_S = 1.0  # a peer's metrics line, as a testbed node writes one a second
 SAMPLE_EVERY_S = 0.25  # the bytes meter's samples, as the real testbed's supervisor takes them
+DDP_BUCKET_BYTES = 25 * 2**20  # torch DDP's bucket_cap_mb default
+BACKWARD_SHARE = 2 / 3  # of a step's compute: the backward pass, which DDP's buckets overlap
 TIE_BREAK_S = 1e-7  # peer i's step costs i x this more: no two peers' steps end at one instant
 
 
@@ -60,18 +62,23 @@ class VirtualOptions:
         mtu: the path MTU whose TCP/IP headers the byte counts include (1500: the internet's).
         max_steps: stop each system after this many steps of its slowest peer (0: no limit):
             for systems figures at sizes where reaching a target takes too long.
+        allreduce: the DDP baselines' all-reduce: "best" (the faster of a ring and a
+            hierarchical one: DDP at its strongest), "ring" (what gloo runs) or "hierarchical".
     """
 
     seed: int = 0
     step_jitter: float = 0.02
     mtu: int = 1500
     max_steps: int = 0
+    allreduce: str = "best"
 
     def __post_init__(self) -> None:
         if not 0 <= self.step_jitter < 1:
             raise ValueError(f"--step-jitter {self.step_jitter!r}: expected a fraction in [0, 1)")
         if not 576 <= self.mtu <= 65_535:
             raise ValueError(f"--mtu {self.mtu!r}: expected 576..65535 bytes")
+        if self.allreduce not in ALGORITHMS:
+            raise ValueError(f"--allreduce {self.allreduce!r}: expected one of {ALGORITHMS}")
         if self.max_steps < 0:
             raise ValueError(f"--max-steps {self.max_steps!r}: expected >= 0 (0: no limit)")
 
@@ -147,7 +154,8 @@ def run_virtual(options: RunOptions, virtual: VirtualOptions,
         "bytes_source": f"virtual network: IP bytes at MTU {virtual.mtu} (frames, nng framing, "
                         "TCP/IP headers, ACKs; control plane included)",
         "virtual": {"seed": virtual.seed, "step_jitter": virtual.step_jitter,
-                    "mtu": virtual.mtu, "max_steps": virtual.max_steps},
+                    "mtu": virtual.mtu, "max_steps": virtual.max_steps,
+                    "allreduce": virtual.allreduce},
     }  # fmt: skip
     torch.set_num_threads(1)  # (one core's arithmetic: the same bits on any box)
     echo(f"the peers' log: {out / 'virtual.log'} (JSON lines, each with its peer_index)")
@@ -627,7 +635,7 @@ def _allreduce_loop(options, virtual, tracks, tasks, models, opts, costs, numel,
             _ddp_step(tasks, models[0], *opts[0])
         due = False
         for track in (tr for tr in tracks if tr.stopped is None):
-            _advance(track, spent, step, period, numel, virtual.mtu, models)
+            _advance(track, spent, step, period, numel, virtual.mtu, models, virtual.allreduce)
             now = track.now()
             track.faults.apply_due(now, _Peers([]), wall_t=now)
             track.samples.write(json.dumps({"t": now, "bytes": track.sent}) + "\n")
@@ -655,31 +663,36 @@ def _allreduce_loop(options, virtual, tracks, tasks, models, opts, costs, numel,
 
 
 def _advance(track: _Track, spent: list[float], step: int, period: int, numel: int, mtu: int,
-             models) -> None:  # fmt: skip
+             models, algorithm: str) -> None:  # fmt: skip
     """One step on `track`'s clocks: the ranks' compute, and the all-reduce when there is one."""
     n = len(spent)
     if period:
         track.t = [track.t[i] + spent[i] for i in range(n)]
         if step % period == 0:  # the ranks meet and average their parameters
             _average(models)
-            comm = _allreduce(track, max(track.t), 4 * numel, mtu)
+            comm = _allreduce(track, max(track.t), 4 * numel, mtu, algorithm)
             track.t = [max(track.t) + comm] * n
         return
-    comm = 0.0
-    if track.name == "ddp":
-        comm = _allreduce(track, max(track.t), 4 * numel, mtu)
-    # DDP overlaps the all-reduce with the backward pass (its strongest case): a step takes the
-    # slowest rank's compute or the all-reduce, whichever is longer
-    track.t = [max(track.t) + max(max(spent), comm)] * n
+    compute = max(spent)  # (the ranks meet at every step: the slowest decides)
+    if track.name != "ddp":
+        track.t = [max(track.t) + compute] * n
+        return
+    nbytes = 4 * numel
+    comm = _allreduce(track, max(track.t), nbytes, mtu, algorithm)
+    # DDP all-reduces its gradients in buckets of DDP_BUCKET_BYTES as the backward pass fills
+    # them: all but the last bucket's overlap the backward pass (BACKWARD_SHARE of a step)
+    buckets = max(1, -(-nbytes // DDP_BUCKET_BYTES))
+    exposed = max(comm / buckets, comm - BACKWARD_SHARE * compute)
+    track.t = [max(track.t) + compute + exposed] * n
 
 
-def _allreduce(track: _Track, now: float, nbytes: int, mtu: int) -> float:
+def _allreduce(track: _Track, now: float, nbytes: int, mtu: int, algorithm: str) -> float:
     """Seconds from `now` until an all-reduce of `nbytes` on `track`'s links is done. Over a
     partition it cannot complete: it waits for the next fault that changes the links (a heal),
     or for ever (the run's duration ends it), as gloo's ranks hang on a cut link."""
     waited = 0.0
     while True:
-        seconds, sent, track.how = allreduce_cost(track.links.matrix, nbytes, mtu)
+        seconds, sent, track.how = allreduce_cost(track.links.matrix, nbytes, mtu, algorithm)
         if math.isfinite(seconds):
             track.sent += sent
             return waited + seconds

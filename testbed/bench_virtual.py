@@ -5,8 +5,8 @@
 
 For each algorithm, the same scenario runs twice: `geotrain testbed run` in real time (node
 processes behind the emulated links, compute pinned by --step-ms) and with `--clock virtual` (the
-same step time, MTU 65000 as the userspace emulator's TUN devices carry); DDP is run with the
-first algorithm's pair. Prints a markdown table: time to target and bytes to target of each
+same step time, MTU 65000 as the userspace emulator's TUN devices carry, and DDP's all-reduce as
+gloo runs it: a ring); DDP is run with the first algorithm's pair. Prints a markdown table: time to target and bytes to target of each
 system in both runs, and their ratios (virtual / real). Real runs need root (namespaces); on a
 busy machine they measure its load too: run it on a quiet one, and keep --step-ms well above a
 step's compute so the pin holds.
@@ -26,8 +26,8 @@ def _run(out: Path, clock: str, args: argparse.Namespace, algorithm: str, baseli
     cmd = [sys.executable, "-m", "geotrain.node", "testbed", "run", "--scenario", args.scenario,
            "--algorithm", algorithm, "--step-ms", str(args.step_ms), "--duration",
            str(args.duration), "--baseline", baseline, "--out", str(out), "--clock", clock]
-    if clock == "virtual":
-        cmd += ["--mtu", "65000"]
+    if clock == "virtual":  # (the emulator's TUN MTU; gloo's ring, as the real DDP runs it)
+        cmd += ["--mtu", "65000", "--allreduce", "ring"]
     else:
         cmd += ["--no-link-check"]
     proc = subprocess.run(cmd, capture_output=True, text=True)
