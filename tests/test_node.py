@@ -95,8 +95,9 @@ def test_four_peers_reach_accuracy_and_agree(swarm):
     assert all('"node_stopped"' in n.log_text() for n in nodes)
 
 
-def test_killed_peer_resumes_from_its_checkpoint_and_rejoins(swarm):
-    nodes = start_swarm(swarm, 3, max_steps=0)
+def killed_peer_resumes_from_its_checkpoint_and_rejoins(swarm, nodes) -> None:
+    """nodes[2] of a running swarm of three is SIGKILLed, restarts from its checkpoint and
+    rejoins. (The first half of the untrusted late joiner's test below: one swarm serves both.)"""
     victim = nodes[2]
     swarm.wait_until(
         lambda: (victim.status() or {}).get("step", 0) >= 250, 120, "victim at step 250"
@@ -150,12 +151,14 @@ def test_late_joiner_syncs_state_and_catches_up(swarm):
     assert late.status()["metric"] >= 0.85
 
 
-def test_an_untrusted_late_joiner_takes_the_median_of_three_peers_models(swarm):
+def test_a_killed_peer_rejoins_and_an_untrusted_late_joiner_takes_the_median_of_three(swarm):
     # gossip.robust set: the joiner's model is each value's median over three donors (one
     # dishonest donor cannot choose it), fetched over the real transport from the peers its
-    # membership learned through one bootstrap address; no optimizer state is taken
+    # membership learned through one bootstrap address; no optimizer state is taken. Before it
+    # joins, one of the three is killed and comes back from its checkpoint.
     robust = {"gossip": {"robust": "clip"}}
     nodes = start_swarm(swarm, 3, max_steps=0, special=dict.fromkeys(range(3), robust))
+    killed_peer_resumes_from_its_checkpoint_and_rejoins(swarm, nodes)
     swarm.wait_until(lambda: reached(nodes, 0.85), 180, "the three at 85%")
     late = swarm.start(
         swarm.add(
