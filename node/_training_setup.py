@@ -60,15 +60,9 @@ def build_training(config: NodeConfig, state: StateDir, spec: AlgorithmSpec,
         return Prepared(None, loop, ckpt, store, config, memory)
     if t.threads:
         torch.set_num_threads(t.threads)
-    ctx = TaskContext(
-        shard_index=t.shard_index,
-        num_shards=t.num_shards,
-        seed=t.seed,
-        partition=t.partition,
-        alpha=t.alpha,
-        device=resolve_device(t.device),
-        params=t.params,
-    )
+    ctx = TaskContext(shard_index=t.shard_index, num_shards=t.num_shards, seed=t.seed,
+                      partition=t.partition, alpha=t.alpha, device=resolve_device(t.device),
+                      params=t.params)  # fmt: skip
     task = resolve_task(t.task)(ctx)
     for warning in unasked_task_params(t.task, ctx):
         warning.log(log)
