@@ -174,7 +174,7 @@ class Adpsgd(Algorithm):
         self.chunk_timer = ChunkTimer()  # our own tensor work per chunk: chunk deadlines
         # A small model keeps its last mix buffer for the next exchange (no page faults on the
         # training core); a big one gives it back, so that it is held only during an exchange:
-        # kept, it raised a 100M-parameter node's peak by ~0.2 model copies (bench_memory).
+        # kept, it would raise a 100M-parameter node's peak by ~0.2 model copies (bench.memory).
         self._spare = SpareBuffers() if self.max_exchanges > 1 else None
         self.pacer = make_pacer(ctx)
 
