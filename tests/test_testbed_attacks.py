@@ -4,9 +4,11 @@ enabled from a node's config; the scenario's [[attackers]] section."""
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import pytest
+import structlog
 import torch
 from _swarm import LocalSwarm
 
@@ -14,11 +16,22 @@ from geotrain.node import ConfigError
 from geotrain.node._config import config_from_toml
 from geotrain.testbed._attacker import attacker_argv
 from geotrain.testbed._attacks import Attack, AttackError, alie_z
-from geotrain.testbed._byzantine import run_swarm
+from geotrain.testbed._byzantine import run_swarm as _run_swarm
 from geotrain.testbed._scenario import ATTACK_KINDS, ScenarioError, scenario_from_dict
 
 STEPS = 200
 TWO_OF_EIGHT = (6, 7)
+
+
+def run_swarm(**kwargs):
+    """testbed._byzantine.run_swarm with the peers' log events below warning dropped: rendering
+    eight peers' debug lines (every exchange) took a quarter of a run's time, and nothing here
+    reads them (conftest's fixture resets the configuration after each test)."""
+    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
+    try:
+        return _run_swarm(**kwargs)
+    finally:
+        structlog.reset_defaults()
 
 
 @pytest.fixture(scope="module")
