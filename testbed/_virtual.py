@@ -579,7 +579,8 @@ def _run_allreduce(options: RunOptions, virtual: VirtualOptions, profile: _Clock
     from ._baselines import baseline_settings, describe
 
     sc, n = options.scenario, options.scenario.n_peers
-    settings = {s: dict(baseline_settings((s,), options.baseline_set)[s]) for s in systems}
+    chosen = baseline_settings(options.baselines, options.baseline_set)
+    settings = {s: dict(chosen[s]) for s in systems}
     period = settings["localsgd"]["period"] if "localsgd" in systems else 0
     lr = settings[systems[0]].get("lr")
     tasks = [resolve_task(sc.task)(TaskContext(shard_index=i, num_shards=n, seed=0,

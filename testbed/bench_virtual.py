@@ -6,10 +6,10 @@
 For each algorithm, the same scenario runs twice: `geotrain testbed run` in real time (node
 processes behind the emulated links, compute pinned by --step-ms) and with `--clock virtual` (the
 same step time, MTU 65000 as the userspace emulator's TUN devices carry, and DDP's all-reduce as
-gloo runs it: a ring); DDP is run with the first algorithm's pair. Prints a markdown table: time to target and bytes to target of each
-system in both runs, and their ratios (virtual / real). Real runs need root (namespaces); on a
-busy machine they measure its load too: run it on a quiet one, and keep --step-ms well above a
-step's compute so the pin holds.
+gloo runs it: a ring); DDP is run with the first algorithm's pair. Prints a markdown table: time
+to target and bytes to target of each system in both runs, and their ratios (virtual / real).
+Real runs need root (namespaces); on a busy machine they measure its load too: run it on a quiet
+one, and keep --step-ms well above a step's compute so the pin holds.
 """
 
 from __future__ import annotations
