@@ -191,10 +191,13 @@ def test_a_virtual_run_is_the_same_bit_for_bit_beside_a_cpu_load(tmp_path):
 
 def test_a_different_seed_gives_a_different_run(tmp_path):
     a = _virtual_run(tmp_path / "a", "--duration", "5", "--baseline", "none")
-    b = _virtual_run(tmp_path / "b", "--duration", "5", "--baseline", "none", "--seed", "1")
+    b = _virtual_run(tmp_path / "b", "--duration", "5", "--seed", "1", "--baseline",
+                     "ddp,localsgd", "--baseline-set", "localsgd.lr=0.05")  # fmt: skip
     assert a.returncode == 0 and b.returncode == 0, (a.stderr[-2000:], b.stderr[-2000:])
     metrics = "geotrain/peer-01/metrics.jsonl"
     assert (tmp_path / "a" / metrics).read_bytes() != (tmp_path / "b" / metrics).read_bytes()
+    run = json.loads((tmp_path / "b" / "run.json").read_text())
+    assert run["systems"]["localsgd"]["settings"]["lr"] == 0.05  # (each baseline its own)
 
 
 @pytest.mark.parametrize(("args", "said"), [
