@@ -452,10 +452,17 @@ def cmd_down(args: argparse.Namespace) -> int:
 def _same_hash_seed() -> None:
     """A virtual run is the same bit for bit only with one string hash seed (set iteration
     order): without PYTHONHASHSEED, run this command again with it set to 0."""
-    if os.environ.get("PYTHONHASHSEED") is None and not os.environ.get("GEOTRAIN_NO_REEXEC"):
-        env = {**os.environ, "PYTHONHASHSEED": "0"}
-        sys.stdout.flush()
-        os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], env)
+    if os.environ.get("PYTHONHASHSEED") is not None or os.environ.get("GEOTRAIN_NO_REEXEC"):
+        return
+    argv = sys.orig_argv
+    as_command = "-m" in argv[1:3] or Path(argv[1] if len(argv) > 1 else "").name == "geotrain"
+    if not as_command:  # (called inside someone's own process: it is not ours to replace)
+        print("warning: PYTHONHASHSEED is not set: this virtual run repeats only in a process "
+              "with the same hash seed", file=sys.stderr)  # fmt: skip
+        return
+    env = {**os.environ, "PYTHONHASHSEED": "0"}
+    sys.stdout.flush()
+    os.execve(sys.executable, [sys.executable, *argv[1:]], env)
 
 
 def cmd_run_virtual(args: argparse.Namespace, command: tuple[str, ...] = ()) -> int:

@@ -49,6 +49,7 @@ SAMPLE_EVERY_S = 0.25  # the bytes meter's samples, as the real testbed's superv
 DDP_BUCKET_BYTES = 25 * 2**20  # torch DDP's bucket_cap_mb default
 BACKWARD_SHARE = 2 / 3  # of a step's compute: the backward pass, which DDP's buckets overlap
 TIE_BREAK_S = 1e-7  # peer i's step costs i x this more: no two peers' steps end at one instant
+FINISH_S = 600.0  # virtual seconds a peer gets, once stopped, for its step, exchange, evaluation
 
 
 @dataclass(frozen=True)
@@ -362,6 +363,7 @@ class _Peer:
             incarnation=1 + incarnation,
         )  # fmt: skip
         self.scope = trio.CancelScope()
+        self.finished = trio.Event()  # its last evaluation and line are written
         self.metric: float | None = None
         self.metric_step: int | None = None
         self.train_s = 0.0
@@ -378,6 +380,7 @@ class _Peer:
     def kill(self) -> None:
         self.swarm.net.detach(self.index, self._handle)
         self.scope.cancel()
+        self.finished.set()  # (nothing more comes from a killed peer)
 
     def _restore(self, snapshot: dict[str, Any]) -> None:
         tr = self.trainer
@@ -429,6 +432,7 @@ class _Peer:
                 self._checkpoint()
         self._evaluate(cadence)
         self._line()
+        self.finished.set()
 
     def _evaluate(self, cadence: EvalCadence) -> None:
         with cadence.evaluating():
@@ -480,7 +484,10 @@ def _run_geotrain(options: RunOptions, virtual: VirtualOptions, profile: _Clock,
                 swarm.start(i)
             holder["stopped"] = await _supervise(swarm, options, virtual, faults, echo)
             swarm.stop.set()
-            await trio.sleep(profile.step_s * 4)  # each peer ends its step and evaluates
+            with trio.move_on_after(FINISH_S):  # each peer ends its step, exchange and evaluation
+                for proc in swarm.procs:
+                    if proc.peer is not None:
+                        await proc.peer.finished.wait()
             holder["virtual_s"] = trio.current_time()
             nursery.cancel_scope.cancel()
 
@@ -565,6 +572,7 @@ class _Track:
     how: str | None = None
     stopped: str | None = None
     metrics: list[float | None] = field(default_factory=list)
+    metric_steps: list[int | None] = field(default_factory=list)
 
     def now(self) -> float:
         return min(self.t)
@@ -601,7 +609,8 @@ def _run_allreduce(options: RunOptions, virtual: VirtualOptions, profile: _Clock
             links = _Links(sc.matrix())
             faults[name]._links = links
             track = _Track(name, [0.0] * n, files, samples, [], faults[name], links,
-                           metrics=[None] * n, faults_horizon=sc.duration_s)  # fmt: skip
+                           metrics=[None] * n, metric_steps=[None] * n,
+                           faults_horizon=sc.duration_s)  # fmt: skip
             track.cadence = [EvalCadence(options.eval_every if period else options.ddp_eval_every,
                                          options.eval_every_s, clock=track.now)
                              for _ in range(n)]  # fmt: skip
@@ -634,24 +643,25 @@ def _allreduce_loop(options, virtual, tracks, tasks, models, opts, costs, numel,
                 _local_step(tasks[i], models[i], *opts[i])
         else:
             _ddp_step(tasks, models[0], *opts[0])
-        due = False
+        due: dict[str, list[bool]] = {}
         for track in (tr for tr in tracks if tr.stopped is None):
             _advance(track, spent, step, period, numel, virtual.mtu, models, virtual.allreduce)
             now = track.now()
             track.faults.apply_due(now, _Peers([]), wall_t=now)
             track.samples.write(json.dumps({"t": now, "bytes": track.sent}) + "\n")
-            due = due or any(c.due(step) for c in track.cadence)
-        shared = _evaluate(tasks[0], models[0]) if due and not period else None
+            due[track.name] = [c.due(step) for c in track.cadence]
+        wanted = any(any(d) for d in due.values())
+        shared = _evaluate(tasks[0], models[0]) if wanted and not period else None
         for track in (tr for tr in tracks if tr.stopped is None):
             for i in range(n):
-                if period and track.cadence[i].due(step):
-                    track.metrics[i] = _evaluate(tasks[i], models[i])
-                elif shared is not None and track.cadence[i].due(step):
-                    track.metrics[i] = shared
+                if due[track.name][i]:
+                    track.metrics[i] = _evaluate(tasks[i], models[i]) if period else shared
+                    track.metric_steps[i] = step
+                    track.cadence[i].evaluated()
                 t = track.t[i]
                 track.files[i].write(json.dumps({
                     "system": track.name, "t": t, "step": step, "metric": track.metrics[i],
-                    "metric_step": step, "steps_per_s": step / t if t else 0.0,
+                    "metric_step": track.metric_steps[i], "steps_per_s": step / t if t else 0.0,
                     "eval_s": 0.0}) + "\n")  # fmt: skip
             track.stopped = _stop_rule(track, options, virtual, step)
             if track.stopped is not None:

@@ -3,10 +3,11 @@
 # socket or the machine's clock; every wait is a trio sleep, so under MockClock(autojump) a run
 # takes the virtual time the links give it, whatever the box is doing; a message is charged what
 # it costs on the real wire (the secure channel's frame, nng's framing, TCP/IP headers and the
-# ACKs back); the bandwidth of each link (a region pair's, a peer's uplink and downlink) is shared
-# max-min fairly by the transfers crossing it at each moment; loss caps a transfer's rate at what
-# TCP gets through it (Mathis et al.: MSS / RTT x 1.22 / sqrt(p)), which is how retransmissions
-# cost time; a partitioned link (loss 1) delivers nothing, so the asker's deadline passes.
+# ACKs back); the bandwidth of each link (a peer's region link toward a region, its uplink, its
+# downlink) is shared max-min fairly by the transfers crossing it at each moment; loss caps a
+# transfer's rate at what TCP gets through it (Mathis et al.: MSS / RTT x 1.22 / sqrt(p)), which
+# is how retransmissions cost time; a partitioned link (loss 1) delivers nothing, so the asker's
+# deadline passes.
 from __future__ import annotations
 
 import math
@@ -89,6 +90,8 @@ class FlowNetwork:
         """Return once `nbytes` have crossed `resources` (at most `cap` bytes/s)."""
         if nbytes <= 0:
             return
+        if cap == math.inf and all(self._capacity(key) is None for key in resources):
+            return  # (an unshaped path: its bytes take no time)
         self._advance()
         flow = _Flow(float(nbytes), resources, cap)
         self._flows.append(flow)
@@ -209,8 +212,8 @@ class VirtualNetwork:
     # -- links ------------------------------------------------------------------------------
     def _capacity(self, key: tuple) -> float | None:
         kind, a, b = key
-        if kind == "link":
-            rate = self.matrix.peer_spec(a, b).rate_mbit
+        if kind == "link":  # (a: the sending peer, b: the receiving peer's region)
+            rate = self.matrix.spec(self.matrix.peer_regions[a], b).rate_mbit
         else:
             access = self.matrix.access_of(a)
             rate = None if access is None else (access.up_mbit if kind == "up"
@@ -223,7 +226,9 @@ class VirtualNetwork:
         up, down = self.matrix.access_of(src), self.matrix.access_of(dst)
         delay = (spec.delay_ms + (up.delay_ms if up else 0.0)
                  + (down.delay_ms if down else 0.0)) / 1000  # fmt: skip
-        resources: tuple[tuple, ...] = (("link", src, dst),)
+        # the region link shapes what a peer sends toward a region, as the userspace emulator
+        # queues it (per sending peer and destination region), shared by its flows there
+        resources: tuple[tuple, ...] = (("link", src, self.matrix.peer_regions[dst]),)
         if up is not None:
             resources += (("up", src, None),)
         if down is not None:

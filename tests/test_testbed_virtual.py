@@ -44,6 +44,16 @@ async def test_flows_share_a_link_fairly_and_a_lone_flow_takes_it_all(autojump_c
     assert ends["a"] - start == pytest.approx(1.5)
 
 
+async def test_an_unshaped_path_delivers_at_once(autojump_clock):
+    net = FlowNetwork(_capacities({}))
+    async with trio.open_nursery() as nursery:
+        await nursery.start(net.run)
+        with trio.fail_after(1):
+            await net.transfer(10 * MB, (("link", 0, "b"),), float("inf"))
+        assert trio.current_time() == 0
+        nursery.cancel_scope.cancel()
+
+
 async def test_a_flow_is_held_by_its_slowest_resource_and_its_loss_cap(autojump_clock):
     net = FlowNetwork(_capacities({("link", 0, 1): 10 * MB, ("down", 1, None): 2 * MB}))
     async with trio.open_nursery() as nursery:
@@ -198,6 +208,10 @@ def test_a_different_seed_gives_a_different_run(tmp_path):
     assert (tmp_path / "a" / metrics).read_bytes() != (tmp_path / "b" / metrics).read_bytes()
     run = json.loads((tmp_path / "b" / "run.json").read_text())
     assert run["systems"]["localsgd"]["settings"]["lr"] == 0.05  # (each baseline its own)
+    # local SGD's ranks evaluate by the testbed's rule (every 20 steps or 10 s), not every step
+    lines = _lines(tmp_path / "b" / "localsgd" / "peer-00.jsonl")
+    evaluated = {r["metric_step"] for r in lines if r["metric_step"] is not None}
+    assert 1 <= len(evaluated) <= lines[-1]["step"] // 20 + 2
 
 
 @pytest.mark.parametrize(("args", "said"), [
