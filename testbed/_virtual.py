@@ -219,6 +219,7 @@ def _run_systems(options: RunOptions, virtual: VirtualOptions, profile: _Clock,
             entry = _run_geotrain(options, virtual, profile, faults["geotrain"], echo)
             models = entry.pop("models")
             run["consensus_distance_final"] = consensus_of_finite(models) if models else None
+            del models  # (the peers' models: gone before the baselines build theirs)
             entries = {"geotrain": entry}
         else:
             entries = _run_allreduce(options, virtual, profile, faults, echo, group)
