@@ -450,6 +450,7 @@ class _Peer:
     def _line(self) -> None:
         now = trio.current_time()
         stats = self.transport.statistics()
+        exchanges = self.parts.algorithm.counters.statistics()
         step = self.trainer.step
         since = self.training_since
         wall = None if since is None else now - since
@@ -461,8 +462,9 @@ class _Peer:
             "bytes_in": stats.bytes_in, "bytes_out": stats.bytes_out,
             "train_s": round(self.train_s, 4), "eval_s": 0.0, "utilization": busy,
             "utilization_without_eval": busy,
-            "exchanges_ok": self.parts.algorithm.counters.ok,
-            "exchanges_failed": self.parts.algorithm.counters.failed,
+            "exchanges_ok": exchanges.ok, "exchanges_failed": exchanges.failed,
+            # seconds of the exchanges this peer started (as a node's status gives them)
+            "exchange_last_s": exchanges.last_s, "exchange_mean_s": exchanges.mean_s,
         }  # fmt: skip
         self.metrics.parent.mkdir(parents=True, exist_ok=True)
         with open(self.metrics, "a") as f:
