@@ -319,24 +319,31 @@ def _sigterm_as_interrupt() -> None:
     signal.signal(signal.SIGTERM, handler)
 
 
+def _run_options(args: argparse.Namespace, command: tuple[str, ...], emulation: str,
+                 link_check: bool):  # fmt: skip
+    """The run's options from the command line (raises ScenarioError or ValueError)."""
+    from ._run import RunOptions
+
+    out = (args.out or Path("testbed-runs") / time.strftime("%Y%m%d-%H%M%S")).resolve()
+    sc = _scenario_from_args(args)
+    target, metric, higher = _task_target(sc, args.target, _task_params(args.param))
+    return RunOptions(
+        scenario=sc, out=out, target=target, metric=metric, higher_is_better=higher,
+        emulation=emulation, baseline=args.baseline, baseline_set=tuple(args.baseline_set),
+        link_check=link_check, node_overrides=tuple(args.node_set),
+        eval_every_s=args.eval_every_s, command=command, cwd=os.getcwd(),
+    )  # fmt: skip
+
+
 def cmd_run(args: argparse.Namespace, command: tuple[str, ...] = ()) -> int:
-    from ._run import RunOptions, TestbedError, check_memory_for, check_node_config, run_testbed
+    from ._run import TestbedError, check_memory_for, check_node_config, run_testbed
 
     if getattr(args, "clock", "real") == "virtual":
         return cmd_run_virtual(args, command)
 
-    out = (args.out or Path("testbed-runs") / time.strftime("%Y%m%d-%H%M%S")).resolve()
     try:
-        sc = _scenario_from_args(args)
-        target, metric, higher = _task_target(sc, args.target, _task_params(args.param))
-        options = RunOptions(
-            scenario=sc, out=out, target=target, metric=metric, higher_is_better=higher,
-            emulation=args.emulation, baseline=args.baseline,
-            baseline_set=tuple(args.baseline_set),
-            link_check=not args.no_link_check, node_overrides=tuple(args.node_set),
-            eval_every_s=args.eval_every_s,
-            command=command, cwd=os.getcwd(),
-        )  # fmt: skip
+        options = _run_options(args, command, args.emulation, not args.no_link_check)
+        sc, out, target, metric = options.scenario, options.out, options.target, options.metric
         check_node_config(options)
         check_memory_for(sc.n_peers)
         # refused here, before the header (they came after it, with status 1)
@@ -466,19 +473,12 @@ def _same_hash_seed() -> None:
 
 
 def cmd_run_virtual(args: argparse.Namespace, command: tuple[str, ...] = ()) -> int:
-    from ._run import RunOptions, TestbedError
+    from ._run import TestbedError
     from ._virtual import VirtualOptions, check_virtual, run_virtual
 
-    out = (args.out or Path("testbed-runs") / time.strftime("%Y%m%d-%H%M%S")).resolve()
     try:
-        sc = _scenario_from_args(args)
-        target, metric, higher = _task_target(sc, args.target, _task_params(args.param))
-        options = RunOptions(
-            scenario=sc, out=out, target=target, metric=metric, higher_is_better=higher,
-            emulation="none", baseline=args.baseline, baseline_set=tuple(args.baseline_set),
-            link_check=False, node_overrides=tuple(args.node_set),
-            eval_every_s=args.eval_every_s, command=command, cwd=os.getcwd(),
-        )  # fmt: skip
+        options = _run_options(args, command, "none", False)
+        sc, out, target, metric = options.scenario, options.out, options.target, options.metric
         virtual = VirtualOptions(seed=args.seed, step_jitter=args.step_jitter, mtu=args.mtu,
                                  max_steps=args.max_steps, allreduce=args.allreduce)
         check_virtual(options)
