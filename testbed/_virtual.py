@@ -12,6 +12,8 @@ from __future__ import annotations
 import contextlib
 import copy
 import hashlib
+import heapq
+import itertools
 import json
 import math
 import random
@@ -243,11 +245,28 @@ def _spec_links(sc) -> list[dict[str, Any]]:
 
 
 def _virtual_trio(fn: Callable[[], Any], seed: int) -> Any:
-    """Run `fn` under trio on a virtual clock, its scheduler's coin flips seeded."""
-    from trio._core import _run as trio_run  # trio's tie-breaking coin (its only randomness)
+    """Run `fn` under trio on a virtual clock, with trio's two tie-breaks made repeatable: its
+    scheduler's coin flips (seeded) and the order of deadlines that fall at one instant (by
+    when they were set, instead of by the cancel scopes' memory addresses, which differ from
+    one process to the next)."""
+    from trio._core import _run as trio_run  # (trio's private scheduler: no public knob)
 
     trio_run._r.seed(seed)
-    return trio.run(fn, clock=trio.testing.MockClock(autojump_threshold=0))
+    deadlines = getattr(trio_run, "Deadlines", None)
+    original = getattr(deadlines, "add", None)
+    order = itertools.count()
+
+    def add(self, deadline: float, cancel_scope) -> None:
+        heapq.heappush(self._heap, (deadline, next(order), cancel_scope))
+        self._active += 1
+
+    if original is not None:
+        deadlines.add = add  # type: ignore[union-attr]
+    try:
+        return trio.run(fn, clock=trio.testing.MockClock(autojump_threshold=0))
+    finally:
+        if original is not None:
+            deadlines.add = original  # type: ignore[union-attr]
 
 
 # -- geotrain --------------------------------------------------------------------------------
@@ -483,8 +502,9 @@ def _run_geotrain(options: RunOptions, virtual: VirtualOptions, profile: _Clock,
             faults._links = swarm.net  # (partitions and degrades change the virtual links)
             holder["swarm"] = swarm
             await nursery.start(swarm.net.flows.run)
-            for i in range(sc.n_peers):
+            for i in range(sc.n_peers):  # (a microsecond apart: no two timers tie)
                 swarm.start(i)
+                await trio.sleep(1e-6)
             holder["stopped"] = await _supervise(swarm, options, virtual, faults, echo)
             swarm.stop.set()
             with trio.move_on_after(FINISH_S):  # each peer ends its step, exchange and evaluation
