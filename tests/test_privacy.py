@@ -395,8 +395,11 @@ async def test_a_node_refuses_to_spread_a_spent_budget_over_far_more_steps(tmp_p
 
     from geotrain.node._open_node import leaf_errors
 
+    # (20 ms steps: the first node must be stopped part way, and at full speed its 30 steps fit
+    # in one 0.1 s status period, so a loaded box let it finish and spend its whole budget)
     toml = ('[identity]\nopen_swarm = true\n[training]\ntask = "digits-mlp"\nmax_steps = 30\n'
-            "num_shards = 8\n[privacy]\nepsilon = 3.0\n[state]\nstatus_every_s = 0.1\n")
+            "num_shards = 8\nstep_time_ms = 20\n[privacy]\nepsilon = 3.0\n[state]\n"
+            "status_every_s = 0.1\n")
     admission = Admission.open_swarm("geotrain")
     state = [f'state.dir="{tmp_path / "n"}"']
     cfg = config_from_toml(toml, base=tmp_path, overrides=state)
