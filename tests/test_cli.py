@@ -112,6 +112,12 @@ def stuck(ctx):
 '''
 
 
+def _sighup_default() -> None:
+    import signal
+
+    signal.signal(signal.SIGHUP, signal.SIG_DFL)
+
+
 def _node_with(tmp_path, task: str, extra: str = "", **popen) -> subprocess.Popen:
     (tmp_path / "stucktask.py").write_text(STUCK_TASK)
     assert main(["keygen", "--out", str(tmp_path / "identity.key")]) == 0
@@ -121,7 +127,9 @@ def _node_with(tmp_path, task: str, extra: str = "", **popen) -> subprocess.Pope
         'listen = "tcp://127.0.0.1:0"\n'
     )
     env = {**__import__("os").environ, "PYTHONPATH": str(tmp_path)}
-    popen = {"stderr": subprocess.PIPE, "text": True, **popen}
+    # a terminal's node: SIGHUP at its default, even when the tests run under nohup (whose
+    # ignored SIGHUP a child inherits: the hangup tests then saw a node that outlived it)
+    popen = {"stderr": subprocess.PIPE, "text": True, "preexec_fn": _sighup_default, **popen}
     return subprocess.Popen([sys.executable, "-m", "geotrain.node", "node", "run", "--config",
                              str(tmp_path / "node.toml")], env=env, cwd=tmp_path,
                             **popen)  # fmt: skip
