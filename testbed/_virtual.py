@@ -781,7 +781,3 @@ def _evaluate(task, model: torch.nn.Module) -> float:
         return float(task.evaluate(model))
     finally:
         model.train()
-
-
-def read_run(out: Path) -> dict[str, Any]:
-    return json.loads((out / "run.json").read_text())
