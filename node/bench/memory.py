@@ -1,7 +1,7 @@
 """Peak memory of a plain torch loop and of a geotrain node pair, as multiples of the model.
 
     python -m geotrain.node.bench.memory [--millions 100] [--algorithms adpsgd,dpsgd]
-        [--steps 20] [--codec none] [--json]
+        [--steps 20] [--codec none] [--late-joiner] [--json]
 
 One run, side by side: a plain training loop (the `wide-linear` task, SGD with momentum, one torch
 thread) in its own process, then, for each algorithm, two `geotrain node run` processes on
@@ -10,6 +10,12 @@ algorithms) exchanged at least once. Each process's peak resident memory (its ke
 mark, reported in status.json) is divided by the model's bytes. The node's extra copies are
 (node peak - plain peak) / model bytes; the goal for adpsgd, dpsgd and selsync is <= 1.5. Each
 node's bytes sent are printed too (its steps in the `steps` of --json).
+
+With --late-joiner: three nodes with the settings a user starts them with (state sync and
+checkpoints on, as by default); the third starts once the first two have exchanged, fetches the
+model and the optimizer's state by state sync, then trains and exchanges too. Each node's resident
+memory is also sampled every 0.1 s, and the log event nearest its highest sample is printed, to
+say where the peak was.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ import time
 from pathlib import Path
 
 from ..testing import LocalSwarm
+from ..testing._swarm import SwarmNode
 from .algorithms import stop
 
 PLAIN = """
@@ -47,7 +54,7 @@ def plain_peak_mb(millions: float, steps: int) -> float:
 
 
 def node_pair_peaks(algorithm: str, millions: float, steps: int, codec: str,
-                    timeout_s: float) -> dict:  # fmt: skip
+                    timeout_s: float, late: bool = False) -> dict:  # fmt: skip
     common = {
         "training": {"task": "wide-linear", "params": {"millions": millions}, "threads": 1,
                      "eval_every": 10**6, "wait_for_peers": 1, "num_shards": 2},
@@ -57,6 +64,11 @@ def node_pair_peaks(algorithm: str, millions: float, steps: int, codec: str,
     }  # fmt: skip
     if algorithm == "diloco":
         common["gossip"]["diloco"] = {"inner_steps": 4}
+    if late:  # as a user starts them: state sync and checkpoints on (their defaults)
+        del common["gossip"]["state_sync"], common["state"]["checkpoint_every"]
+        common["training"]["num_shards"] = 3
+    if late:
+        return _late_joiner_peaks(common, algorithm, steps, timeout_s)
     with tempfile.TemporaryDirectory() as tmp:
         swarm = LocalSwarm(Path(tmp), common=common)
         try:
@@ -86,6 +98,105 @@ def node_pair_peaks(algorithm: str, millions: float, steps: int, codec: str,
     }
 
 
+class RssSampler:
+    """Each node process's resident memory, sampled every `every_s` from /proc (its highest
+    sample and when it was taken, by time.time(), as the node's log lines are stamped)."""
+
+    def __init__(self, nodes: list[SwarmNode], every_s: float = 0.1) -> None:
+        self.nodes, self.every_s = nodes, every_s
+        self.high: dict[str, tuple[float, float]] = {}  # name -> (MB, when)
+
+    def sample(self) -> None:
+        for node in self.nodes:
+            mb = _rss_mb(node.pid)
+            if mb is not None and mb > self.high.get(node.name, (0.0, 0.0))[0]:
+                self.high[node.name] = (mb, time.time())
+
+    def wait(self, seconds: float) -> None:
+        end = time.monotonic() + seconds
+        while time.monotonic() < end:
+            self.sample()
+            time.sleep(self.every_s)
+
+
+def _rss_mb(pid: int | None) -> float | None:
+    if pid is None:
+        return None
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024 / 1e6
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def _event_near(node: SwarmNode, when: float) -> str:
+    """The node's last log event at or before `when` (its JSON lines' `timestamp`)."""
+    from datetime import datetime
+
+    last = ""
+    for event in node.log_events():
+        stamp = event.get("timestamp")
+        try:
+            at = datetime.fromisoformat(str(stamp).replace("Z", "+00:00")).timestamp()
+        except ValueError:
+            continue
+        if at > when:
+            break
+        last = str(event.get("event", ""))
+    return last
+
+
+def _late_joiner_peaks(common: dict, algorithm: str, steps: int, timeout_s: float) -> dict:
+    """Three daemon nodes: a and b start together, c once they have exchanged (state sync)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        swarm = LocalSwarm(Path(tmp), common=common)
+        try:
+            a = swarm.start(swarm.add("a", training={"shard_index": 0}))
+            boot = {"bootstrap": [a.address(timeout_s)]}
+            b = swarm.start(swarm.add("b", training={"shard_index": 1}, network=boot))
+            c = swarm.add("c", training={"shard_index": 2, "wait_for_peers": 0}, network=boot)
+            nodes = [a, b, c]
+            sampler = RssSampler(nodes)
+            deadline = time.monotonic() + timeout_s
+
+            def done(group: list[SwarmNode], least: int) -> bool:
+                st = [n.status() or {} for n in group]
+                return all(s.get("step", 0) >= least and s.get("exchanges_ok", 0) >= 1
+                           for s in st)  # fmt: skip
+
+            while time.monotonic() < deadline and not done([a, b], 2):
+                sampler.wait(0.5)
+                a.check_alive(), b.check_alive()
+            swarm.start(c)
+            while time.monotonic() < deadline and not done(nodes, steps):
+                sampler.wait(0.5)
+                for n in nodes:
+                    n.check_alive()
+            for n in nodes:  # a clean stop (its final checkpoint) is sampled too
+                n.signal(signal.SIGTERM)
+            while any(n.running for n in nodes) and time.monotonic() < deadline + 60:
+                sampler.wait(0.2)
+            swarm.wait_all(timeout=60)
+            finals = [n.status() or {} for n in nodes]
+            where = {n.name: _event_near(n, sampler.high[n.name][1])
+                     for n in nodes if n.name in sampler.high}  # fmt: skip
+        finally:
+            swarm.stop_all()
+    return {
+        "algorithm": algorithm,
+        "late_joiner": True,
+        "peak_rss_mb": [f.get("peak_rss_mb") for f in finals],
+        "sampled_peak_mb": [sampler.high.get(n, (None, 0))[0] for n in "abc"],
+        "peak_near_event": [where.get(n, "") for n in "abc"],
+        "estimate_mb": finals[0].get("memory_estimate_mb"),
+        "steps": [f.get("step") for f in finals],
+        "exchanges_ok": [f.get("exchanges_ok") for f in finals],
+        "bytes_out": [f.get("bytes_out") for f in finals],
+    }
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--millions", type=float, default=100.0)
@@ -93,14 +204,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--codec", default="none")
     parser.add_argument("--timeout", type=float, default=600.0)
+    parser.add_argument("--late-joiner", action="store_true",
+                        help="three nodes, user defaults, the third joining late by state sync")  # fmt: skip
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))  # so the nodes are killed on the way out
     width = round(math.sqrt(args.millions * 1e6))
     model_mb = width * width * 4 / 1e6
     plain = plain_peak_mb(args.millions, args.steps)
-    rows = [node_pair_peaks(a, args.millions, args.steps, args.codec, args.timeout)
-            for a in args.algorithms.split(",")]  # fmt: skip
+    rows = [node_pair_peaks(a, args.millions, args.steps, args.codec, args.timeout,
+                            args.late_joiner) for a in args.algorithms.split(",")]  # fmt: skip
     if args.json:
         print(json.dumps({"model_mb": model_mb, "plain_peak_mb": plain, "nodes": rows}))
         return
@@ -119,6 +232,10 @@ def main(argv: list[str] | None = None) -> None:
               f"{r['estimate_mb'] or 0:>12.0f} {'/'.join(map(str, r['exchanges_ok'])):>10} "
               f"{'/'.join(f'{(b or 0) / 1e6:.0f}' for b in r['bytes_out']):>12}",
               flush=True)  # fmt: skip
+        if r.get("late_joiner"):
+            near = r["peak_near_event"]
+            print(f"{'':<9} nodes a/b/c (c joined late); highest sample near: "
+                  + ", ".join(f"{n}: {e or '?'}" for n, e in zip("abc", near, strict=True)))  # fmt: skip
 
 
 if __name__ == "__main__":
