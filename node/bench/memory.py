@@ -204,8 +204,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--codec", default="none")
     parser.add_argument("--timeout", type=float, default=600.0)
-    parser.add_argument("--late-joiner", action="store_true",
-                        help="three nodes, user defaults, the third joining late by state sync")  # fmt: skip
+    late = "three nodes, user defaults, the third joining late by state sync"
+    parser.add_argument("--late-joiner", action="store_true", help=late)
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))  # so the nodes are killed on the way out
@@ -234,8 +234,8 @@ def main(argv: list[str] | None = None) -> None:
               flush=True)  # fmt: skip
         if r.get("late_joiner"):
             near = r["peak_near_event"]
-            print(f"{'':<9} nodes a/b/c (c joined late); highest sample near: "
-                  + ", ".join(f"{n}: {e or '?'}" for n, e in zip("abc", near, strict=True)))  # fmt: skip
+            said = ", ".join(f"{n}: {e or '?'}" for n, e in zip("abc", near, strict=True))
+            print(f"{'':<9} nodes a/b/c (c joined late); highest sample near: {said}")
 
 
 if __name__ == "__main__":
