@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import shutil
 import signal
 import subprocess
 import sys
@@ -54,7 +55,8 @@ def plain_peak_mb(millions: float, steps: int) -> float:
 
 
 def node_pair_peaks(algorithm: str, millions: float, steps: int, codec: str,
-                    timeout_s: float, late: bool = False) -> dict:  # fmt: skip
+                    timeout_s: float, late: bool = False,
+                    logs: Path | None = None) -> dict:  # fmt: skip
     common = {
         "training": {"task": "wide-linear", "params": {"millions": millions}, "threads": 1,
                      "eval_every": 10**6, "wait_for_peers": 1, "num_shards": 2},
@@ -68,7 +70,7 @@ def node_pair_peaks(algorithm: str, millions: float, steps: int, codec: str,
         del common["gossip"]["state_sync"], common["state"]["checkpoint_every"]
         common["training"]["num_shards"] = 3
     if late:
-        return _late_joiner_peaks(common, algorithm, steps, timeout_s)
+        return _late_joiner_peaks(common, algorithm, steps, timeout_s, logs)
     with tempfile.TemporaryDirectory() as tmp:
         swarm = LocalSwarm(Path(tmp), common=common)
         try:
@@ -148,8 +150,10 @@ def _event_near(node: SwarmNode, when: float) -> str:
     return last
 
 
-def _late_joiner_peaks(common: dict, algorithm: str, steps: int, timeout_s: float) -> dict:
-    """Three daemon nodes: a and b start together, c once they have exchanged (state sync)."""
+def _late_joiner_peaks(common: dict, algorithm: str, steps: int, timeout_s: float,
+                       logs: Path | None = None) -> dict:  # fmt: skip
+    """Three daemon nodes: a and b start together, c once they have exchanged (state sync);
+    their logs are copied into `logs` when given."""
     with tempfile.TemporaryDirectory() as tmp:
         swarm = LocalSwarm(Path(tmp), common=common)
         try:
@@ -182,6 +186,10 @@ def _late_joiner_peaks(common: dict, algorithm: str, steps: int, timeout_s: floa
             finals = [n.status() or {} for n in nodes]
             where = {n.name: _event_near(n, sampler.high[n.name][1])
                      for n in nodes if n.name in sampler.high}  # fmt: skip
+            if logs is not None:
+                logs.mkdir(parents=True, exist_ok=True)
+                for n in nodes:
+                    shutil.copy(n.log, logs / f"{algorithm}-{n.name}.log")
         finally:
             swarm.stop_all()
     return {
@@ -206,6 +214,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--timeout", type=float, default=600.0)
     late = "three nodes, user defaults, the third joining late by state sync"
     parser.add_argument("--late-joiner", action="store_true", help=late)
+    parser.add_argument("--logs", type=Path, help="with --late-joiner: copy the nodes' logs here")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))  # so the nodes are killed on the way out
@@ -213,7 +222,8 @@ def main(argv: list[str] | None = None) -> None:
     model_mb = width * width * 4 / 1e6
     plain = plain_peak_mb(args.millions, args.steps)
     rows = [node_pair_peaks(a, args.millions, args.steps, args.codec, args.timeout,
-                            args.late_joiner) for a in args.algorithms.split(",")]  # fmt: skip
+                            args.late_joiner, args.logs)
+            for a in args.algorithms.split(",")]  # fmt: skip
     if args.json:
         print(json.dumps({"model_mb": model_mb, "plain_peak_mb": plain, "nodes": rows}))
         return
