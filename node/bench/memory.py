@@ -107,12 +107,17 @@ class RssSampler:
     def __init__(self, nodes: list[SwarmNode], every_s: float = 0.1) -> None:
         self.nodes, self.every_s = nodes, every_s
         self.high: dict[str, tuple[float, float]] = {}  # name -> (MB, when)
+        self.samples: dict[str, list[tuple[float, float]]] = {}  # name -> [(when, MB)]
 
     def sample(self) -> None:
         for node in self.nodes:
             mb = _rss_mb(node.pid)
-            if mb is not None and mb > self.high.get(node.name, (0.0, 0.0))[0]:
-                self.high[node.name] = (mb, time.time())
+            if mb is None:
+                continue
+            now = time.time()
+            self.samples.setdefault(node.name, []).append((now, mb))
+            if mb > self.high.get(node.name, (0.0, 0.0))[0]:
+                self.high[node.name] = (mb, now)
 
     def wait(self, seconds: float) -> None:
         end = time.monotonic() + seconds
@@ -190,6 +195,8 @@ def _late_joiner_peaks(common: dict, algorithm: str, steps: int, timeout_s: floa
                 logs.mkdir(parents=True, exist_ok=True)
                 for n in nodes:
                     shutil.copy(n.log, logs / f"{algorithm}-{n.name}.log")
+                samples = json.dumps(sampler.samples)
+                (logs / f"{algorithm}-rss.json").write_text(samples)
         finally:
             swarm.stop_all()
     return {
