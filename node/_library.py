@@ -31,6 +31,16 @@ from ._node import Node
 from ._signals import default_sigterm, exit_on_sigterm
 from .cli import configure_logging, launched_config
 from .identity import Admission, Identity
+from .site import (
+    SHARDED,
+    Site,
+    SiteBroken,
+    SiteTrainer,
+    lane_config,
+    open_site,
+    site_module,
+    site_world,
+)
 from .state import NodeStatus
 from .training import (
     Diverged,
@@ -61,6 +71,7 @@ class Swarm:
         self._stepping = 0  # > 0 while a SwarmOptimizer steps (its optimizer's step is not raw)
         self._raw_hook: Any = None  # the hook on the wrapped optimizer that sees raw steps
         self._said: set[str] = set()  # the MisuseWarnings given (each once)
+        self._site: Site | None = None  # one rank of a torchrun site (geotrain.node.site)
 
     def check_alive(self) -> None:
         """Raise if the node stopped by itself (an error in it): the user's loop would otherwise
@@ -220,10 +231,30 @@ class Swarm:
         deferred = take_deferred_exit()
         interrupted = interrupted or deferred
         error = self._box.pop("error", None)
+        if self._site is not None and interrupted is None and error is None:
+            # the mixes that came while the node stopped changed one rank's share only: the
+            # site's ranks hold one model again (every rank closes after the same step)
+            self._site.sync(self._loop)  # type: ignore[arg-type]
         if interrupted is not None:  # (after the node stopped: see _stop_and_wait)
             raise interrupted
         if error is not None:
             raise LoopClosed(f"the geotrain node had failed: {_leaf(error)!r}") from _leaf(error)
+
+    def _site_step(self) -> None:
+        """After each step of a site's rank: the site's ranks hold one model again (a share
+        that changed on one rank goes to the others). A rank that failed ends the swarm here.
+
+        Raises:
+            SiteBroken: a rank of the site failed; this rank's swarm was closed first.
+        """
+        assert self._site is not None and isinstance(self._loop, SiteTrainer)
+        try:
+            self._site.sync(self._loop)
+        except SiteBroken:
+            self._site = None  # (no last sync in close: the site is broken)
+            with contextlib.suppress(Exception):
+                self.close()
+            raise
 
     def _warn_never_wrapped(self) -> None:
         """The model changed since join with no optimizer wrapped: the loop trained alone."""
@@ -247,6 +278,8 @@ class Swarm:
         return self
 
     def __exit__(self, *exc: object) -> None:
+        if exc[0] is not None:  # a site's last sync waits on every rank: not on the way out of
+            self._site = None  # an error (this rank's alone, or the site's)
         self.close()
 
 
@@ -286,6 +319,8 @@ class SwarmOptimizer(torch.optim.Optimizer):
         finally:
             swarm._stepping -= 1
         swarm._notify(stepped)
+        if swarm._site is not None:
+            swarm._site_step()
         swarm._check_unpassed_scheduler(self.optimizer)
         return result
 
@@ -417,15 +452,38 @@ def join(
     inner = getattr(model, "_orig_mod", None)  # torch.compile's wrapper: its names would all
     if isinstance(inner, torch.nn.Module):  # begin '_orig_mod.', unlike an uncompiled peer's or
         model = inner  # checkpoint's; it trains the same parameters
+    world = site_world()
+    if world > 1:  # under torchrun: this process is one rank of a site
+        return _join_site(model, world, config, made_here, identity, admission, ready_timeout_s,
+                          evaluate, metric=metric, higher_is_better=higher_is_better)
     _refuse_joined_twice(model)
     loop = LoopTrainer(model, evaluate, metric=metric, higher_is_better=higher_is_better)
-    if identity is None or admission is None:
-        try:
-            identity, admission = load_identity(config)
-        except ConfigError as exc:
-            if not made_here:
-                raise
-            raise _no_file(exc) from None
+    identity, admission = _identity_of(config, made_here, identity, admission)
+    node, thread, box = _start_node(config, identity, admission, loop, ready_timeout_s)
+    loop.start()
+    swarm = Swarm(node, loop, thread, box["token"], box)
+    _open_swarms.add(swarm)
+    return swarm
+
+
+def _identity_of(config: NodeConfig, made_here: bool, identity: Identity | None,
+                 admission: Admission | None) -> tuple[Identity, Admission]:  # fmt: skip
+    """The identity and admission given, or else the config's files."""
+    if identity is not None and admission is not None:
+        return identity, admission
+    try:
+        return load_identity(config)
+    except ConfigError as exc:
+        if not made_here:
+            raise
+        raise _no_file(exc) from None
+
+
+def _start_node(
+    config: NodeConfig, identity: Identity, admission: Admission, loop: LoopTrainer,
+    timeout_s: float | None,
+) -> tuple[Node, threading.Thread, dict[str, Any]]:  # fmt: skip
+    """Start the node of `loop` in a thread of its own and wait until it is ready."""
     if not structlog.is_configured():  # (its defaults print every debug line to stdout)
         configure_logging("info", "auto")
     ready = threading.Event()
@@ -450,12 +508,56 @@ def join(
     exit_on_sigterm()
     thread.start()
     try:
-        _wait_ready(node, thread, ready, box, ready_timeout_s)
+        _wait_ready(node, thread, ready, box, timeout_s)
     except BaseException:
+        _default_sigterm()
+        raise
+    return node, thread, box
+
+
+def _join_site(model: torch.nn.Module, world: int, config: NodeConfig, made_here: bool,
+               identity: Identity | None, admission: Admission | None, timeout_s: float | None,
+               evaluate: Callable[[torch.nn.Module], float] | None,
+               **kwargs: Any) -> Swarm:  # fmt: skip
+    """join() on one rank of a torchrun site (see geotrain.node.site): every rank calls it, and
+    each step of the way is agreed, so that a rank that fails makes every rank raise instead
+    of waiting on it."""
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    site = open_site(rank, world)
+    try:
+        model, layout = site_module(model)
+        if layout == SHARDED and evaluate is not None:
+            raise ValueError("evaluate: a sharded (FSDP) site's forward pass is a collective of "
+                             "all its ranks, which one rank's node cannot run alone: report the "
+                             "loss (opt.step(loss=...)), or evaluate in your loop")  # fmt: skip
+        _refuse_joined_twice(model)
+        config = lane_config(config, rank, world)
+        loop = SiteTrainer(model, layout, rank, world, evaluate if rank == 0 else None, **kwargs)
+        identity, admission = _identity_of(config, made_here, identity, admission)
+    except BaseException:
+        site.agree(False, "to prepare its node")
+        raise
+    site.agree(True, "to prepare its node", identity.peer_id)
+    try:
+        node, thread, box = _start_node(config, identity, admission, loop, timeout_s)
+    except BaseException:
+        site.agree(False, "to join the swarm")
+        raise
+    try:
+        site.agree(True, "to join the swarm")
+        trio.from_thread.run_sync(lambda: site.lead_or_follow(node.algorithm),
+                                  trio_token=box["token"])  # fmt: skip
+        site.agree_step(loop)
+        site.sync(loop, force=True)  # (each rank's share as its lane took it: checkpoint, peer)
+    except BaseException:
+        _stop_unready(node, box)
         _default_sigterm()
         raise
     loop.start()
     swarm = Swarm(node, loop, thread, box["token"], box)
+    swarm._site = site
     _open_swarms.add(swarm)
     return swarm
 
@@ -631,6 +733,7 @@ def _close_at_exit() -> None:
             continue
         structlog.get_logger().warning(
             "swarm_closed_at_exit", detail="geotrain.join's swarm was not closed: closing it now")
+        swarm._site = None  # (at exit the site's other ranks may be gone: no last sync)
         with contextlib.suppress(Exception):
             swarm.close(timeout_s=60.0)
 
