@@ -31,8 +31,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from ..testing import LocalSwarm
-from ..testing._swarm import SwarmNode
+from ..testing import LocalSwarm, SwarmNode
 from .algorithms import stop
 
 PLAIN = """
