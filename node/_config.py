@@ -314,7 +314,8 @@ class TrainingConfig:
         steps_over_step_time). 0: off.
     threads: torch CPU threads (0 leaves torch's default).
     precision: "fp32", or "bf16": forward pass and loss under autocast in bfloat16 (on GPUs
-        that have it, and on CPUs); weights, gradients and what travels stay float32 or the codec's.
+        that have it, and on CPUs); weights, gradients and what travels stay float32 or the
+        codec's. "auto" (the default): bf16 on a CUDA device that has it, fp32 elsewhere.
     weight_decay: L2 (sgd, adam) or decoupled (adamw) weight decay.
     warmup_steps / schedule / total_steps / min_lr_ratio: the learning rate rises linearly over
         warmup_steps, then stays ("constant") or decays to lr x min_lr_ratio at total_steps
@@ -349,7 +350,7 @@ class TrainingConfig:
     slowdown: float = 1.0
     step_time_ms: float = 0.0
     threads: int = 0
-    precision: str = "fp32"
+    precision: str = "auto"  # bf16 on CUDA: tensor cores; fp32 on a CPU, which gains little
     weight_decay: float | None = None  # None: the task's recipe (for every setting below too)
     warmup_steps: int | None = None
     schedule: str | None = None
@@ -416,8 +417,8 @@ class TrainingConfig:
         _check(0 <= self.step_time_ms <= 3_600_000, "training.step_time_ms", self.step_time_ms,
                "milliseconds, 0..3600000 (an hour)")  # fmt: skip
         _check(self.threads >= 0, "training.threads", self.threads, ">= 0")
-        _check(self.precision in ("fp32", "bf16"), "training.precision", self.precision,
-               "fp32 or bf16")  # fmt: skip
+        _check(self.precision in ("auto", "fp32", "bf16"), "training.precision", self.precision,
+               "auto, fp32 or bf16")  # fmt: skip
         for key, value in self.params.items():
             _check(
                 isinstance(value, int | float | str | bool),

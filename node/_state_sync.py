@@ -179,7 +179,8 @@ class StateSync:
         if plan is None:
             return ErrorReply(code="bad_request", reason=why[:500]), b""
         step = self._trainer.step
-        data, _ = await self._to_thread(read_chunk_encoded, self._trainer, plan, header.index)
+        data, _ = await self._to_thread(read_chunk_encoded, self._trainer, plan, header.index,
+                                        0, self._trainer.chunk_staging("state_sync"))  # fmt: skip
         return StateReply(step=step, chunks=len(plan)), data
 
     async def _serve_buffers(self) -> tuple[Header, bytes]:
@@ -534,8 +535,9 @@ class StateSync:
             raise _Failed(reason)
         device = self._trainer.task_device
         tensors = await self._to_thread(
-            decode_chunk, payload, "none", plan, index, device
-        )
+            decode_chunk, payload, "none", plan, index, device, None,
+            self._trainer.chunk_staging("state_sync"),
+        )  # fmt: skip
         now = trio.current_time()
         if now > started:
             self._links.record_transfer(peer, len(payload), now - started, now)

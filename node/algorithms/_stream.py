@@ -32,7 +32,7 @@ from geotrain.gossip import (
 )
 
 from .._peer_choice import PeerChoice
-from ..training import Trainer
+from ..training import ChunkStaging, Trainer
 from ._base import Tensors
 
 log = structlog.get_logger()
@@ -248,22 +248,55 @@ def read_chunk(trainer: Trainer, plan: ChunkPlan, index: int) -> list[tuple[Slic
 
 
 def read_chunk_encoded(
-    trainer: Trainer, plan: ChunkPlan, index: int, seed: int = 0
-) -> tuple[bytearray, list[torch.Tensor]]:
+    trainer: Trainer, plan: ChunkPlan, index: int, seed: int = 0,
+    staging: ChunkStaging | None = None,
+) -> tuple[bytearray, list[torch.Tensor]]:  # fmt: skip
     """Chunk `index` of the live model read straight into an uncompressed payload (codec none,
     `seed`; a read: see Trainer.read): the bytes `encode_chunk(read_chunk(...), "none")` gives,
-    with one copy of the values instead of two. Returns the payload and float32 views of the
-    values inside it (what was sent)."""
+    with one copy of the values instead of two. Returns the payload and views of the values
+    inside it (what was sent). With `staging` (a model on a device: the trainer's
+    chunk_staging), the values come through its host buffer: the read only queues the copy,
+    and this thread, not the training one, waits for it."""
     slices = plan.chunks[index]
+
+    def sources(live: Tensors) -> list[torch.Tensor]:
+        return [live[s.name].detach().reshape(-1)[s.start : s.stop] for s in slices]
 
     def fill(live: Tensors) -> tuple[bytearray, list[torch.Tensor]]:
         payload, views = compress.dense_named_payload(
             [(s.label, s.numel, live[s.name].dtype) for s in slices], seed=seed)
-        for s, view in zip(slices, views, strict=True):
-            view.copy_(live[s.name].detach().reshape(-1)[s.start : s.stop])
+        for view, src in zip(views, sources(live), strict=True):
+            view.copy_(src)
         return payload, views
 
-    return trainer.read(fill)
+    if staging is None:
+        return trainer.read(fill)
+    with staging.to_host() as copy:
+
+        def start(live: Tensors) -> list[torch.dtype]:  # (the lock is held only for this)
+            copy.start(sources(live))
+            return [live[s.name].dtype for s in slices]
+
+        dtypes = trainer.read(start)
+        payload, views = compress.dense_named_payload(
+            [(s.label, s.numel, dtype) for s, dtype in zip(slices, dtypes, strict=True)],
+            seed=seed)  # fmt: skip
+        for view, value in zip(views, copy.host(), strict=True):
+            view.copy_(value)
+    return payload, views
+
+
+def encode_staged(slices: list[tuple[Slice, torch.Tensor]], seed: int,
+                  staging: ChunkStaging) -> bytearray:  # fmt: skip
+    """An uncompressed payload (codec none, `seed`) of chunk copies of our own (`slices`, on
+    the model's device), their values brought through `staging`'s host buffer."""
+    with staging.to_host() as copy:
+        copy.start([t for _, t in slices])
+        payload, views = compress.dense_named_payload(
+            [(s.label, s.numel, t.dtype) for s, t in slices], seed=seed)
+        for view, value in zip(views, copy.host(), strict=True):
+            view.copy_(value)
+    return payload
 
 
 def model_chunk(model: Tensors, plan: ChunkPlan, index: int) -> list[tuple[Slice, torch.Tensor]]:
@@ -369,6 +402,7 @@ def decode_chunk(
     index: int,
     device: torch.device,
     squares: list[float] | None = None,
+    staging: ChunkStaging | None = None,
 ) -> list[torch.Tensor]:
     """A peer's chunk `index`: exactly the plan's slices, finite, decoded within its size.
     Uncompressed values on the CPU are views of `payload` when it is writable (a received
@@ -377,19 +411,28 @@ def decode_chunk(
     Args:
         squares: when given, each slice's squared L2 norm is appended to it (the finite check
             computes them: no extra pass for a caller that needs them).
+        staging: the host buffer uncompressed values cross to `device` through (the trainer's
+            chunk_staging, for a model on a device; a lossy codec's smaller payload is decoded
+            on the device by its codec); the checks then run on the device.
 
     Raises:
         compress.DecodeError: not a payload of `spec`'s family or bigger than the chunk.
         RejectedUpdate: other slices than the plan's ("names", "shape") or NaN/inf ("nonfinite").
     """
     expected = plan.chunks[index]
+    codec = compress.get_codec(spec)
+    staged = staging is not None and codec.name == "none"
     pairs = compress.decode_named(
         payload,
         max_numel=plan.chunk_numel_of(index),
-        device=device,
-        allowed=compress.codec_family(compress.get_codec(spec)),
+        device="cpu" if staged else device,
+        allowed=compress.codec_family(codec),
         borrow=True,
     )
+    if staged:  # (names and sizes are checked below, on the device's copies)
+        assert staging is not None
+        pairs = list(zip([label for label, _ in pairs],
+                         staging.to_device([t for _, t in pairs]), strict=True))  # fmt: skip
     labels = [label for label, _ in pairs]
     if labels != [s.label for s in expected]:
         raise RejectedUpdate("names", f"chunk {index}: slices {labels[:3]} are not the plan's")
@@ -500,6 +543,7 @@ class PairwiseMix:
         self.trainer, self.plan, self.spec, self.feedback = trainer, plan, spec, feedback
         self.weight, self.max_norm_ratio, self.clip, self.seed = weight, max_norm_ratio, clip, seed
         self.device = trainer.task_device
+        self.staging = trainer.chunk_staging("exchange")  # (None: the model is in host memory)
         self.sparse = compress.get_codec(spec).sparse
         self.half = mixes_in_half(spec, plan.numel)
         # chunk -> what we sent (until theirs came: its values, or with `half` its payload);
@@ -524,9 +568,17 @@ class PairwiseMix:
             if not 0 <= index < len(self.plan) or index in self.sent or index in self.received:
                 raise ValueError(f"chunk {index} of a {len(self.plan)}-chunk plan, or twice")
             self.sent[index] = None  # taken: being read and encoded
-        if self.spec == "none" and self.feedback is None:  # read straight into the message
-            payload, sent = read_chunk_encoded(self.trainer, self.plan, index, self.seed + index)
-            self.sent[index] = sent
+        if self.spec == "none" and self.feedback is None:
+            if self.staging is None:  # host memory: read straight into the message
+                payload, sent = read_chunk_encoded(self.trainer, self.plan, index,
+                                                   self.seed + index)  # fmt: skip
+                self.sent[index] = sent
+                return payload
+            # a device: what was sent stays there for the mix (a chunk's copy on the device),
+            # and the message is made from it through the host buffer
+            slices = read_chunk(self.trainer, self.plan, index)
+            payload = encode_staged(slices, self.seed + index, self.staging)
+            self.sent[index] = [t.float() for _, t in slices]
             return payload
         slices = read_chunk(self.trainer, self.plan, index)
         if self.half:  # the copies read are ours to overwrite: only the payload is kept
@@ -556,7 +608,8 @@ class PairwiseMix:
                 raise ValueError(f"chunk {index}: already received, or not sent by us")
             del self.sent[index]
         theirs_sq: list[float] = []
-        theirs = decode_chunk(payload, self.spec, self.plan, index, self.device, theirs_sq)
+        theirs = decode_chunk(payload, self.spec, self.plan, index, self.device, theirs_sq,
+                              self.staging)  # fmt: skip
         slices = self.plan.chunks[index]
         with self._lock:
             diffs = [self._buffer(s.name).reshape(-1)[s.start : s.stop] for s in slices]

@@ -15,6 +15,8 @@ from ._privacy import PrivacyError as PrivacyError
 from ._privacy import PrivacyStatistics as PrivacyStatistics
 from ._privacy import make_private as make_private
 from ._recipe import Recipe as Recipe
+from ._staging import ChunkStaging as ChunkStaging
+from ._staging import StagingStatistics as StagingStatistics
 from ._tasks import PARTITIONS as PARTITIONS
 from ._tasks import Task as Task
 from ._tasks import TaskContext as TaskContext

@@ -28,6 +28,7 @@ from ..state import (
     optimizer_to_checkpoint,
 )
 from ._optimizer_sync import OptimizerSync, advance_schedule
+from ._staging import ChunkStaging
 
 T = TypeVar("T")
 log = structlog.get_logger()
@@ -170,6 +171,8 @@ class LoopTrainer(OptimizerSync):
         self.max_bad_losses = 100  # that many in a row: Diverged (0: never; the node sets it)
         self._evaluate_failures = 0  # evaluations that raised or gave no number
         self.cut_short = False  # a change of the model was interrupted (Ctrl-C) midway
+        self._staging: dict[str, ChunkStaging] = {}  # chunk_staging's, by stream
+        self._staging_lock = threading.Lock()
 
     # -- what the node reads ----------------------------------------------------------------
     @property
@@ -198,6 +201,18 @@ class LoopTrainer(OptimizerSync):
     def task_device(self) -> torch.device:
         """Where the parameters that train lie (a frozen part may be elsewhere)."""
         return self._trained_one.device
+
+    def chunk_staging(self, stream: str) -> ChunkStaging | None:
+        """The one host buffer (pinned on CUDA) through which chunks of `stream` ("exchange",
+        "state_sync") cross between the model's device and the wire, made on first use; None
+        where the model is in host memory (chunks are read straight into their messages)."""
+        if self.task_device.type == "cpu":
+            return None
+        with self._staging_lock:
+            staging = self._staging.get(stream)
+            if staging is None:
+                staging = self._staging[stream] = ChunkStaging(self.task_device)
+            return staging
 
     def snapshot(self) -> dict[str, torch.Tensor]:
         """A copy of the parameters exchanged (a read: see `read`)."""
@@ -518,7 +533,7 @@ class LoopTrainer(OptimizerSync):
         if self.optimizer is not None and self.optimizer is not optimizer:
             raise ValueError("an optimizer is wrapped already: wrap one optimizer per swarm (a "
                              "second would take over its checkpoints and state sync)")  # fmt: skip
-        with self._lock:
+        with self._lock, self._writing:  # (a joiner reads the optimizer under _writing)
             try:
                 self._load_saved_state(optimizer, scheduler)
             except ValueError as exc:

@@ -1,7 +1,10 @@
 # The trainer's side of state sync for optimizer state and the schedule's position (LoopTrainer,
 # and so the daemon's Trainer).
-# Invariants: everything runs under the trainer's lock (a worker thread, never beside a step);
-# nothing is copied but the chunk a caller reads; a trainer without an optimizer (a library node
+# Invariants: a joiner's reads of the optimizer's state run under the trainer's `_writing` lock,
+# which an optimizer step holds (so beside a step's forward and backward passes, which never
+# change that state: a read that waited for a whole step at 10^8 missed its request's deadline
+# and the joiner started with a fresh optimizer); checks run under the trainer's lock; nothing
+# is copied but the chunk a caller reads; a trainer without an optimizer (a library node
 # before wrap) has no state to serve and checks nothing it cannot know yet.
 from __future__ import annotations
 
@@ -25,12 +28,13 @@ T = TypeVar("T")
 
 
 class OptimizerSync:
-    """Mixed into a trainer that has `optimizer` (or None) and `_lock`."""
+    """Mixed into a trainer that has `optimizer` (or None), `_lock` and `_writing`."""
 
     optimizer: torch.optim.Optimizer | None
     scheduler: Any
     model: torch.nn.Module
     _lock: threading.Lock | threading.RLock
+    _writing: threading.RLock
 
     def optimizer_names(self, optimizer: torch.optim.Optimizer | None) -> list[str] | None:
         """The model's names of `optimizer`'s parameters, in its order (None: it holds one the
@@ -44,7 +48,7 @@ class OptimizerSync:
     def optimizer_layout(self) -> dict | None:
         """The optimizer's class and state tensors, and how far its scheduler went, for a
         joiner (None: no optimizer yet)."""
-        with self._lock:
+        with self._writing:
             if self.optimizer is None:
                 return None
             steps = getattr(self.scheduler, "last_epoch", None)
@@ -57,7 +61,7 @@ class OptimizerSync:
 
     def optimizer_tensors(self, fn: Callable[[dict[str, torch.Tensor]], T]) -> T:
         """Run `fn(the optimizer's state tensors by name)` under the lock (a reader)."""
-        with self._lock, torch.no_grad():
+        with self._writing, torch.no_grad():
             try:
                 tensors = {} if self.optimizer is None else optimizer_to_checkpoint(
                     self.optimizer)[0]  # fmt: skip
