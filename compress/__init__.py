@@ -18,6 +18,7 @@ from ._cast import FP16 as FP16
 from ._cast import NoneCodec as NoneCodec
 from ._errors import DecodeError as DecodeError
 from ._feedback import ErrorFeedback as ErrorFeedback
+from ._lowbit import Int2 as Int2
 from ._named import codec_family as codec_family
 from ._named import decode_named as decode_named
 from ._named import dense_named_payload as dense_named_payload

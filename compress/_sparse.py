@@ -17,9 +17,10 @@ from ._base import Codec, dataclass, decode, decode_error, field_error, register
 from ._bits import pack_bits, unpack_bits
 from ._cast import NoneCodec
 from ._errors import DecodeError
+from ._rice import best_rice_parameter, expected_rice_nbytes, rice_decode, rice_encode, rice_nbytes
 from ._wire import Header, Reader, as_buffer
 
-VALUE_CODECS = ("none", "fp16", "bf16", "int8")
+VALUE_CODECS = ("none", "fp16", "bf16", "int8", "int4", "int2", "sign")
 _SIGMAS = 2.5  # confidence of the sampled threshold, in standard deviations of the count
 _MIN_HITS = 500  # expected sample elements above the threshold, at least
 _CHUNK = 1 << 18
@@ -65,9 +66,10 @@ class TopK(Codec):
     If it selects more than k * (1 + tol), an exact top-k over those candidates fixes it; if
     fewer than k * (1 - tol), a lower threshold gives a superset first (and torch.topk over the
     whole tensor is the last resort). Indices travel as gaps of the smallest fitting width, as
-    escaped gaps (a byte each, the long ones listed apart) or as a bitmap, whichever is
-    smallest; values through `inner`. Tensors too small to gain from
-    sparsity are sent dense with `inner`. NaN values are not refused here (the value codec may).
+    escaped gaps (a byte each, the long ones listed apart), as Golomb-Rice coded gaps or as a
+    bitmap, whichever is smallest; values through `inner` (down to 2 bits: int2, or 1: sign).
+    Tensors too small to gain from sparsity are sent dense with `inner`. NaN values are not
+    refused here (the value codec may).
     """
 
     fraction: float = 0.01
@@ -137,7 +139,8 @@ class TopK(Codec):
         k = self.k_for(numel)
         # escaped gaps: the long ones of k positions spread evenly at random, in 4 bytes each
         escaped = 8 + k + math.ceil(k * (1 - k / numel) ** _SHORT_GAPS) * 4
-        index = min(k * _width(8 * numel // k), (numel + 7) // 8, escaped)
+        index = min(k * _width(8 * numel // k), (numel + 7) // 8, escaped,
+                    expected_rice_nbytes(k, numel))  # fmt: skip
         return 10 + index + 8 + self.inner.expected_nbytes(k)
 
     @classmethod
@@ -150,6 +153,8 @@ class TopK(Codec):
             idx = _read_gaps(reader, k, width, n)
         elif mode == 2:
             idx = _positions(_read_escaped_gaps(reader, k, width, n), n)
+        elif mode == 3:
+            idx = _positions(rice_decode(reader, k, width, n), n)
         elif mode == 1 and width == 0:
             packed = reader.tensor((n + 7) // 8, torch.uint8, "topk bitmap", "cpu")
             if n % 8 and int(packed[-1]) >> (n % 8):
@@ -158,7 +163,7 @@ class TopK(Codec):
             if idx.numel() != k:
                 raise DecodeError(f"topk bitmap has {idx.numel()} bits set, expected k={k}")
         else:
-            raise DecodeError(f"topk index mode {mode} with width {width}: expected 0, 1/0 or 2")
+            raise DecodeError(f"topk index mode {mode} with width {width}: expected 0, 1/0, 2 or 3")
         values = _read_values(reader, k, device, "topk")
         out = torch.zeros(n, dtype=torch.float32, device=device)
         out.index_copy_(0, idx.to(device), values)
@@ -166,18 +171,22 @@ class TopK(Codec):
 
 
 def _index_part(gaps: np.ndarray, n: int, idx: torch.Tensor, device) -> list:
-    """The smallest of three index layouts for sorted positions (`gaps`: the zeros between
+    """The smallest of four index layouts for sorted positions (`gaps`: the zeros between
     them): gaps of one fixed width (mode 0); a bitmap (mode 1); escaped gaps (mode 2): a byte
-    per gap, 255 marking a long one whose value follows in a list of one fixed width. At 1%
-    density a long gap (>= 255) is about 8% of them: mode 2 takes ~1.3 bytes an index where
-    mode 0 takes 2."""
+    per gap, 255 marking a long one whose value follows in a list of one fixed width; Golomb-Rice
+    coded gaps (mode 3, `width` is its parameter b). At 1% density a long gap (>= 255) is about
+    8% of them: mode 2 takes ~1.3 bytes an index where mode 0 takes 2, and mode 3 ~1.0."""
     k = gaps.size
     width = _width(int(gaps.max()))
     long = gaps >= _SHORT_GAPS
     m = int(long.sum())
     long_width = _width(int(gaps[long].max())) if m else 1
-    sizes = {0: k * width, 1: (n + 7) // 8, 2: 8 + k + m * long_width}
+    rice_b = best_rice_parameter(gaps)
+    sizes = {0: k * width, 1: (n + 7) // 8, 2: 8 + k + m * long_width,
+             3: rice_nbytes(gaps, rice_b)}  # fmt: skip
     mode = min(sizes, key=lambda mode: (sizes[mode], mode))
+    if mode == 3:
+        return [bytes([3, rice_b]), *rice_encode(gaps, rice_b)]
     if mode == 0:
         return [bytes([0, width]), memoryview(gaps.astype(f"<u{width}")).cast("B")]
     if mode == 1:

@@ -4,15 +4,17 @@
 
 Grammar, by example:
     none | fp16 | bf16 | sign
-    int8                      int8:block=256,stochastic     int4:block=64
+    int8                      int8:block=256,stochastic     int4:block=64     int2:block=512
     qsgd:levels=16            qsgd:levels=4,bucket=1024
     topk:0.01                 topk:0.01+int8                topk:fraction=0.01,tol=0.05+fp16
+    topk:0.02+int2            topk:0.02+sign                (SparseLoCo-class: 2 or 1 bit values)
     randk:0.01                randk:0.01,unscaled+fp16
     powersgd:rank=4           powersgd:rank=4+fp16          (the codec after '+' is the fallback)
 
 The first argument may be given without its key (`topk:0.01`); boolean parameters are set by
 naming them (`stochastic`). After `+` comes the inner codec: the value codec of topk/randk
-(none, fp16, bf16 or int8), or PowerSGD's codec for tensors it does not low-rank code.
+(none, fp16, bf16, int8, int4, int2 or sign), or PowerSGD's codec for tensors it does not
+low-rank code.
 """
 
 from __future__ import annotations

@@ -11,9 +11,11 @@ Single-tensor payload, version 1 (all integers little-endian)::
       none/fp16/bf16  values (4 or 2 bytes each)
       int8/int4/qsgd  block:u32 flags:u8 | scales:f32 * ceil(n / block) | codes (1 byte or 1/2)
       sign            scale:f32 | bits (ceil(n / 8), bit i of byte j = element 8j + i, 1 = negative)
+      int2            block:u32 | (low, high):f32 * ceil(n / block) | 2 bits each (negative, high)
       topk            k:u64 mode:u8 width:u8 | index | len:u64 values-payload, the index one of
                       mode 0: gaps (k * width); mode 1 (width 0): bitmap (ceil(n / 8));
                       mode 2: long:u64 | short gaps:u8 * k (255: long) | long gaps (long * width)
+                      mode 3 (width: Rice parameter b): Golomb-Rice gaps, see _rice
       randk           draws:u64 unscaled:u8 | len:u64 values-payload (indices come from the seed)
       powersgd        rank:u16 | P:f32 * rows * rank | Q:f32 * cols * rank
 
