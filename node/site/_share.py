@@ -11,9 +11,12 @@ import math
 from collections.abc import Callable
 from typing import Any
 
+import structlog
 import torch
 
 from ..training import LoopTrainer
+
+log = structlog.get_logger()
 
 REPLICATED = "ddp"  # DistributedDataParallel: each rank holds the whole model
 SHARDED = "fsdp"  # FSDP2 (fully_shard): each rank holds its shard of each parameter
@@ -135,6 +138,12 @@ class SiteTrainer(LoopTrainer):
             return fn(params)
 
         return super().apply(changing, changes=changes)
+
+    def fetch_optimizer_at_wrap(self, fetch: Callable[[], None]) -> None:
+        """A site takes no optimizer state from a peer: each lane would take it from its own
+        partner site, and a DDP site's ranks would then step with different optimizer states."""
+        log.info("optimizer_state_not_fetched", detail="a site's ranks start their optimizer "
+                 "fresh after state sync (the model is the swarm's)")  # fmt: skip
 
     def take_changed(self) -> bool:
         """Whether this rank's share changed (a mix, a state sync) since the last call."""

@@ -112,6 +112,9 @@ class Site:
             RuntimeError: another rank failed (that rank raises its own error).
             ValueError: a rank joins with another identity than rank 0's.
         """
+        if not ok:  # (told at once too: a rank still waiting for its node gives up)
+            with contextlib.suppress(Exception):
+                self.store.set("failed", f"rank {self.rank} failed {what}")
         said = torch.zeros(2, self.world, dtype=torch.int64)  # (failed, identity digest) by rank
         said[0, self.rank] = 0 if ok else 1
         if peer_id is not None:
@@ -129,6 +132,15 @@ class Site:
             raise ValueError(f"rank(s) {other} of this site joined with another identity than "
                              "rank 0's: every rank of a site joins with the site's one identity "
                              "(the same identity.key and certificate)")  # fmt: skip
+
+    def failed_elsewhere(self) -> str | None:
+        """Why this rank should give up its join: another rank failed (None: none did)."""
+        try:
+            if not self.store.check(["failed"]):
+                return None
+            return f"{self.store.get('failed').decode()} (see its output): this rank stops too"
+        except Exception:  # (the store is gone: the job ends)
+            return "the site's store is gone (its job ended)"
 
     def agree_step(self, trainer: SiteTrainer) -> None:
         """Every rank goes on from rank 0's step (a rank that resumed from an older checkpoint
