@@ -39,14 +39,17 @@ log = structlog.get_logger()
 DEFAULT_CHUNK_BYTES = 8 * 2**20  # of float32: small enough to pipeline, big enough per round trip
 CHUNKS_IN_FLIGHT = 4  # requests of one stream on the wire at once
 FINE_CODECS = ("int8", "fp16", "bf16")  # dense codecs that round finely (no values dropped)
-# A model above this, mixing pairwise in a fine codec, keeps its mix buffer in bfloat16 and what
-# it sent as the encoded chunk (decoded again when the peer's chunk comes): the mix is then
-# x += w (Q(x_peer) - Q(x_sent)), the difference of what each end received from the other, so
-# the pair's sum is kept exactly. This saves the float32 buffer (a whole model copy through
-# every exchange) and a float32 copy of every chunk in flight, about half a model copy at a
-# 100M-parameter node's peak (python -m geotrain.node.bench.memory; the budget is 1.5 copies).
-# bfloat16 keeps 8 bits of mantissa of the difference (int8 itself rounds each value to 1/254
-# of its slice's largest)
+# A model above this, mixing pairwise in a fine codec or uncompressed, keeps its mix buffer in
+# bfloat16. In a fine codec it keeps what it sent as the encoded chunk (decoded again when the
+# peer's chunk comes): the mix is then x += w (Q(x_peer) - Q(x_sent)), the difference of what
+# each end received from the other. Uncompressed, the difference x_peer - x_sent is taken in
+# float32 and rounded into the buffer: the two ends' differences are exact negatives, and so
+# are their roundings. Either way the pair's sum is kept exactly, and each value moves by its
+# share of the difference to within bfloat16's 8 bits of mantissa (2^-9 of the difference, not
+# of the value; int8 itself rounds each value to 1/254 of its slice's largest). This saves the
+# float32 buffer (a whole model copy through every exchange) and a float32 copy of every chunk
+# in flight: half a model copy at a 100M-parameter node's peak (python -m
+# geotrain.node.bench.memory --late-joiner; the budget is 1.5 copies)
 MIX_HALF_ABOVE_BYTES = 64 * 2**20
 MAX_CHUNKS = 1 << 16  # the most chunks a plan may have: a peer cannot make us cut a model finely
 
@@ -503,8 +506,9 @@ class PairwiseMix:
     checked when it arrives (`receive`), and weight * (theirs - ours as sent) is kept in a buffer
     of the model's size; `commit` checks the whole (norm) and adds the buffer to the live model in
     one step under the trainer's lock. Dropping the object without `commit` changes nothing.
-    A model above MIX_HALF_ABOVE_BYTES in a fine codec keeps the buffer in bfloat16 and mixes
-    theirs - ours as the peer decoded it (see there: `half`).
+    A model above MIX_HALF_ABOVE_BYTES in a fine codec or codec none keeps the buffer in
+    bfloat16: in a fine codec it mixes theirs - ours as the peer decoded it, uncompressed the
+    float32 difference rounded (see there: `half`).
 
     With a sparse codec (top-k, random-k) only the values the peer sent are averaged; the ones it
     did not send decode as 0.0 and leave ours as they are (a value sent as exactly 0.0 is taken
@@ -615,6 +619,11 @@ class PairwiseMix:
             diffs = [self._buffer(s.name).reshape(-1)[s.start : s.stop] for s in slices]
         if isinstance(ours, bytes):  # (self.half)
             return self._receive_half(index, ours, theirs, theirs_sq, diffs)
+        if self.half:  # uncompressed: the exact difference, rounded into the bfloat16 buffer
+            exact = [torch.sub(t, o) for t, o in zip(theirs, ours, strict=True)]
+            torch._foreach_copy_(diffs, exact)
+            return self._received(index, sum(squared_norms(ours)), sum(theirs_sq),
+                                  sum(squared_norms(exact)))  # fmt: skip
         small = [i for i, s in enumerate(slices) if s.numel <= SMALL_SLICE]
         if small:  # many small tensors: a few multi-tensor calls, not a Python round per slice
             torch._foreach_copy_([diffs[i] for i in small], [theirs[i] for i in small])
@@ -695,7 +704,8 @@ class PairwiseMix:
 def mixes_in_half(spec: str, numel: int) -> bool:
     """Whether a pairwise mix of a float32 model of `numel` values in codec `spec` keeps its
     buffer in bfloat16 (MIX_HALF_ABOVE_BYTES)."""
-    return compress.get_codec(spec).name in FINE_CODECS and 4 * numel > MIX_HALF_ABOVE_BYTES
+    name = compress.get_codec(spec).name
+    return name in (*FINE_CODECS, "none") and 4 * numel > MIX_HALF_ABOVE_BYTES
 
 
 class _Arrivals:
