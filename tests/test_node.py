@@ -1,4 +1,5 @@
-"""The daemon end to end: real `geotrain node run` processes on loopback (slow)."""
+"""The daemon end to end: real `geotrain node run` processes on loopback (slow), and the
+daemon's peers in memory where the process is not the point."""
 
 from __future__ import annotations
 
@@ -6,14 +7,15 @@ import json
 import signal
 
 import pytest
+from _memory_swarm import reached as memory_reached
+from _memory_swarm import train_in_memory
 from _swarm import LocalSwarm
+from structlog.testing import capture_logs
 
 from geotrain.gossip import consensus_distance
 from geotrain.node.state import StateDir
 from geotrain.node.training._tasks import TaskContext, resolve_task
 from geotrain.node.training._trainer import Trainer
-
-pytestmark = pytest.mark.slow
 
 COMMON = {
     "training": {"task": "digits-mlp", "threads": 1, "eval_every": 25, "num_shards": 4},
@@ -71,6 +73,7 @@ def stop(swarm: LocalSwarm, nodes) -> None:
     swarm.wait_all(timeout=60)
 
 
+@pytest.mark.slow
 def test_four_peers_reach_accuracy_and_agree(swarm):
     nodes = start_swarm(swarm, 4, max_steps=0)
     # each at 90% and with exchanges behind it (on a fast machine 90% can come first)
@@ -132,6 +135,7 @@ def victim_id(node) -> str:
     return node.status()["peer_id"][:12]
 
 
+@pytest.mark.slow
 def test_late_joiner_syncs_state_and_catches_up(swarm):
     nodes = start_swarm(swarm, 3, max_steps=0)
     swarm.wait_until(lambda: reached(nodes, 0.90), 120, "first three at 90%")
@@ -151,6 +155,7 @@ def test_late_joiner_syncs_state_and_catches_up(swarm):
     assert late.status()["metric"] >= 0.85
 
 
+@pytest.mark.slow
 def test_a_killed_peer_rejoins_and_an_untrusted_late_joiner_takes_the_median_of_three(swarm):
     # gossip.robust set: the joiner's model is each value's median over three donors (one
     # dishonest donor cannot choose it), fetched over the real transport from the peers its
@@ -178,37 +183,47 @@ def test_a_killed_peer_rejoins_and_an_untrusted_late_joiner_takes_the_median_of_
     assert late.status()["metric"] >= 0.8  # where the swarm is (alone: ~60% after 25 steps)
 
 
-def test_poisoned_peer_does_not_change_the_others_accuracy(swarm):
-    # n3 trains a task whose loss is NaN: its parameters turn NaN after one step, and it keeps
+# The poisoned and the slow peer: the daemon's peers in memory on the virtual clock
+# (tests/_memory_swarm.py), where a 10x slower peer is 10x slower whatever the machine does.
+MEMORY_COMMON = {
+    "training": {"task": "digits-mlp", "eval_every": 25, "num_shards": 4},
+    "gossip": {"exchange_every": 2},
+}
+
+
+async def test_poisoned_peer_does_not_change_the_others_accuracy(tmp_path, autojump_clock):
+    # p3 trains a task whose loss is NaN: its parameters turn NaN after one step, and it keeps
     # offering them to everyone (it does not stop itself: max_nonfinite_steps = 0, as a
     # malicious peer would not).
     broken = {"training": {"task": "tests_tasks:nan_digits", "max_nonfinite_steps": 0},
               "gossip": {"codec": "none"}}  # fmt: skip
-    nodes = start_swarm(swarm, 4, max_steps=0, special={3: broken})
-    good, bad = nodes[:3], nodes[3]
-    swarm.wait_until(lambda: reached(good, 0.90), 240, "the three good peers at 90%")
-    swarm.wait_until(
-        lambda: sum(n.status()["rejected_updates"] for n in good) >= 3, 60, "rejections"
-    )
-    stop(swarm, nodes)
-    assert all(n.status()["metric"] >= 0.88 for n in good), [n.status() for n in good]
-    assert "update_rejected" in "".join(n.log_text() for n in good)
-    assert bad.status()["metric"] < 0.2  # it really was broken
+
+    def rejections(peers) -> int:
+        return sum(p.algorithm.counters.statistics().rejected for p in peers[:3])
+
+    with capture_logs() as logs:
+        peers = await train_in_memory(
+            tmp_path, MEMORY_COMMON, 4, special={3: broken},
+            until=lambda ps: memory_reached(ps[:3], 0.90) and rejections(ps) >= 3,
+        )  # fmt: skip
+    good, bad = peers[:3], peers[3]
+    assert all(p.metric >= 0.88 for p in good), [p.metric for p in good]
+    assert any(e["event"] == "update_rejected" for e in logs)
+    assert bad.metric < 0.2  # it really was broken
 
 
-def test_slow_peer_takes_part_without_holding_the_others_back(swarm):
-    # n2 is 10x slower. The others do not wait for it: they reach 300 steps while it is still far
+async def test_slow_peer_takes_part_without_holding_the_others_back(tmp_path, autojump_clock):
+    # p2 is 10x slower. The others do not wait for it: they reach 300 steps while it is still far
     # behind, and it still exchanges with them. (What it costs the others in step rate is a
     # benchmark, measured side by side: python -m geotrain.node.bench.straggler.)
-    nodes = start_swarm(swarm, 3, max_steps=0, special={2: {"training": {"slowdown": 10.0}}})
-    fast, slow = nodes[:2], nodes[2]
-    swarm.wait_until(
-        lambda: all((n.status() or {}).get("step", 0) >= 300 for n in fast)
-        and (slow.status() or {}).get("exchanges_ok", 0) > 0,
-        240,
-        "300 steps on the fast nodes and an exchange with the slow one",
-    )
-    stop(swarm, nodes)
-    slow_steps, fast_steps = slow.status()["step"], min(n.status()["step"] for n in fast)
+    def done(ps) -> bool:
+        return (all(p.trainer.step >= 300 for p in ps[:2])
+                and ps[2].algorithm.counters.statistics().ok > 0)  # fmt: skip
+
+    peers = await train_in_memory(tmp_path, MEMORY_COMMON, 3, until=done,
+                                  special={2: {"training": {"slowdown": 10.0}}})  # fmt: skip
+    fast, slow = peers[:2], peers[2]
+    slow_steps, fast_steps = slow.trainer.step, min(p.trainer.step for p in fast)
     assert slow_steps < 0.5 * fast_steps, (slow_steps, fast_steps)  # it really was slow
-    assert slow.status()["exchanges_ok"] > 0 and slow.status()["rejected_updates"] == 0
+    counters = slow.algorithm.counters.statistics()
+    assert counters.ok > 0 and counters.rejected == 0
