@@ -20,6 +20,7 @@ RUNS = {
     "char_lm.py": ([], ["--steps", "20", "--accumulate", "2"], "done: step 20"),
     "finetune_head.py": ([], ["--steps", "30"], "done: step 30"),
     "federated_site.py": ([], ["--max-steps", "10"], "done: step 10"),
+    "site_torchrun.py": ([], ["--ranks", "2", "--steps", "20"], "done: step 20"),
     "custom_task.py": (["--set", "training.task=custom_task:sine_regression",
                         "--set", "training.max_steps=20"], None, '"node_stopped"'),
 }
