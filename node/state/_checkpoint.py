@@ -10,6 +10,7 @@ import json
 import math
 import re
 import struct
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -52,6 +53,9 @@ _DTYPES = {
 }  # fmt: skip
 
 
+PIECE_BYTES = 8 * 2**20  # a tensor on a device comes to the host this much at a time
+
+
 def _raw(t: torch.Tensor) -> memoryview:
     """The bytes of a CPU tensor, without a copy when it is contiguous."""
     flat = t.detach().reshape(-1)
@@ -60,13 +64,34 @@ def _raw(t: torch.Tensor) -> memoryview:
     return memoryview(flat.view(torch.uint8).numpy()) if flat.numel() else memoryview(b"")
 
 
+def _pieces(t: torch.Tensor, host: list[torch.Tensor]) -> Iterator[memoryview]:
+    """A tensor's bytes in order: a CPU tensor's own memory (one view), a device tensor's through
+    one host buffer of PIECE_BYTES (`host`: [] or that buffer, made on first use and reused),
+    so a checkpoint of a model on a GPU never holds a host copy of a whole tensor. Each piece
+    is valid until the next is asked for."""
+    if t.device.type == "cpu":
+        yield _raw(t)
+        return
+    flat = t.detach().reshape(-1).contiguous().view(torch.uint8)  # (on the device)
+    if not host:
+        host.append(torch.empty(PIECE_BYTES, dtype=torch.uint8,
+                                pin_memory=torch.cuda.is_available()))  # fmt: skip
+    buffer = host[0]
+    for start in range(0, flat.numel(), PIECE_BYTES):
+        part = flat[start : start + PIECE_BYTES]
+        buffer[: part.numel()].copy_(part)
+        yield memoryview(buffer[: part.numel()].numpy())
+
+
 def _digest(tensors: dict[str, torch.Tensor]) -> str:
     h = hashlib.sha256()
+    host: list[torch.Tensor] = []
     for name in sorted(tensors):
         t = tensors[name]
         h.update(name.encode())
         h.update(str(tuple(t.shape)).encode() + str(t.dtype).encode())
-        h.update(_raw(t))
+        for piece in _pieces(t, host):
+            h.update(piece)
     return h.hexdigest()
 
 
@@ -97,8 +122,10 @@ def write_checkpoint(f: BinaryIO, ckpt: Checkpoint) -> None:
     of the whole is made; the caller keeps the tensors unchanged meanwhile)."""
     header, names = _header(ckpt)
     f.write(header)
+    host: list[torch.Tensor] = []
     for name in names:
-        f.write(_raw(ckpt.tensors[name]))
+        for piece in _pieces(ckpt.tensors[name], host):
+            f.write(piece)
 
 
 def encode_checkpoint(ckpt: Checkpoint) -> bytes:
