@@ -45,11 +45,13 @@ from .algorithms import (
     Network,
     ToThread,
     cached_plan,
+    chunks_in_flight,
     decode_chunk,
     encode_chunk,
     in_window,
     plan_refusal,
     read_chunk_encoded,
+    slow_start_s,
 )
 from .training import Trainer
 from .transport import ErrorReply, Header, PeerInfo, TransportError
@@ -489,9 +491,10 @@ class StateSync:
                 for s, mid in zip(plan.chunks[index], mids, strict=True):  # (here: one writer)
                     self._staging(staged, plan, s.name)[s.start : s.stop] = mid
 
+        width = min(self._width(peer, plan) for peer, _ in donors)
         try:
             await in_window(range(k), one, catch=_DonorFailed)  # (chunk 0 of each: plans agree)
-            await in_window(range(k, k * len(plan)), one, catch=_DonorFailed)
+            await in_window(range(k, k * len(plan)), one, catch=_DonorFailed, width=width)
         except _DonorFailed as exc:
             log.info("state_sync_failed", peer=exc.peer[:12], reason=str(exc),
                      chunks=progress.done, donors=k)  # fmt: skip
@@ -509,6 +512,12 @@ class StateSync:
         ordered = sorted(steps.values())
         return ordered[(len(ordered) - 1) // 2], ""
 
+    def _width(self, peer: str, plan: ChunkPlan) -> int:
+        """Chunks of `plan` to have in flight from `peer`: from its link's bandwidth-delay
+        product (see chunks_in_flight)."""
+        est = self._links.estimate(peer, trio.current_time())
+        return chunks_in_flight(est.rtt_s, est.goodput_bytes_per_s, 4 * plan.chunk_numel)
+
     def _staging(self, staged: dict, plan: ChunkPlan, name: str) -> torch.Tensor:
         """The flat staging tensor of `name` (made on first use)."""
         buffer = staged.get(name)
@@ -523,9 +532,12 @@ class StateSync:
         request = StateRequest(
             algorithm=self._name, plan=plan.digest, chunk_numel=plan.chunk_numel, index=index
         )
-        # the link's deadline for a whole window: this chunk may queue behind the others
-        nbytes = CHUNKS_IN_FLIGHT * (4 * plan.chunk_numel_of(index) + 4096)
-        deadline = self._links.exchange_deadline(peer, nbytes, trio.current_time())
+        # the link's deadline for a whole window (this chunk may queue behind the others) and
+        # the slow start of a fresh connection's
+        now = trio.current_time()
+        nbytes = self._width(peer, plan) * (4 * plan.chunk_numel_of(index) + 4096)
+        rtt = self._links.estimate(peer, now).rtt_s
+        deadline = self._links.exchange_deadline(peer, nbytes, now) + slow_start_s(rtt, nbytes)
         started = trio.current_time()
         reply, payload, _ = await self._request(
             address, request, b"", deadline_s=deadline, expect_peer=peer

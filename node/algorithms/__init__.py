@@ -22,6 +22,7 @@ from ._registry import algorithm_specs as algorithm_specs
 from ._registry import get_algorithm as get_algorithm
 from ._registry import register_algorithm as register_algorithm
 from ._stream import CHUNKS_IN_FLIGHT as CHUNKS_IN_FLIGHT
+from ._stream import WINDOW_BYTES as WINDOW_BYTES
 from ._stream import MAX_CHUNKS as MAX_CHUNKS
 from ._stream import MODELS_DIFFER as MODELS_DIFFER
 from ._stream import ChunkPlan as ChunkPlan
@@ -32,6 +33,8 @@ from ._stream import cached_plan as cached_plan
 from ._stream import decode_chunk as decode_chunk
 from ._stream import encode_chunk as encode_chunk
 from ._stream import in_window as in_window
+from ._stream import chunks_in_flight as chunks_in_flight
+from ._stream import slow_start_s as slow_start_s
 from ._stream import model_chunk as model_chunk
 from ._stream import plan_refusal as plan_refusal
 from ._stream import read_chunk as read_chunk

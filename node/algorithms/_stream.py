@@ -37,7 +37,14 @@ from ._base import Tensors
 
 log = structlog.get_logger()
 DEFAULT_CHUNK_BYTES = 8 * 2**20  # of float32: small enough to pipeline, big enough per round trip
-CHUNKS_IN_FLIGHT = 4  # requests of one stream on the wire at once
+CHUNKS_IN_FLIGHT = 4  # requests of one stream on the wire at once, at least
+# ... and at most this many bytes of them one way (memory: each chunk in flight holds buffers of
+# its size on both ends): on a long fat link the window grows with its bandwidth-delay product
+WINDOW_BYTES = 64 * 2**20
+# A chunk request spends about three round trips on the wire (its parts go, the reply's first part
+# comes back, the rest of the reply is pulled): a stream keeps this many BDPs of chunks in flight.
+BDP_ROUND_TRIPS = 3
+INITIAL_WINDOW_BYTES = 10 * 1448  # TCP's initial window (RFC 6928), where slow start begins
 FINE_CODECS = ("int8", "fp16", "bf16")  # dense codecs that round finely (no values dropped)
 # A model above this, mixing pairwise in a fine codec or uncompressed, keeps its mix buffer in
 # bfloat16. In a fine codec it keeps what it sent as the encoded chunk (decoded again when the
@@ -134,6 +141,24 @@ class ChunkPlan:
         return sum(s.numel for s in self.chunks[index])
 
 
+def chunks_in_flight(rtt_s: float, bytes_per_s: float, chunk_bytes: int) -> int:
+    """Chunk requests of one stream to keep on the wire at once on a link of `rtt_s` round trip
+    and `bytes_per_s` goodput: BDP_ROUND_TRIPS bandwidth-delay products of chunks and one more,
+    at least CHUNKS_IN_FLIGHT, at most WINDOW_BYTES of them (or CHUNKS_IN_FLIGHT of bigger
+    chunks). 1 Gbit/s at 150 ms and 8 MiB chunks: 8; 100 Mbit/s at 80 ms: 4."""
+    chunk_bytes = max(1, chunk_bytes)
+    most = max(CHUNKS_IN_FLIGHT, WINDOW_BYTES // chunk_bytes)
+    bdp = max(0.0, rtt_s) * max(0.0, bytes_per_s)
+    return max(CHUNKS_IN_FLIGHT, min(most, math.ceil(BDP_ROUND_TRIPS * bdp / chunk_bytes) + 1))
+
+
+def slow_start_s(rtt_s: float, nbytes: int) -> float:
+    """Seconds TCP's slow start may add to moving `nbytes` on a fresh (or idle, where the
+    kernel restarts it) connection: a round trip for each doubling of its window from the
+    initial one. 64 MiB at 150 ms: 1.8 s."""
+    return max(0.0, rtt_s) * max(0.0, math.log2(max(1, nbytes) / INITIAL_WINDOW_BYTES))
+
+
 async def in_window(
     indices: Iterable[int],
     fetch: Callable[[int], Awaitable[None]],
@@ -178,11 +203,20 @@ class ChunkTimer:
 
     def deadline(self, peers: PeerChoice, peer: str, nbytes: int, now: float) -> float:
         """Seconds a chunk request of `nbytes` each way may take: the link's deadline for the
-        bytes of a whole window (the chunk may queue behind CHUNKS_IN_FLIGHT - 1 others), plus
-        the tensor work of a window on both ends (each as long as ours)."""
-        window = CHUNKS_IN_FLIGHT * 2 * nbytes
-        compute = 2 * CHUNKS_IN_FLIGHT * self.seconds
-        return peers.exchange_deadline(peer, window, now) + 2 * compute
+        bytes of a whole window (the chunk may queue behind the window's others) and the slow
+        start of a fresh connection's window, plus the tensor work of a window on both ends
+        (each as long as ours)."""
+        width = self.width(peers, peer, nbytes, now)
+        window = width * 2 * nbytes
+        compute = 2 * width * self.seconds
+        rtt = peers.links.estimate(peer, now).rtt_s
+        return peers.exchange_deadline(peer, window, now) + slow_start_s(rtt, window) + 2 * compute
+
+    @staticmethod
+    def width(peers: PeerChoice, peer: str, nbytes: int, now: float) -> int:
+        """Chunks of about `nbytes` to keep in flight to `peer` (see chunks_in_flight)."""
+        est = peers.links.estimate(peer, now)
+        return chunks_in_flight(est.rtt_s, est.goodput_bytes_per_s, nbytes)
 
 
 PEER_CHUNK_HINT = "the asked node's network.peer_chunk_mb"

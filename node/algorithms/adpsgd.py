@@ -356,7 +356,8 @@ class Adpsgd(Algorithm):
             header = ExchangeChunk(xid=xid, index=index)
             await self._chunk(partner, address, mix, index, header, ExchangeChunkReply, moved)
 
-        await in_window(range(1, len(plan)), one, catch=_Abort)
+        width = self.chunk_timer.width(ctx.peers, partner, 4 * plan.chunk_numel, ctx.now())
+        await in_window(range(1, len(plan)), one, catch=_Abort, width=width)
 
     async def _chunk(self, partner, address, mix: PairwiseMix, index: int, header: Header,
                      expect: type, moved: list) -> None:  # fmt: skip

@@ -23,6 +23,7 @@ class _Outbound:
         self.address, self.sock, self.channel, self.peer = address, sock, channel, peer
         self.lost = trio.Event()
         self.multipart_slots = trio.Semaphore(MAX_PARTIAL_MESSAGES)
+        self.in_flight = 0  # requests on this connection now (the transport spreads them)
 
     async def exchange(
         self, header: bytes, payload: bytes | memoryview, counters: _Counters

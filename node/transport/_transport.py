@@ -6,8 +6,11 @@
 # bad frame on it closes that pipe only; nothing received is trusted before it authenticated under
 # a session key; all tasks live in the nursery of `open_transport` and stop when it exits.
 #
-# Wire: each node listens with a Rep0 socket and dials one Req0 socket per peer (contexts let many
-# requests share it; resend is off, because a resent frame would look like a replay). Before the
+# Wire: each node listens with a Rep0 socket and dials Req0 sockets to each peer, one connection
+# and session each (contexts let many requests share one; resend is off, because a resent frame
+# would look like a replay). A peer gets a further connection, up to connections_per_peer, only
+# when every one it has carries requests_per_connection requests already: one TCP connection
+# may not fill a long fat link (its window, its slow start, a loss halving it). Before the
 # session exists a message is one kind byte + body: 0x01 Noise msg 1 -> 0x02 msg 2, 0x03 msg 3 ->
 # 0x04 accepted | 0x7f reason. After it, every request and reply is one encrypted frame (_noise),
 # except that a request above part_bytes travels as several part frames, each answered (an empty
@@ -78,7 +81,7 @@ class Transport:
         self.config, self._creds, self.codec = config, creds, codec
         self._counters, self._nursery = counters, nursery
         self.address: str = address  # the bound listen address, port 0 resolved
-        self._outbound: dict[str, _Outbound] = {}
+        self._outbound: dict[str, list[_Outbound]] = {}  # by address, each with its session
         self._dial_locks: dict[str, trio.Lock] = {}
         self._backoff = DialBackoff()
         self._closed = False
@@ -131,7 +134,11 @@ class Transport:
             )
         with trio.move_on_after(deadline_s) as scope:
             conn = await self._connection(address, expect_peer)
-            reply = await self._exchange(conn, header_bytes, payload)
+            conn.in_flight += 1
+            try:
+                reply = await self._exchange(conn, header_bytes, payload)
+            finally:
+                conn.in_flight -= 1
         if scope.cancelled_caught:
             raise RequestTimeout(f"no reply from {address} within {deadline_s} s")
         try:
@@ -152,22 +159,46 @@ class Transport:
             await trio.lowlevel.checkpoint()  # a pending cancellation wins over "closed"
             raise PeerUnreachable(f"connection to {conn.address} lost: {exc}") from None
 
+    def _usable(self, address: str) -> list[_Outbound]:
+        """The live connections to `address` (one whose peer's admission ended is marked lost:
+        a new handshake must pass it again)."""
+        conns = self._outbound.get(address, [])
+        now = self._creds.clock()
+        for conn in conns:
+            if now >= conn.peer.admitted_until:
+                conn.lost.set()
+        return [c for c in conns if not c.lost.is_set()]
+
+    def _idlest(self, address: str) -> _Outbound | None:
+        """The live connection to `address` with the fewest requests in flight, unless a new
+        one should be dialled: none is live, or every one is full and there is room for more.
+        (A request that finds them full waits for the connection being dialled, one dial at a
+        time: it would wait as long for a slot of a full one.)"""
+        conns = self._usable(address)
+        if not conns:
+            return None
+        best = min(conns, key=lambda c: c.in_flight)
+        cfg = self.config
+        if best.in_flight < cfg.requests_per_connection:
+            return best
+        return best if len(conns) >= cfg.connections_per_peer else None
+
     async def _connection(self, address: str, expect_peer: str | None) -> _Outbound:
         lock = self._dial_locks.setdefault(address, trio.Lock())
         try:
-            async with lock:
-                conn = self._outbound.get(address)
-                if conn is not None and self._creds.clock() >= conn.peer.admitted_until:
-                    conn.lost.set()  # admission ended: a new handshake must pass it again
-                if conn is None or conn.lost.is_set():
-                    self._may_dial(address)
-                    conn = await self._dial(address, expect_peer)
-                    self._outbound[address] = conn
-                    self._nursery.start_soon(self._watch, conn)
+            conn = self._idlest(address)
+            if conn is None:
+                async with lock:
+                    conn = self._idlest(address)
+                    if conn is None:
+                        self._may_dial(address)
+                        conn = await self._dial(address, expect_peer)
+                        self._outbound.setdefault(address, []).append(conn)
+                        self._nursery.start_soon(self._watch, conn)
         finally:
             # One lock per address while someone dials it, not one per address ever tried.
             if not lock.locked() and lock.statistics().tasks_waiting == 0:
-                if self._dial_locks.get(address) is lock and address not in self._outbound:
+                if self._dial_locks.get(address) is lock and not self._outbound.get(address):
                     del self._dial_locks[address]
         if expect_peer is not None and conn.peer.peer_id != expect_peer:
             raise HandshakeError(
@@ -222,8 +253,11 @@ class Transport:
             await conn.lost.wait()
             log.info("connection_lost", peer=conn.peer.short_id, address=conn.address)
         finally:
-            if self._outbound.get(conn.address) is conn:
-                del self._outbound[conn.address]
+            conns = self._outbound.get(conn.address, [])
+            if conn in conns:
+                conns.remove(conn)
+            if not conns:
+                self._outbound.pop(conn.address, None)
                 lock = self._dial_locks.get(conn.address)
                 if lock is not None and not lock.locked():
                     del self._dial_locks[conn.address]
@@ -307,8 +341,9 @@ class Transport:
 
     def _close_all(self) -> None:
         self._closed = True
-        for conn in list(self._outbound.values()):
-            conn.sock.close()
+        for conns in list(self._outbound.values()):
+            for conn in conns:
+                conn.sock.close()
         self._outbound.clear()
 
 

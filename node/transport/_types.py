@@ -76,6 +76,14 @@ class TransportConfig:
             in flight at once, so that encrypting, sending and decrypting overlap instead of
             running one after the other.
         parts_in_flight: parts of one request on the wire at once.
+        connections_per_peer: the most connections (each its own TCP connection and session)
+            this node dials to one peer. A further one is dialled only when every open one
+            carries requests_per_connection requests: a model stream with many chunks in flight
+            spreads over several, a ping uses one. 4, because one TCP connection may not fill a
+            long fat link (its window and slow start, a loss halving it), and iperf3 -P 4 is
+            the measure of what several get (python -m geotrain.testbed.bench_goodput).
+        requests_per_connection: requests in flight on one connection before another is
+            dialled; 2, the multi-part requests one connection carries at once.
         max_reassembly_bytes: the most bytes the requests being reassembled from parts may hold
             at once, over every connection (each is allocated whole at its first part); a part
             that would start one beyond it is refused and its connection dropped, and one peer's
@@ -96,6 +104,8 @@ class TransportConfig:
     part_bytes: int = 4 * 2**20
     parts_in_flight: int = 4
     max_reassembly_bytes: int = 0
+    connections_per_peer: int = 4
+    requests_per_connection: int = 2
 
     def __post_init__(self) -> None:
         if not isinstance(self.listen, str) or "://" not in self.listen:
@@ -122,6 +132,11 @@ class TransportConfig:
             raise ValueError(f"part_bytes: {self.part_bytes}, expected >= 65536")
         if not 1 <= self.parts_in_flight <= 64:
             raise ValueError(f"parts_in_flight: {self.parts_in_flight}, expected 1..64")
+        if not 1 <= self.connections_per_peer <= 64:
+            raise ValueError(f"connections_per_peer: {self.connections_per_peer}, expected 1..64")
+        if not 1 <= self.requests_per_connection <= 4096:
+            raise ValueError(f"requests_per_connection: {self.requests_per_connection}, "
+                             "expected 1..4096")  # fmt: skip
         if not 0 <= self.max_reassembly_bytes <= 2**42:
             raise ValueError(f"max_reassembly_bytes: {self.max_reassembly_bytes}, expected "
                              "0..2**42 (0: twice max_message_bytes)")  # fmt: skip
