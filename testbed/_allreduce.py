@@ -4,7 +4,9 @@
 # once), and a hierarchical one (a ring inside each region, a ring of one leader per region, a
 # broadcast inside each region); each hop runs at the lowest of the region link's rate, the
 # sender's uplink and the receiver's downlink, capped by TCP's loss limit, and costs its one-way
-# delay per step; a ring's step waits for its slowest hop; bytes are IP bytes (_vnet.wire_bytes).
+# delay per step; a ring's step waits for its slowest hop; bytes are IP bytes (_vnet.wire_bytes);
+# "testbed" is the ring as the real testbed's gloo runs it: each message also carries gloo's
+# framing (GLOO_MESSAGE_BYTES).
 from __future__ import annotations
 
 import math
@@ -13,6 +15,14 @@ from ._linkspec import LinkMatrix
 from ._vnet import MATHIS_C, TCP_IP_HEADERS, wire_bytes
 
 INF = math.inf
+# IP bytes a gloo message of a ring all-reduce costs beyond its payload's TCP/IP segments and
+# ACKs: its op header and the small control messages beside it, with their ACKs (about 5.5
+# packets more than the data's). Measured on loopback in a private network namespace, DDP with
+# gloo, 2 and 4 ranks: 480 bytes a message at 4,810 parameters, 650 at 100,000
+# (`python -m geotrain.testbed.bench_virtual --gloo-probe`); the smaller figure is taken: it
+# is what the calibration runs' size sends, and at sizes where a message is megabytes either is
+# noise
+GLOO_MESSAGE_BYTES = 480
 
 
 def _hop(matrix: LinkMatrix, src: int, dst: int, mtu: int) -> tuple[float, float]:
@@ -28,14 +38,16 @@ def _hop(matrix: LinkMatrix, src: int, dst: int, mtu: int) -> tuple[float, float
     return rate, path.delay_ms / 1000
 
 
-def _ring(matrix: LinkMatrix, members: list[int], nbytes: int, mtu: int) -> tuple[float, int]:
+def _ring(matrix: LinkMatrix, members: list[int], nbytes: int, mtu: int,
+          framing: int = 0) -> tuple[float, int]:  # fmt: skip
     """(seconds, IP bytes) of a ring all-reduce (reduce-scatter then all-gather: 2 (n - 1) steps
-    of nbytes / n each) among `members`."""
+    of nbytes / n each) among `members`; `framing`: bytes each message adds (gloo's)."""
     n = len(members)
     if n < 2:
         return 0.0, 0
     piece = -(-nbytes // n)
     wire, acks = wire_bytes(piece, mtu)
+    acks += framing
     step = 0.0
     for k, src in enumerate(members):
         rate, delay = _hop(matrix, src, members[(k + 1) % n], mtu)
@@ -61,16 +73,20 @@ def _broadcast(matrix: LinkMatrix, leader: int, members: list[int], nbytes: int,
     return seconds, (len(chain) - 1) * (wire + acks)
 
 
-ALGORITHMS = ("best", "ring", "hierarchical")
+ALGORITHMS = ("best", "ring", "hierarchical", "testbed")
 
 
 def allreduce_cost(matrix: LinkMatrix, nbytes: int, mtu: int = 1500,
                    algorithm: str = "best") -> tuple[float, int, str]:  # fmt: skip
     """(seconds, IP bytes on the wire, "ring" | "hierarchical") of an all-reduce of `nbytes`
     (the model's fp32 gradients) among every peer of `matrix`: the faster of the two ("best"),
-    or the one named (gloo's DDP runs a ring)."""
+    or the one named ("testbed": the ring with gloo's framing, as the real testbed's DDP runs
+    it)."""
     peers = list(range(matrix.n_peers))
     order = sorted(peers, key=lambda p: (matrix.regions.index(matrix.peer_regions[p]), p))
+    if algorithm == "testbed":
+        seconds, sent = _ring(matrix, order, nbytes, mtu, GLOO_MESSAGE_BYTES)
+        return seconds, sent, "ring"
     ring = _ring(matrix, order, nbytes, mtu)
     groups = [[p for p in order if matrix.peer_regions[p] == r] for r in matrix.regions]
     groups = [g for g in groups if g]
@@ -84,3 +100,11 @@ def allreduce_cost(matrix: LinkMatrix, nbytes: int, mtu: int = 1500,
     if algorithm == "hierarchical" or hier[0] < ring[0]:
         return hier[0], hier[1], "hierarchical"
     return ring[0], ring[1], "ring"
+
+
+def gloo_ddp_startup_bytes(matrix: LinkMatrix, nbytes: int, mtu: int = 1500) -> int:
+    """IP bytes the real testbed's DDP sends before its first step: torch DDP's constructor
+    broadcasts rank 0's parameters (`nbytes`) to every other rank, each a gloo message. (The
+    rendezvous and the shape check's few hundred bytes are left out.)"""
+    wire, acks = wire_bytes(nbytes, mtu)
+    return (matrix.n_peers - 1) * (wire + acks + GLOO_MESSAGE_BYTES)

@@ -33,6 +33,14 @@ if TYPE_CHECKING:
     from ._rundir import RunDir
 
 
+def _seconds_list(text: str) -> tuple[float, ...]:
+    """"0,1.5,0.2" -> (0.0, 1.5, 0.2) (argparse names the flag in its error)."""
+    try:
+        return tuple(float(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected seconds, comma-separated") from None
+
+
 def register(subparsers: argparse._SubParsersAction) -> None:
     """Add `testbed` and its subcommands to the `geotrain` parser."""
     parser = subparsers.add_parser(
@@ -104,10 +112,17 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     run.add_argument("--mtu", type=int, default=1500,
                      help="--clock virtual: the path MTU whose TCP/IP headers the bytes count "
                           "(default: 1500)")  # fmt: skip
-    run.add_argument("--allreduce", choices=("best", "ring", "hierarchical"), default="best",
+    run.add_argument("--allreduce", choices=("best", "ring", "hierarchical", "testbed"),
+                     default="best",
                      help="--clock virtual: the DDP baselines' all-reduce: the faster of a ring "
-                          "and a hierarchical one (DDP at its strongest), or the one named "
-                          "(gloo, which the real testbed runs, does a ring) (default: best)")
+                          "and a hierarchical one (DDP at its strongest), or the one named; "
+                          "testbed: gloo's ring as the real testbed's DDP runs it (its framing, "
+                          "its start-up broadcast and stop-rule checks), for calibration "
+                          "(default: best)")  # fmt: skip
+    run.add_argument("--peer-start-s", type=_seconds_list, default=(), metavar="S,S,...",
+                     help="--clock virtual: when each geotrain peer starts, in seconds (one a "
+                          "peer; default: all at once), e.g. a real run's start spread for "
+                          "calibration")  # fmt: skip
     run.add_argument("--max-steps", type=int, default=0, metavar="N",
                      help="--clock virtual: stop each system after N steps (0: no limit), for "
                           "systems figures of models too big to train to a target")  # fmt: skip
@@ -480,8 +495,9 @@ def cmd_run_virtual(args: argparse.Namespace, command: tuple[str, ...] = ()) -> 
         options = _run_options(args, command, "none", False)
         sc, out, target, metric = options.scenario, options.out, options.target, options.metric
         virtual = VirtualOptions(seed=args.seed, step_jitter=args.step_jitter, mtu=args.mtu,
-                                 max_steps=args.max_steps, allreduce=args.allreduce)
-        check_virtual(options)
+                                 max_steps=args.max_steps, allreduce=args.allreduce,
+                                 peer_start_s=args.peer_start_s)  # fmt: skip
+        check_virtual(options, virtual)
         if out.exists() and (not out.is_dir() or any(out.iterdir())):
             raise TestbedError(f"--out {str(out)!r}: exists and is not an empty folder")
     except (ScenarioError, TestbedError, ValueError) as exc:

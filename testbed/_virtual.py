@@ -35,9 +35,9 @@ from geotrain.node.state import StateDir
 from geotrain.node.testing import header_codec, peer_parts
 from geotrain.node.training import TaskContext, Trainer, resolve_task
 
-from ._allreduce import ALGORITHMS, allreduce_cost
+from ._allreduce import ALGORITHMS, allreduce_cost, gloo_ddp_startup_bytes
 from ._availability import availability_json
-from ._ddp import task_optimizer
+from ._ddp import STOP_CHECK_EVERY, task_optimizer
 from ._faults import FaultRunner
 from ._run import RunOptions, TestbedError, consensus_of_finite
 from ._rundir import write_json
@@ -50,6 +50,7 @@ STATUS_EVERY_S = 1.0  # a peer's metrics line, as a testbed node writes one a se
 SAMPLE_EVERY_S = 0.25  # the bytes meter's samples, as the real testbed's supervisor takes them
 DDP_BUCKET_BYTES = 25 * 2**20  # torch DDP's bucket_cap_mb default
 BACKWARD_SHARE = 2 / 3  # of a step's compute: the backward pass, which DDP's buckets overlap
+STOP_FLAGS_BYTES = 12  # the real testbed DDP worker's stop-rule all-reduce: 3 float32 flags
 TIE_BREAK_S = 1e-7  # peer i's step costs i x this more: no two peers' steps end at one instant
 FINISH_S = 600.0  # virtual seconds a peer gets, once stopped, for its step, exchange, evaluation
 
@@ -66,7 +67,13 @@ class VirtualOptions:
         max_steps: stop each system after this many steps of its slowest peer (0: no limit):
             for systems figures at sizes where reaching a target takes too long.
         allreduce: the DDP baselines' all-reduce: "best" (the faster of a ring and a
-            hierarchical one: DDP at its strongest), "ring" (what gloo runs) or "hierarchical".
+            hierarchical one: DDP at its strongest), "ring", "hierarchical", or "testbed": the
+            real testbed's DDP as it runs (gloo's ring with its framing, DDP's start-up
+            broadcast, and the worker's stop-rule all-reduce after step 1 and every
+            STOP_CHECK_EVERY steps or local SGD period), which calibration compares against.
+        peer_start_s: when each geotrain peer's process starts, seconds (empty: all at once,
+            a microsecond apart): calibration gives a real run's spread (its processes start
+            as the machine lets them, and diloco's rounds keep that phase).
     """
 
     seed: int = 0
@@ -74,6 +81,7 @@ class VirtualOptions:
     mtu: int = 1500
     max_steps: int = 0
     allreduce: str = "best"
+    peer_start_s: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
         if not 0 <= self.step_jitter < 1:
@@ -82,13 +90,20 @@ class VirtualOptions:
             raise ValueError(f"--mtu {self.mtu!r}: expected 576..65535 bytes")
         if self.allreduce not in ALGORITHMS:
             raise ValueError(f"--allreduce {self.allreduce!r}: expected one of {ALGORITHMS}")
+        if not all(math.isfinite(s) and 0 <= s <= 3600 for s in self.peer_start_s):
+            raise ValueError(f"--peer-start-s {self.peer_start_s!r}: expected seconds in "
+                             "0..3600")  # fmt: skip
         if self.max_steps < 0:
             raise ValueError(f"--max-steps {self.max_steps!r}: expected >= 0 (0: no limit)")
 
 
-def check_virtual(options: RunOptions) -> None:
+def check_virtual(options: RunOptions, virtual: VirtualOptions | None = None) -> None:
     """Refuse what a virtual run does not model, naming it, before anything starts."""
     sc = options.scenario
+    starts = len(virtual.peer_start_s) if virtual is not None else 0
+    if starts and starts != sc.n_peers:
+        raise TestbedError(f"--peer-start-s: {starts} times for {sc.n_peers} peers: expected "
+                           "one a peer")  # fmt: skip
     unsupported = [b for b in options.baselines if b not in VIRTUAL_BASELINES]
     if unsupported:
         raise TestbedError(f"--baseline {','.join(unsupported)}: not in virtual time (it has "
@@ -129,7 +144,7 @@ def run_virtual(options: RunOptions, virtual: VirtualOptions,
     Returns:
         The summary (also written to `out/summary.json`).
     """
-    check_virtual(options)
+    check_virtual(options, virtual)
     sc, out = options.scenario, options.out
     if out.exists() and any(out.iterdir()):
         raise TestbedError(f"--out {str(out)!r}: exists and is not empty")
@@ -502,9 +517,11 @@ def _run_geotrain(options: RunOptions, virtual: VirtualOptions, profile: _Clock,
             faults._links = swarm.net  # (partitions and degrades change the virtual links)
             holder["swarm"] = swarm
             await nursery.start(swarm.net.flows.run)
-            for i in range(sc.n_peers):  # (a microsecond apart: no two timers tie)
+            starts = virtual.peer_start_s or (0.0,) * sc.n_peers
+            for i in sorted(range(sc.n_peers), key=lambda i: (starts[i], i)):
+                await trio.sleep_until(max(starts[i], trio.current_time()))
                 swarm.start(i)
-                await trio.sleep(1e-6)
+                await trio.sleep(1e-6)  # (a microsecond apart at least: no two timers tie)
             holder["stopped"] = await _supervise(swarm, options, virtual, faults, echo)
             swarm.stop.set()
             with trio.move_on_after(FINISH_S):  # each peer ends its step, exchange and evaluation
@@ -592,6 +609,7 @@ class _Track:
     links: _Links
     sent: int = 0
     faults_horizon: float = math.inf  # the run's duration: a hung all-reduce waits until then
+    next_check: int = 0  # the step after which the testbed's stop rule all-reduces (0: never)
     how: str | None = None
     stopped: str | None = None
     metrics: list[float | None] = field(default_factory=list)
@@ -634,6 +652,10 @@ def _run_allreduce(options: RunOptions, virtual: VirtualOptions, profile: _Clock
             track = _Track(name, [0.0] * n, files, samples, [], faults[name], links,
                            metrics=[None] * n, metric_steps=[None] * n,
                            faults_horizon=sc.duration_s)  # fmt: skip
+            if virtual.allreduce == "testbed" and name != "ideal":  # (StopRule's first check)
+                track.next_check = 1 + period if period else 1
+                if not period:  # DDP's constructor broadcasts rank 0's parameters
+                    track.sent += gloo_ddp_startup_bytes(links.matrix, 4 * numel, virtual.mtu)
             track.cadence = [EvalCadence(options.eval_every if period else options.ddp_eval_every,
                                          options.eval_every_s, clock=track.now)
                              for _ in range(n)]  # fmt: skip
@@ -706,6 +728,7 @@ def _advance(track: _Track, spent: list[float], step: int, period: int, numel: i
             _average(models)
             comm = _allreduce(track, max(track.t), 4 * numel, mtu, algorithm)
             track.t = [max(track.t) + comm] * n
+        _stop_check(track, step, period, mtu, algorithm)
         return
     compute = max(spent)  # (the ranks meet at every step: the slowest decides)
     if track.name != "ddp":
@@ -718,6 +741,19 @@ def _advance(track: _Track, spent: list[float], step: int, period: int, numel: i
     buckets = max(1, -(-nbytes // DDP_BUCKET_BYTES))
     exposed = max(comm / buckets, comm - BACKWARD_SHARE * compute)
     track.t = [max(track.t) + compute + exposed] * n
+    _stop_check(track, step, period, mtu, algorithm)
+
+
+def _stop_check(track: _Track, step: int, period: int, mtu: int, algorithm: str) -> None:
+    """The real testbed's DDP worker agrees when to stop by an all-reduce of three flags after
+    step 1 (local SGD: 1 + period) and every STOP_CHECK_EVERY steps (local SGD: every period)
+    after: a barrier every rank waits at (its StopRule; "testbed" only)."""
+    if not track.next_check or step != track.next_check:
+        return
+    unit = max(1, period)
+    track.next_check = step + max(STOP_CHECK_EVERY // unit, 1) * unit
+    comm = _allreduce(track, max(track.t), STOP_FLAGS_BYTES, mtu, algorithm)
+    track.t = [max(track.t) + comm] * len(track.t)
 
 
 def _allreduce(track: _Track, now: float, nbytes: int, mtu: int, algorithm: str) -> float:

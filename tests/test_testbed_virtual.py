@@ -10,7 +10,11 @@ import pytest
 import trio
 import trio.testing
 
-from geotrain.testbed._allreduce import allreduce_cost
+from geotrain.testbed._allreduce import (
+    GLOO_MESSAGE_BYTES,
+    allreduce_cost,
+    gloo_ddp_startup_bytes,
+)
 from geotrain.testbed._linkspec import AccessLink, LinkMatrix, LinkSpec
 from geotrain.testbed._vnet import FlowNetwork, wire_bytes
 
@@ -95,6 +99,18 @@ def test_allreduce_takes_the_faster_algorithm_and_names_it():
     assert how == "ring"
     assert seconds == pytest.approx(6 * (0.01 + piece[0] / (1000e6 / 8)))
     assert sent == 6 * 4 * (piece[0] + piece[1])
+
+
+def test_the_testbeds_allreduce_is_a_ring_with_gloos_framing_on_every_message():
+    flat = LinkMatrix.uniform(4, LinkSpec(delay_ms=10, rate_mbit=1000))
+    ring = allreduce_cost(flat, 4 * 4810, 65000, "ring")
+    testbed = allreduce_cost(flat, 4 * 4810, 65000, "testbed")
+    assert testbed[2] == "ring"
+    assert testbed[1] == ring[1] + 6 * 4 * GLOO_MESSAGE_BYTES  # (2 (n - 1) n messages)
+    assert testbed[0] == pytest.approx(ring[0], rel=0.01)
+    # DDP's constructor sends rank 0's parameters to the 3 others before the first step
+    assert gloo_ddp_startup_bytes(flat, 4 * 4810, 65000) == 3 * (
+        sum(wire_bytes(4 * 4810, 65000)) + GLOO_MESSAGE_BYTES)
 
 
 def test_allreduce_over_a_home_uplink_runs_at_the_uplink():
@@ -214,10 +230,37 @@ def test_a_different_seed_gives_a_different_run(tmp_path):
     assert 1 <= len(evaluated) <= lines[-1]["step"] // 20 + 2
 
 
+def test_the_testbeds_ddp_waits_for_its_stop_rule_after_step_1_and_every_10_steps(tmp_path):
+    # (--allreduce testbed: DDP as the real testbed's worker runs it, for calibration)
+    proc = _virtual_run(tmp_path / "r", "--baseline", "ddp", "--allreduce", "testbed",
+                        "--step-jitter", "0")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    t = {r["step"]: r["t"] for r in _lines(tmp_path / "r" / "ddp" / "peer-00.jsonl")}
+    plain = t[3] - t[2]
+    assert t[12] - t[11] == pytest.approx(plain)
+    # a check is a small all-reduce: a ring of 4 over the demo's 67 ms link, 6 x 67 ms
+    for step in (1, 11, 21):
+        longer = (t[step] - t.get(step - 1, 0.0)) - plain
+        assert longer == pytest.approx(6 * 0.067, abs=0.01), step
+
+
+def test_a_peer_given_a_later_start_starts_then(tmp_path):
+    proc = _virtual_run(tmp_path / "r", "--duration", "6", "--baseline", "none",
+                        "--peer-start-s", "0,0,4,0")  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    first = {}
+    for i in range(4):
+        lines = _lines(tmp_path / "r" / "geotrain" / f"peer-{i:02d}" / "metrics.jsonl")
+        first[i] = min(r["t"] for r in lines if r["step"] > 0)
+    # (the others wait for every peer, as a testbed node does: nobody steps before it is up)
+    assert min(first.values()) > 4.0
+
+
 @pytest.mark.parametrize(("args", "said"), [
     (["--clock", "virtual", "--baseline", "hivemind"], "not in virtual time"),
     (["--baseline", "ideal"], "only in virtual time"),
     (["--clock", "virtual", "--step-jitter", "2"], "--step-jitter"),
+    (["--clock", "virtual", "--peer-start-s", "0,1"], "--peer-start-s"),
 ])  # fmt: skip
 def test_what_a_clock_does_not_model_is_refused_before_anything_starts(tmp_path, args, said):
     proc = subprocess.run([sys.executable, "-m", "geotrain.node", "testbed", "run", "--out",
