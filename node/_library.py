@@ -29,6 +29,7 @@ from ._config import ConfigError, NodeConfig, config_from_toml, load_config
 from ._credentials import load_identity
 from ._node import Node
 from ._signals import default_sigterm, exit_on_sigterm
+from ._state_sync import ModelMismatch
 from .cli import configure_logging, launched_config
 from .identity import Admission, Identity
 from .site import (
@@ -459,7 +460,12 @@ def join(
     _refuse_joined_twice(model)
     loop = LoopTrainer(model, evaluate, metric=metric, higher_is_better=higher_is_better)
     identity, admission = _identity_of(config, made_here, identity, admission)
-    node, thread, box = _start_node(config, identity, admission, loop, ready_timeout_s)
+    node, thread, box, ready = _start_node(config, identity, admission, loop)
+    try:  # (here, not in _start_node: a refusal's traceback is join's and its wait's alone)
+        _wait_ready(node, thread, ready, box, ready_timeout_s)
+    except BaseException:
+        _default_sigterm()
+        raise
     loop.start()
     swarm = Swarm(node, loop, thread, box["token"], box)
     _open_swarms.add(swarm)
@@ -480,10 +486,11 @@ def _identity_of(config: NodeConfig, made_here: bool, identity: Identity | None,
 
 
 def _start_node(
-    config: NodeConfig, identity: Identity, admission: Admission, loop: LoopTrainer,
-    timeout_s: float | None,
-) -> tuple[Node, threading.Thread, dict[str, Any]]:  # fmt: skip
-    """Start the node of `loop` in a thread of its own and wait until it is ready."""
+    config: NodeConfig, identity: Identity, admission: Admission, loop: LoopTrainer
+) -> tuple[Node, threading.Thread, dict[str, Any], threading.Event]:
+    """Start the node of `loop` in a thread of its own; the event is set once it is ready (or
+    failed: see _wait_ready). SIGTERM exits the program from now on (_default_sigterm puts it
+    back when the start fails)."""
     if not structlog.is_configured():  # (its defaults print every debug line to stdout)
         configure_logging("info", "auto")
     ready = threading.Event()
@@ -507,12 +514,7 @@ def _start_node(
     thread = threading.Thread(target=run, name="geotrain-node", daemon=True)
     exit_on_sigterm()
     thread.start()
-    try:
-        _wait_ready(node, thread, ready, box, timeout_s)
-    except BaseException:
-        _default_sigterm()
-        raise
-    return node, thread, box
+    return node, thread, box, ready
 
 
 def _join_site(model: torch.nn.Module, world: int, config: NodeConfig, made_here: bool,
@@ -541,8 +543,18 @@ def _join_site(model: torch.nn.Module, world: int, config: NodeConfig, made_here
         raise
     site.agree(True, "to prepare its node", identity.peer_id)
     try:
-        node, thread, box = _start_node(config, identity, admission, loop, timeout_s)
+        node, thread, box, ready = _start_node(config, identity, admission, loop)
+        _wait_ready(node, thread, ready, box, timeout_s, site.failed_elsewhere)
+    except ModelMismatch as exc:
+        _default_sigterm()
+        site.agree(False, "to join the swarm")
+        raise ModelMismatch(
+            f"{exc}. This site of {world} ranks exchanges shares named for their layout and "
+            f"rank count ('{loop.layout}:{rank}of{world}/...'): every site of a swarm must run "
+            "as many ranks with the same layout (DDP or FSDP2), and a site does not mix with "
+            "peers of one process") from None  # fmt: skip
     except BaseException:
+        _default_sigterm()
         site.agree(False, "to join the swarm")
         raise
     try:
@@ -598,11 +610,23 @@ def _no_file(exc: ConfigError) -> ConfigError:
 
 
 def _wait_ready(node: Node, thread: threading.Thread, ready: threading.Event,
-                box: dict[str, Any], timeout_s: float | None) -> None:  # fmt: skip
+                box: dict[str, Any], timeout_s: float | None,
+                give_up: Callable[[], str | None] | None = None) -> None:  # fmt: skip
     """Wait for a joining node to be ready; one that fails, or is not ready in `timeout_s`, or
-    a Ctrl-C meanwhile, raises (the node stopped first)."""
+    a Ctrl-C meanwhile, raises (the node stopped first); so does a `give_up` that says why
+    (polled: another rank of a site failed to join), as a RuntimeError."""
     try:
-        in_time = ready.wait(timeout_s)
+        if give_up is None:
+            in_time = ready.wait(timeout_s)
+        else:
+            deadline = None if timeout_s is None else time.monotonic() + timeout_s
+            while not (in_time := ready.wait(0.2)):
+                if deadline is not None and time.monotonic() > deadline:
+                    break
+                why = give_up()
+                if why is not None:
+                    _stop_unready(node, box)
+                    raise RuntimeError(why)
     except BaseException:  # Ctrl-C while waiting: the node stops first, then it goes on
         _stop_unready(node, box)
         raise
