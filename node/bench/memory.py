@@ -106,15 +106,16 @@ class RssSampler:
     def __init__(self, nodes: list[SwarmNode], every_s: float = 0.1) -> None:
         self.nodes, self.every_s = nodes, every_s
         self.high: dict[str, tuple[float, float]] = {}  # name -> (MB, when)
-        self.samples: dict[str, list[tuple[float, float]]] = {}  # name -> [(when, MB)]
+        # name -> [(when, MB, of which file-backed MB)]
+        self.samples: dict[str, list[tuple[float, float, float]]] = {}
 
     def sample(self) -> None:
         for node in self.nodes:
-            mb = _rss_mb(node.pid)
+            mb, file_mb = _rss_mb(node.pid), _rss_mb(node.pid, "RssFile:")
             if mb is None:
                 continue
             now = time.time()
-            self.samples.setdefault(node.name, []).append((now, mb))
+            self.samples.setdefault(node.name, []).append((now, mb, file_mb or 0.0))
             if mb > self.high.get(node.name, (0.0, 0.0))[0]:
                 self.high[node.name] = (mb, now)
 
@@ -125,12 +126,12 @@ class RssSampler:
             time.sleep(self.every_s)
 
 
-def _rss_mb(pid: int | None) -> float | None:
+def _rss_mb(pid: int | None, field: str = "VmRSS:") -> float | None:
     if pid is None:
         return None
     try:
         for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
+            if line.startswith(field):
                 return int(line.split()[1]) * 1024 / 1e6
     except (OSError, ValueError, IndexError):
         return None
