@@ -123,6 +123,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                      help="--clock virtual: when each geotrain peer starts, in seconds (one a "
                           "peer; default: all at once), e.g. a real run's start spread for "
                           "calibration")  # fmt: skip
+    run.add_argument("--partners", choices=("policy", "oracle"), default="policy",
+                     help="--clock virtual: policy (gossip.policy chooses), or oracle: each peer "
+                          "exchanges only with fixed partners computed offline from the links "
+                          "(its near ones, and the cheapest bridges between the groups), the "
+                          "best fixed partners a policy is measured against (default: policy)")
     run.add_argument("--max-steps", type=int, default=0, metavar="N",
                      help="--clock virtual: stop each system after N steps (0: no limit), for "
                           "systems figures of models too big to train to a target")  # fmt: skip
@@ -496,7 +501,8 @@ def cmd_run_virtual(args: argparse.Namespace, command: tuple[str, ...] = ()) -> 
         sc, out, target, metric = options.scenario, options.out, options.target, options.metric
         virtual = VirtualOptions(seed=args.seed, step_jitter=args.step_jitter, mtu=args.mtu,
                                  max_steps=args.max_steps, allreduce=args.allreduce,
-                                 peer_start_s=args.peer_start_s)  # fmt: skip
+                                 peer_start_s=args.peer_start_s,
+                                 partners=args.partners)  # fmt: skip
         check_virtual(options, virtual)
         if out.exists() and (not out.is_dir() or any(out.iterdir())):
             raise TestbedError(f"--out {str(out)!r}: exists and is not an empty folder")

@@ -53,6 +53,10 @@ BACKWARD_SHARE = 2 / 3  # of a step's compute: the backward pass, which DDP's bu
 STOP_FLAGS_BYTES = 12  # the real testbed DDP worker's stop-rule all-reduce: 3 float32 flags
 TIE_BREAK_S = 1e-7  # peer i's step costs i x this more: no two peers' steps end at one instant
 FINISH_S = 600.0  # virtual seconds a peer gets, once stopped, for its step, exchange, evaluation
+PARTNERS = ("policy", "oracle")
+# the oracle's partners of a peer: those whose exchange costs at most this many times its
+# cheapest one (a near region's peers, not a continent away)
+ORACLE_SPREAD = 2.0
 
 
 @dataclass(frozen=True)
@@ -74,6 +78,9 @@ class VirtualOptions:
         peer_start_s: when each geotrain peer's process starts, seconds (empty: all at once,
             a microsecond apart): calibration gives a real run's spread (its processes start
             as the machine lets them, and diloco's rounds keep that phase).
+        partners: "policy" (gossip.policy chooses) or "oracle": each peer chooses uniformly
+            among fixed partners computed offline from the links (oracle_partners), the best
+            fixed partners a partner policy is measured against.
     """
 
     seed: int = 0
@@ -82,6 +89,7 @@ class VirtualOptions:
     max_steps: int = 0
     allreduce: str = "best"
     peer_start_s: tuple[float, ...] = ()
+    partners: str = "policy"
 
     def __post_init__(self) -> None:
         if not 0 <= self.step_jitter < 1:
@@ -93,6 +101,8 @@ class VirtualOptions:
         if not all(math.isfinite(s) and 0 <= s <= 3600 for s in self.peer_start_s):
             raise ValueError(f"--peer-start-s {self.peer_start_s!r}: expected seconds in "
                              "0..3600")  # fmt: skip
+        if self.partners not in PARTNERS:
+            raise ValueError(f"--partners {self.partners!r}: expected one of {PARTNERS}")
         if self.max_steps < 0:
             raise ValueError(f"--max-steps {self.max_steps!r}: expected >= 0 (0: no limit)")
 
@@ -287,6 +297,41 @@ def _virtual_trio(fn: Callable[[], Any], seed: int) -> Any:
 # -- geotrain --------------------------------------------------------------------------------
 
 
+def oracle_partners(matrix, nbytes: int) -> list[set[int]]:
+    """Each peer's best fixed partners, computed offline from the links: those whose exchange
+    (a round trip, and `nbytes` at the path's rate) costs at most ORACLE_SPREAD x its cheapest
+    one's, both ways; then the cheapest bridge between the groups this leaves, until they are
+    one graph (else the groups never mix)."""
+    n = matrix.n_peers
+
+    def cost(i: int, j: int) -> float:
+        there, back = matrix.path_spec(i, j), matrix.path_spec(j, i)
+        rate = min(math.inf if s.rate_mbit is None else s.rate_mbit * 1e6 / 8
+                   for s in (there, back))  # fmt: skip
+        return (there.delay_ms + back.delay_ms) / 1000 + nbytes / rate
+
+    sets = []
+    for i in range(n):
+        costs = {j: cost(i, j) for j in range(n) if j != i}
+        cheapest = min(costs.values())
+        sets.append({j for j, c in costs.items() if c <= ORACLE_SPREAD * cheapest})
+    for i in range(n):
+        for j in list(sets[i]):
+            sets[j].add(i)
+    while True:
+        group, todo = {0}, [0]
+        while todo:
+            for j in sets[todo.pop()] - group:
+                group.add(j)
+                todo.append(j)
+        if len(group) == n:
+            return sets
+        i, j = min(((i, j) for i in sorted(group) for j in range(n) if j not in group),
+                   key=lambda pair: cost(*pair))  # fmt: skip
+        sets[i].add(j)
+        sets[j].add(i)
+
+
 def _virtual_peer_id(index: int, seed: int) -> str:
     return peer_id_from_public_key(hashlib.sha256(f"virtual/{seed}/{index}".encode()).digest())
 
@@ -388,6 +433,11 @@ class _Peer:
             self._restore(snapshot)
         self.pid = index * 1000 + incarnation  # (the summary splits a peer's lines by pid)
         self.peer_id = _virtual_peer_id(index, swarm.virtual.seed)
+        partners = None
+        if swarm.virtual.partners == "oracle":
+            nbytes = 4 * sum(p.numel() for p in self.trainer.params().values())
+            chosen = oracle_partners(swarm.net.matrix, nbytes)[index]
+            partners = {_virtual_peer_id(j, swarm.virtual.seed) for j in chosen}
         self.cost = swarm.profile.stream(index, f"geotrain/{incarnation}")
         self.step_ends: list[float] = []
         self.transport = swarm.net.attach(index, self.peer_id, self._handle)
@@ -395,7 +445,7 @@ class _Peer:
             cfg, self.peer_id, peer_address(index), self.transport, self.trainer,
             swarm.nursery.start_soon, rng=random.Random(f"{swarm.virtual.seed}/rng/{index}"),
             step_interval_s=self._step_interval, clock=trio.current_time,
-            incarnation=1 + incarnation,
+            incarnation=1 + incarnation, partners=partners,
         )  # fmt: skip
         self.scope = trio.CancelScope()
         self.finished = trio.Event()  # its last evaluation and line are written

@@ -113,6 +113,15 @@ def test_the_testbeds_allreduce_is_a_ring_with_gloos_framing_on_every_message():
         sum(wire_bytes(4 * 4810, 65000)) + GLOO_MESSAGE_BYTES)
 
 
+def test_the_oracles_partners_are_the_near_peers_and_the_cheapest_bridge():
+    from geotrain.testbed._virtual import oracle_partners
+
+    sets = oracle_partners(_two_regions(20), 4 * MB)
+    # each peer's own region, and one bridge (the cheapest pair across: the lowest indices)
+    assert sets[1] == {0, 2, 3} and sets[5] == {4, 6, 7}
+    assert sets[0] == {1, 2, 3, 4} and sets[4] == {0, 5, 6, 7}
+
+
 def test_allreduce_over_a_home_uplink_runs_at_the_uplink():
     flat = LinkMatrix.uniform(2, LinkSpec(delay_ms=10, rate_mbit=1000))
     homes = LinkMatrix(flat.regions, flat.peer_regions, flat.links,

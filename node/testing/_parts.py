@@ -6,10 +6,10 @@
 from __future__ import annotations
 
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 
-from geotrain.gossip import LinkTable, PartnerSelector, client_address
+from geotrain.gossip import Candidates, LinkTable, PartnerSelector, client_address
 
 from .._config import NodeConfig
 from .._membership_service import MembershipService
@@ -42,6 +42,20 @@ class PeerParts:
         return ErrorReply(code="bad_request", reason=f"unexpected {type(header).__name__}"), b""
 
 
+class FixedPartners(PartnerSelector):
+    """Chooses uniformly among a fixed set of partners only (those of them live): the oracle a
+    virtual run measures partner policies against, its set computed offline from the links."""
+
+    def __init__(self, partners: Collection[str], self_id: str, rng: random.Random) -> None:
+        super().__init__("uniform", self_id, rng=rng)
+        self.partners = frozenset(partners)
+
+    def choose(self, candidates: Candidates | Sequence[str], links, payload_nbytes_for, now):
+        ids = candidates.ids if isinstance(candidates, Candidates) else candidates
+        return super().choose(tuple(p for p in ids if p in self.partners), links,
+                              payload_nbytes_for, now)  # fmt: skip
+
+
 def header_codec() -> HeaderCodec:
     """The node's header codec: every message type a node sends, the algorithms' included."""
     return node_header_codec()
@@ -59,6 +73,7 @@ def peer_parts(
     step_interval_s: Callable[[], float | None],
     clock: Callable[[], float],
     incarnation: int | None = None,
+    partners: Collection[str] | None = None,
 ) -> PeerParts:
     """Membership and algorithm of one peer, wired as the daemon wires them.
 
@@ -72,10 +87,12 @@ def peer_parts(
         rng: its seeded Random; step_interval_s: seconds between its steps lately (the codec
             choice reads it); clock: what times tensor work (a virtual run's stands still);
             incarnation: what its membership announces (None: the wall clock's seconds; a
-            restart must announce more than its last life did).
+            restart must announce more than its last life did); partners: a fixed set to choose
+            from (FixedPartners) instead of the configured policy (None).
     """
     links = LinkTable()
-    selector = PartnerSelector(config.gossip.policy, peer_id, rng=rng)
+    selector = (PartnerSelector(config.gossip.policy, peer_id, rng=rng) if partners is None
+                else FixedPartners(partners, peer_id, rng))  # fmt: skip
     announced = address if config.network.reachable else client_address(peer_id)
     membership = MembershipService(
         peer_id, announced, list(config.network.bootstrap), config.gossip.probe_interval_s,
