@@ -13,9 +13,10 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
+from ._linkcheck import SPEC_TOLERANCE, off_spec
 from ._plots import Plot, SystemRun, fault_x, load_systems, report_plots
 from ._rundir import RunDir
-from ._summary import comparison_notes, comparison_rows, comparison_title
+from ._summary import comparison_notes, comparison_rows, comparison_title, links_off_spec
 
 STYLE = """
 body { font-family: sans-serif; margin: 2em auto; max-width: 70em; color: #222; }
@@ -25,6 +26,7 @@ th, td { border: 1px solid #bbb; padding: 0.25em 0.6em; text-align: left; }
 th { background: #eef; } td.num { text-align: right; font-variant-numeric: tabular-nums; }
 pre { background: #f4f4f4; padding: 0.6em; white-space: pre-wrap; word-break: break-all; }
 .missing { background: #fff4e0; border: 1px solid #e0a040; padding: 0.5em 1em; }
+.off-spec { background: #ffe8e8; border: 1px solid #d04040; padding: 0.5em 1em; }
 figure { margin: 1em 0; } figure img { max-width: 100%; border: 1px solid #ddd; }
 figcaption { color: #555; font-size: 0.9em; }
 dt { font-weight: bold; float: left; clear: left; width: 12em; } dd { margin-left: 13em; }
@@ -52,7 +54,8 @@ def render_html(rundir: RunDir, summary: dict[str, Any], systems: Sequence[Syste
     parts = [
         "<!DOCTYPE html>", '<html lang="en"><head><meta charset="utf-8">',
         f"<title>{_e(title)}</title><style>{STYLE}</style></head><body>",
-        f"<h1>{_e(title)}</h1>", _missing(rundir.missing), _overview(rundir, summary),
+        f"<h1>{_e(title)}</h1>", _missing(rundir.missing),
+        _off_spec_warning(links_off_spec(rundir.run["links"])), _overview(rundir, summary),
         _comparison(summary, [p for p in plots if p.name in COMPARISON_PLOTS]),
         _scenario(rundir.scenario), _link_check(rundir.run["links"]), _faults(systems),
         _figures([p for p in plots if p.name not in COMPARISON_PLOTS]),
@@ -87,6 +90,19 @@ def _missing(missing: Sequence[str]) -> str:
     items = "".join(f"<li>{_e(m)}</li>" for m in missing)
     return (f'<section id="missing" class="missing"><h2>Missing from this run directory</h2>'
             f"<p>The report was made without:</p><ul>{items}</ul></section>")  # fmt: skip
+
+
+def _off_spec_warning(off: Sequence[dict[str, Any]]) -> str:
+    """A warning box naming each link the check found more than 10% off its spec."""
+    if not off:
+        return ""
+    items = "".join(f"<li>{_e(x['src'])} -> {_e(x['dst'])}: {_e('; '.join(x['misses']))}</li>"
+                    for x in off)  # fmt: skip
+    return ('<section id="off-spec" class="off-spec"><h2>Links off their spec</h2><p>The link '
+            f"check measured these links more than {SPEC_TOLERANCE:.0%} away from what the "
+            "scenario says (the emulator could not hold them on this machine, busy as it was): "
+            "the results are of the links as measured, not of the scenario's.</p>"
+            f"<ul>{items}</ul></section>")  # fmt: skip
 
 
 def _overview(rundir: RunDir, summary: dict[str, Any]) -> str:
@@ -193,6 +209,7 @@ def _link_check(links: list[Any]) -> str:
         link.get("spec_rtt_ms"), link.get("measured_rtt_ms"),
         link.get("spec_mbit"), link.get("measured_mbit"),
         f"{link['check_bytes'] >> 20} MiB" if isinstance(link.get("check_bytes"), int) else "-",
+        "; ".join(off_spec(link)) or ("ok" if link.get("measured_mbit") is not None else "-"),
     ) for link in links if isinstance(link, dict)]  # fmt: skip
     measured = any(r[3] is not None for r in rows)
     note = ("<p>Measured before training, one peer pair per region pair (a region with one "
@@ -200,7 +217,7 @@ def _link_check(links: list[Any]) -> str:
             "<p>The links were not measured (--no-link-check, or no emulation): "
             "spec figures only.</p>")  # fmt: skip
     header = ("link", "peers", "spec RTT ms", "measured RTT ms", "spec Mbit/s",
-              "measured Mbit/s", "transfer")  # fmt: skip
+              "measured Mbit/s", "transfer", f"within {SPEC_TOLERANCE:.0%} of spec")  # fmt: skip
     return (f'<section id="link-check"><h2>Link check</h2>{note}'
             f"{_table('links', header, rows)}</section>")  # fmt: skip
 

@@ -22,6 +22,10 @@ if TYPE_CHECKING:
     from ._namespaces import NamespaceSet
 
 PORT = 0  # the server takes a free port and says which: a fixed one could still be held (see serve)
+# A measured link further than this from its spec is flagged in summary.json and the HTML report:
+# the run's figures are then of the link the emulator gave, not the scenario's
+SPEC_TOLERANCE = 0.10
+RTT_SLACK_MS = 1.0  # ... RTTs within this of the spec always pass (a 0 ms spec measures ~0.1 ms)
 CHUNK = 1 << 20
 TIMEOUT_S = 60.0
 
@@ -42,6 +46,26 @@ class LinkMeasurement:
     connect_rtt_ms: float
     measured_mbit: float
     bulk_bytes: int
+
+
+def off_spec(link: dict) -> list[str]:
+    """What a checked link (an entry of run.json's `links`: spec_* and measured_* fields) misses
+    its spec by more than SPEC_TOLERANCE, said in words; [] when it holds it or was not
+    measured. A rate is missed either way (an unshaped spec has none to miss)."""
+    out = []
+    spec_rtt, rtt = link.get("spec_rtt_ms"), link.get("measured_rtt_ms")
+    if isinstance(spec_rtt, int | float) and isinstance(rtt, int | float):
+        if abs(rtt - spec_rtt) > max(SPEC_TOLERANCE * spec_rtt, RTT_SLACK_MS):
+            out.append(f"RTT {rtt:g} ms, spec {spec_rtt:g} ({_off(rtt, spec_rtt)})")
+    spec_mbit, mbit = link.get("spec_mbit"), link.get("measured_mbit")
+    if isinstance(spec_mbit, int | float) and spec_mbit > 0 and isinstance(mbit, int | float):
+        if abs(mbit - spec_mbit) > SPEC_TOLERANCE * spec_mbit:
+            out.append(f"{mbit:g} Mbit/s, spec {spec_mbit:g} ({_off(mbit, spec_mbit)})")
+    return out
+
+
+def _off(measured: float, spec: float) -> str:
+    return f"{(measured - spec) / spec:+.0%}" if spec else f"{measured - spec:+g}"
 
 
 def bulk_bytes_for(rate_mbit: float | None, seconds: float = 2.0, rtt_ms: float = 0.0) -> int:

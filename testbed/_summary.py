@@ -18,6 +18,8 @@ from typing import Any
 
 from geotrain.node.state import StateDir, format_bytes
 
+from ._linkcheck import SPEC_TOLERANCE, off_spec
+
 
 def load_jsonl(path: Path) -> list[dict[str, Any]]:
     """The complete JSON objects of a file, one a line (a torn last line, from a killed writer,
@@ -450,6 +452,9 @@ def build_summary(out: Path) -> dict[str, Any]:
         # time to target over the ideal's (DDP on links that cost nothing; virtual runs only)
         "wan_penalty": wan_penalty(systems),
         "links": run["links"],
+        # each measured link that missed its spec by more than 10%: the run's figures are of
+        # the link the emulator gave (a busy machine), not of the scenario's
+        "links_off_spec": links_off_spec(run["links"]),
         "faults": run["faults"],
         "rate_scale": run["rate_scale"],
         "duration_s": run.get("duration_s"),
@@ -667,9 +672,26 @@ def _final_cell(s: dict[str, Any]) -> str:
 
 def comparison_notes(summary: dict[str, Any]) -> list[str]:
     """The lines under the table: ratios geotrain vs the baseline when both are known, bytes."""
-    return [*_failure_lines(summary), *_ratios(summary["systems"]), *_equal_lines(summary),
+    return [*_off_spec_lines(summary), *_failure_lines(summary), *_ratios(summary["systems"]),
+            *_equal_lines(summary),
             *_fairness_lines(summary), *_utilization_lines(summary),
             f"bytes: {summary['systems'][0]['bytes_source']}"]  # fmt: skip
+
+
+def links_off_spec(links: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The links of run.json that missed their spec (see _linkcheck.off_spec): src, dst, misses."""
+    out = []
+    for link in links:
+        misses = off_spec(link) if isinstance(link, dict) else []
+        if misses:
+            out.append({"src": link.get("src"), "dst": link.get("dst"), "misses": misses})
+    return out
+
+
+def _off_spec_lines(summary: dict[str, Any]) -> list[str]:
+    return [f"LINK OFF SPEC: {x['src']} -> {x['dst']}: {'; '.join(x['misses'])} (more than "
+            f"{SPEC_TOLERANCE:.0%} off: the figures are of this link, not the scenario's)"
+            for x in summary.get("links_off_spec") or []]  # fmt: skip
 
 
 def _failure_lines(summary: dict[str, Any]) -> list[str]:

@@ -7,14 +7,41 @@ import os
 
 import pytest
 
-from geotrain.testbed._linkcheck import bulk_bytes_for, measure_link
+from geotrain.testbed._html import _off_spec_warning
+from geotrain.testbed._linkcheck import bulk_bytes_for, measure_link, off_spec
 from geotrain.testbed._namespaces import NETWORK, NamespaceSet, run_ip
+from geotrain.testbed._summary import links_off_spec
 
 
 def test_the_transfer_is_sized_to_the_spec_rate():
     assert bulk_bytes_for(80, seconds=1.5) == 15_000_000  # 80 Mbit/s for 1.5 s
     assert bulk_bytes_for(0.1) == 1 << 20  # never below 1 MiB
     assert bulk_bytes_for(None) == 256 << 20  # unshaped: enough to see the headroom
+
+
+def checked(spec_rtt, rtt, spec_mbit, mbit) -> dict:
+    return {"src": "a", "dst": "b", "spec_rtt_ms": spec_rtt, "measured_rtt_ms": rtt,
+            "spec_mbit": spec_mbit, "measured_mbit": mbit}  # fmt: skip
+
+
+def test_a_link_more_than_a_tenth_off_its_spec_is_flagged():
+    # the default demo's 2 Gbit/s link as one busy run measured it
+    assert off_spec(checked(20, 20.4, 2000, 1341)) == ["1341 Mbit/s, spec 2000 (-33%)"]
+    assert off_spec(checked(150, 170, 100, 95)) == ["RTT 170 ms, spec 150 (+13%)"]
+    assert off_spec(checked(20, 20.4, 1000, 1120)) == ["1120 Mbit/s, spec 1000 (+12%)"]
+    # within a tenth, a tiny RTT within a millisecond, unshaped, or not measured: not flagged
+    assert off_spec(checked(150, 164, 100, 91)) == []
+    assert off_spec(checked(0, 0.6, None, 3100)) == []
+    assert off_spec(checked(20, None, 100, None)) == []
+
+
+def test_the_summary_and_the_report_name_the_links_off_spec():
+    links = [checked(20, 20.4, 2000, 1341), checked(134, 134.5, 790, 780)]
+    off = links_off_spec(links)
+    assert off == [{"src": "a", "dst": "b", "misses": ["1341 Mbit/s, spec 2000 (-33%)"]}]
+    box = _off_spec_warning(off)
+    assert 'class="off-spec"' in box and "1341 Mbit/s, spec 2000 (-33%)" in box
+    assert _off_spec_warning(links_off_spec(links[1:])) == ""
 
 
 root = pytest.mark.skipif(os.geteuid() != 0, reason=f"needs root (euid={os.geteuid()})")
