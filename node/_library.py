@@ -402,6 +402,11 @@ def join(
         ...  # your loop: opt.step() takes part in the swarm
         swarm.close()  # or: with geotrain.join(...) as swarm:
 
+    Under torchrun (an initialized torch.distributed job of N > 1 ranks), every rank calls
+    join with its DistributedDataParallel or fully_shard-ed model and the same config: the job
+    joins as one site, rank r exchanging its share of the model with rank r of the partner
+    sites (docs/how-to/multi-gpu-sites.md).
+
     Returns once the node listens, knows `training.wait_for_peers` peers and (with no checkpoint
     of its own) has fetched the current model from one of them. Ctrl-C while it waits stops the
     node before the KeyboardInterrupt goes on; a swarm still open when the program ends is
@@ -434,7 +439,9 @@ def join(
             swarm's peers refuse this model as another one. ResumeError: the state directory
             holds another algorithm's checkpoint. TimeoutError: not ready in `ready_timeout_s`.
             ValueError: a model without parameters, or with every one frozen (requires_grad
-            False), or one an open swarm of this process trains already.
+            False), or one an open swarm of this process trains already; under torchrun, a
+            model neither DDP-wrapped nor fully_shard-ed, or ranks of other identities.
+            RuntimeError: under torchrun, another rank of the site failed to join.
     """
     if isinstance(config, torch.nn.Module) and model is None:  # join(model)
         config, model = None, config

@@ -193,3 +193,7 @@ class SiteTrainer(LoopTrainer):
                 target.copy_(saved.to(target.device))
             self.step = step
             self._scheduler_state = meta.get("scheduler")
+        if "optimizer" in meta:
+            log.warning("optimizer_not_resumed", step=step, detail="a sharded (FSDP2) site "
+                        "resumes its model shards, not its optimizer state: the optimizer "
+                        "starts fresh")  # fmt: skip
