@@ -19,6 +19,14 @@ NETWORK = ipaddress.IPv4Network("198.18.0.0/15")
 MAX_IFNAME = 15  # IFNAMSIZ - 1: names double as device names, so they must fit
 
 
+# Set in every namespace (each has its own): a connection that idled past its retransmission
+# timeout keeps its congestion window instead of starting over from the initial one, so a
+# model stream's next chunks, or the next exchange on the same connection, need not climb back
+# through slow start (Linux's default, 1, costs log2(window / 14 KB) round trips each time:
+# 1.8 s for 64 MiB at 150 ms). A node's host should set it too (docs/how-to/testbed-scenarios.md).
+NAMESPACE_SYSCTLS = ("net.ipv4.tcp_slow_start_after_idle=0",)
+
+
 class NamespaceError(RuntimeError):
     """A namespace command failed; the message carries the command and the kernel's answer."""
 
@@ -164,12 +172,14 @@ class NamespaceSet:
         return iter(self.namespaces)
 
     def create(self) -> None:
-        """Create the namespaces and bring their loopback up (idempotent per set)."""
+        """Create the namespaces, bring their loopback up and set their TCP sysctls
+        (NAMESPACE_SYSCTLS) (idempotent per set)."""
         self._created = True  # set first: a half-made set is still cleaned up
         batch = "".join(f"netns add {ns.name}\n" for ns in self.namespaces)
         run_ip(["-batch", "-"], input=batch)
         for ns in self.namespaces:
             run_ip(["-n", ns.name, "link", "set", "lo", "up"])
+            run_ip(["netns", "exec", ns.name, "sysctl", "-q", "-w", *NAMESPACE_SYSCTLS])
 
     def run(self, index: int, argv: Sequence[str], **kwargs) -> subprocess.CompletedProcess:
         """Run `argv` inside namespace `index` and wait for it (kwargs go to subprocess.run)."""

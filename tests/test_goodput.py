@@ -80,3 +80,13 @@ def test_a_state_sync_on_a_long_fat_link_spreads_over_more_connections(tmp_path)
     assert runs["fat"]["connections"] == 3  # as many as allowed, not one more
     assert runs["thin"]["connections"] <= 2
     assert runs["thin"]["connections"] < runs["fat"]["connections"]
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root (network namespaces)")
+def test_the_testbed_namespaces_keep_the_window_after_idle():
+    from geotrain.testbed._namespaces import NamespaceSet
+
+    with NamespaceSet(1) as nss:
+        done = nss.run(0, ["sysctl", "-n", "net.ipv4.tcp_slow_start_after_idle"],
+                       capture_output=True, text=True, check=True)  # fmt: skip
+    assert done.stdout.strip() == "0"
