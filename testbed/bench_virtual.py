@@ -4,6 +4,7 @@
         [--algorithms adpsgd,dpsgd,choco,diloco,selsync] [--duration 60] [--level 0.8]
         [--real-repeats 1] [--out DIR]
     python -m geotrain.testbed.bench_virtual --gloo-probe   (root: a network namespace)
+    python -m geotrain.testbed.bench_virtual --ddp-over-ideal homes,geo3,FILE.toml
 
 For each algorithm, the same scenario runs in real time (`geotrain testbed run`: node processes
 behind the emulated links, compute pinned by --step-ms; --real-repeats times) and with `--clock
@@ -13,6 +14,10 @@ markdown table per system: time and bytes to the target and to `--level` (an ear
 the steep part of the curve, where one evaluation's noise moves the time less), the peers' mean
 step rate and the bytes per step, each as virtual / real, and the load average during the real
 runs. Real runs need root (namespaces); on a busy machine they measure its load too.
+
+--ddp-over-ideal prints what a DDP step costs over the ideal's on each scenario, by the virtual
+DDP's own cost model (no jitter): at 1.1M parameters and 100 ms steps, and at 10.9M and 2 s or
+1 s steps (x the slowest peer's slowdown), with the all-reduce it takes.
 
 --gloo-probe measures what gloo's DDP puts on a loopback in a private network namespace per
 step (IP bytes and packets, 2 and 4 ranks, two model sizes): the framing _allreduce charges.
@@ -114,6 +119,25 @@ def _reals(reals: list[float | None]) -> str:
     return "-" if not known else "/".join(f"{r:.4g}" for r in known)
 
 
+def _ddp_over_ideal(scenarios: str) -> int:
+    from ._allreduce import allreduce_cost
+    from ._scenario import load_scenario
+    from ._virtual import BACKWARD_SHARE, DDP_BUCKET_BYTES
+
+    for name in scenarios.split(","):
+        sc = load_scenario(name)
+        slowest = max(sc.slowdown(i) for i in range(sc.n_peers))
+        for numel, step_s in ((1_126_410, 0.1), (10_872_576, 2.0), (10_872_576, 1.0)):
+            comm, _, how = allreduce_cost(sc.matrix(), 4 * numel)
+            compute = step_s * slowest
+            buckets = max(1, -(-4 * numel // DDP_BUCKET_BYTES))  # (as _virtual._advance)
+            exposed = max(comm / buckets, comm - BACKWARD_SHARE * compute)
+            print(f"{sc.name}: {numel:,} parameters, {step_s * 1000:g} ms steps (slowest x"
+                  f"{slowest:g}): all-reduce {comm:.2f} s ({how}); DDP pays "
+                  f"{(compute + exposed) / compute:.2f}x the ideal")  # fmt: skip
+    return 0
+
+
 def _gloo_probe() -> int:
     """Bytes and packets of gloo's DDP per step on a namespace's loopback."""
     ns = f"geotrain-gloo-{os.getpid()}"
@@ -192,6 +216,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reuse-real", action="store_true",
                         help="take the real runs already in --out (with their summary.json)")
     parser.add_argument("--gloo-probe", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--ddp-over-ideal", metavar="SCENARIOS", help=argparse.SUPPRESS)
     parser.add_argument("--gloo-rank-main", nargs=2, type=int, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.gloo_rank_main:
@@ -199,6 +224,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.gloo_probe:
         return _gloo_probe()
+    if args.ddp_over_ideal:
+        return _ddp_over_ideal(args.ddp_over_ideal)
     if args.real_repeats < 1:
         parser.error(f"--real-repeats {args.real_repeats}: expected >= 1")
     root = args.out or Path(tempfile.mkdtemp(prefix="bench_virtual."))
