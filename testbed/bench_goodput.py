@@ -164,8 +164,13 @@ def measure(link: BenchLink, loss: float, mb: float, keys: tuple[str, str],
         for mode, streams in (("bidir", 1), ("bidir", 4), ("reverse", 1), ("reverse", 4)):
             seconds = exchange_s if mode == "bidir" else sync_s
             out[f"iperf_{mode}_{streams}_mbit"] = _iperf(nss, seconds, streams, mode)
-        for mode in ("exchange", "sync"):
-            rate = link.exchange_capacity_mbit if mode == "exchange" else link.down_mbit
+        for mode, iperf in (("exchange", "bidir"), ("sync", "reverse")):
+            # the nodes' link tables start at what iperf3 got here (as their own transfers
+            # would have measured), never above the link's rate: on a machine that cannot
+            # carry the link's rate, deadlines from the rate alone would be too short
+            best = max(out[f"iperf_{iperf}_1_mbit"], out[f"iperf_{iperf}_4_mbit"])
+            cap = link.exchange_capacity_mbit if mode == "exchange" else link.down_mbit
+            rate = min(best, cap)
             r = run_nodes(nss, keys, mode, mb=mb, rtt_ms=link.rtt_ms, mbit=rate,
                           connections=connections)  # fmt: skip
             if not r["ok"]:
