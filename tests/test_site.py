@@ -210,11 +210,13 @@ def test_two_sites_of_two_ranks_train_as_well_as_two_of_one_process(tmp_path, la
         # the site's ranks hold one model, and each rank's lane exchanged its share
         assert results[0]["digest"] == results[1]["digest"], results
         assert all(r["exchanges_ok"] >= 5 for r in results), results
-        # no rank exchanges the whole model: each lane's node has its share, half of it
+        # no rank exchanges the whole model: each lane's node has its share, about half of
+        # it (FSDP2 shards each tensor by rows: a one-row layer is all rank 0's)
         shares = [json.loads(line)["parameters"] for line in site.text().splitlines()
                   if '"node_started"' in line]  # fmt: skip
         total = sum(p.numel() for p in _example_model().parameters())
-        assert len(shares) == 2 and all(n <= -(-total // 2) for n in shares), (shares, total)
+        assert len(shares) == 2 and sum(shares) == total, (shares, total)
+        assert max(shares) < 0.55 * total, (shares, total)
     # the two sites mixed: their models are nearer each other than to where they started
     a, b = (s.results()[0]["digest"] for s in sites)
     start = _digest(_example_model())
