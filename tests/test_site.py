@@ -148,10 +148,21 @@ class SiteRun:
             self.log.close()
 
     def kill(self) -> None:
+        """Stop the site: SIGTERM (torchrun hands it on to its ranks and waits for them), then
+        SIGKILL; then any rank left running (its status file's pid, if still this example)."""
         if self.proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(10)
+            self.proc.terminate()
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(10)
+        for status in self.dir.glob("state/rank*/status.json"):
+            with contextlib.suppress(OSError, ValueError, KeyError, ProcessLookupError):
+                pid = int(json.loads(status.read_text())["pid"])
+                if str(EXAMPLE) in Path(f"/proc/{pid}/cmdline").read_text(errors="replace"):
+                    os.kill(pid, signal.SIGKILL)
         self.log.close()
 
     def text(self) -> str:
