@@ -24,7 +24,7 @@ def _fresh_logging(monkeypatch):
     structlog.reset_defaults()
 
 
-# Under pytest-xdist (pyproject's addopts) these run one after another on one worker: they make
+# Under pytest-xdist (`-n 3 --dist loadgroup`) these run one after another on one worker: they make
 # network namespaces, and some look at the whole host (netem and namespace probes, "nothing left
 # behind"), which another run's namespaces would disturb. The 10^8-parameter tests hold ~2 GB a
 # node: one such test at a time.
@@ -40,6 +40,8 @@ _ONE_AT_A_TIME = {
 
 
 def pytest_collection_modifyitems(config, items):
+    if not config.pluginmanager.hasplugin("xdist"):  # (its xdist_group mark is registered by it)
+        return
     for item in items:
         for group, files in _ONE_AT_A_TIME.items():
             if item.path.name in files or (group == "namespaces" and "[testbed.md]" in item.name):
