@@ -22,27 +22,3 @@ def _fresh_logging(monkeypatch):
     monkeypatch.setattr(_log_quota, "_QUOTAS", {})
     yield
     structlog.reset_defaults()
-
-
-# Under pytest-xdist (`-n 3 --dist loadgroup`) these run one after another on one worker: they make
-# network namespaces, and some look at the whole host (netem and namespace probes, "nothing left
-# behind"), which another run's namespaces would disturb. The 10^8-parameter tests hold ~2 GB a
-# node: one such test at a time.
-_ONE_AT_A_TIME = {
-    "namespaces": {
-        "test_deployment.py", "test_testbed_availability.py", "test_testbed_cli.py",
-        "test_testbed_failures.py", "test_testbed_hivemind.py", "test_testbed_linkcheck.py",
-        "test_testbed_namespaces.py", "test_testbed_nat.py", "test_testbed_netem.py",
-        "test_testbed_report.py", "test_testbed_run.py", "test_testbed_userspace.py",
-    },
-    "large-models": {"test_node_large.py"},
-}  # fmt: skip
-
-
-def pytest_collection_modifyitems(config, items):
-    if not config.pluginmanager.hasplugin("xdist"):  # (its xdist_group mark is registered by it)
-        return
-    for item in items:
-        for group, files in _ONE_AT_A_TIME.items():
-            if item.path.name in files or (group == "namespaces" and "[testbed.md]" in item.name):
-                item.add_marker(pytest.mark.xdist_group(group))
