@@ -34,10 +34,7 @@ import torch
 from geotrain import compress
 from geotrain.gossip import NesterovOuter
 
-from ..training import TaskContext
-from ..training._corpus import stdlib_corpus
-from ..training._gpt import gpt
-from ..training._recipe import schedule_factor
+from ..training import TaskContext, gpt, schedule_factor, stdlib_corpus
 
 VALUE_BITS = ("none", "int8", "int4", "int2", "sign")
 SMALL = {"d_model": 64, "layers": 2, "heads": 4, "context": 64, "batch_size": 16}

@@ -1,9 +1,11 @@
 """What a node trains and how: tasks (built-in or `module:function`), the trainer, devices."""
 
 from ._builtin import BUILTIN_TASKS as BUILTIN_TASKS
+from ._corpus import stdlib_corpus as stdlib_corpus
 from ._device import resolve_device as resolve_device
 from ._gpt import GPT as GPT
 from ._gpt import SIZES as GPT_SIZES  # noqa: F401 (re-exported: the gpt task's named sizes)
+from ._gpt import gpt as gpt
 from ._loop import Diverged as Diverged
 from ._loop import LoopClosed as LoopClosed
 from ._loop import LoopTrainer as LoopTrainer
@@ -15,6 +17,7 @@ from ._privacy import PrivacyError as PrivacyError
 from ._privacy import PrivacyStatistics as PrivacyStatistics
 from ._privacy import make_private as make_private
 from ._recipe import Recipe as Recipe
+from ._recipe import schedule_factor as schedule_factor
 from ._staging import ChunkStaging as ChunkStaging
 from ._staging import StagingStatistics as StagingStatistics
 from ._tasks import PARTITIONS as PARTITIONS
