@@ -18,10 +18,10 @@ INF = math.inf
 # IP bytes a gloo message of a ring all-reduce costs beyond its payload's TCP/IP segments and
 # ACKs: its op header and the small control messages beside it, with their ACKs (about 5.5
 # packets more than the data's). Measured on loopback in a private network namespace, DDP with
-# gloo, 2 and 4 ranks: 480 bytes a message at 4,810 parameters, 650 at 100,000
-# (`python -m geotrain.testbed.bench_virtual --gloo-probe`); the smaller figure is taken: it
-# is what the calibration runs' size sends, and at sizes where a message is megabytes either is
-# noise
+# gloo (`python -m geotrain.testbed.bench_virtual --gloo-probe`, load ~22): with 4 ranks, as the
+# calibration runs, 473-489 bytes a message at 4,810 and 100,000 parameters; with 2 ranks
+# 467-1,036 (when ACKs go varies with the machine's load). At sizes where a message is megabytes
+# any of these is noise
 GLOO_MESSAGE_BYTES = 480
 
 
