@@ -112,3 +112,25 @@ async def test_a_flood_of_bad_gossip_is_counted_whole_and_logged_within_a_quota(
     assert svc.rejected["gossip"] == flood + 1  # every one counted ...
     assert len(said) == _log_quota.WARNINGS_PER_MINUTE + 1  # ... the log within its quota
     assert said[-1]["left_out"] == 30 and said[-1]["log_level"] == "warning"
+
+
+class InstantProbes:
+    """A transport whose answers take no time at all (a free link on the virtual clock)."""
+
+    async def request(self, address, header, payload=b"", *, deadline_s, expect_peer=None):
+        from geotrain.node._protocol import ProbeReply
+
+        return ProbeReply(received=len(payload)), b"", None
+
+
+async def test_a_probe_answered_in_no_time_leaves_the_link_unmeasured_and_the_node_running(
+    autojump_clock,
+):
+    links = LinkTable()
+    rng = random.Random(0)
+    svc = MembershipService(
+        "gtreach0", "tcp://r0:1", (), 1.0, InstantProbes(), links,
+        PartnerSelector("uniform", "gtreach0", rng=rng), rng,
+    )  # fmt: skip
+    await svc._probe("gtreach1", "tcp://r1:1")  # took 0 s: no goodput sample, no error
+    assert not links.estimate("gtreach1", 0.0).goodput_known
