@@ -61,6 +61,25 @@ class _Addresses(StaticMembership):
         return self._addresses.get(peer_id)
 
 
+def adpsgd_runtime(trainer: Trainer, gossip: GossipConfig, peer_id: str,
+                   addresses: dict[str, str], transport, index: int,
+                   start_soon) -> tuple[object, _Addresses, random.Random]:  # fmt: skip
+    """The adpsgd runtime of bench node `index` on `transport`, exchanging with `addresses`
+    (uniform partners, a fresh link table); with its membership and random source."""
+    peers = _Addresses(addresses)
+    rng = random.Random(index)
+    shapes = [(name, tuple(t.shape)) for name, t in trainer.params().items()]
+    choice = PeerChoice(
+        gossip, peers, LinkTable(), PartnerSelector("uniform", peer_id, rng=rng),
+        shapes, lambda: 1.0,
+    )  # fmt: skip
+    ctx = AlgorithmContext(
+        trainer=trainer, gossip=gossip, settings=None, peers=choice, network=transport,
+        rng=rng, start_soon=start_soon, chunk_numel=CHUNK_NUMEL, max_chunk_numel=16 * 2**20,
+    )  # fmt: skip
+    return get_algorithm("adpsgd").runtime(ctx), peers, rng
+
+
 async def _exchanges(millions: float, codec: str, repeats: int, state_sync: bool = False,
                      donors: int = 1) -> dict:  # fmt: skip
     admission = Admission.open_swarm("bench")
@@ -93,19 +112,11 @@ async def _exchanges(millions: float, codec: str, repeats: int, state_sync: bool
         ta, tb = transports[0], transports[-1]
         for i in range(n):
             others = range(donors) if i == n - 1 else [n - 1]
-            peers = _Addresses({ids[o].peer_id: transports[o].address for o in others})
-            rng = random.Random(i)
-            shapes = [(name, tuple(t.shape)) for name, t in trainers[i].params().items()]
-            choice = PeerChoice(
-                gossip, peers, LinkTable(), PartnerSelector("uniform", ids[i].peer_id, rng=rng),
-                shapes, lambda: 1.0,
+            algos[i], peers, rng = adpsgd_runtime(
+                trainers[i], gossip, ids[i].peer_id,
+                {ids[o].peer_id: transports[o].address for o in others}, transports[i], i,
+                nursery.start_soon,
             )  # fmt: skip
-            ctx = AlgorithmContext(
-                trainer=trainers[i], gossip=gossip, settings=None, peers=choice,
-                network=transports[i], rng=rng, start_soon=nursery.start_soon,
-                chunk_numel=CHUNK_NUMEL, max_chunk_numel=16 * 2**20,
-            )  # fmt: skip
-            algos[i] = get_algorithm("adpsgd").runtime(ctx)
             syncs[i] = StateSync(trainers[i], algos[i], "adpsgd", transports[i], peers,
                                  LinkTable(), rng, chunk_numel=CHUNK_NUMEL,
                                  max_chunk_numel=16 * 2**20,

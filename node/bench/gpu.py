@@ -25,7 +25,6 @@ import argparse
 import contextlib
 import json
 import math
-import random
 import statistics
 import sys
 import time
@@ -35,24 +34,21 @@ from dataclasses import dataclass
 import torch
 import trio
 
-from geotrain.gossip import LinkTable, PartnerSelector
-
 from .._allocator import tune_allocator
 from .._config import GossipConfig
 from .._memory import BUFFERS_PER_CHUNK, peak_rss_mb, reset_peak_rss, rss_mb
-from .._peer_choice import PeerChoice
 from .._protocol import node_header_codec
-from ..algorithms import CHUNKS_IN_FLIGHT, AlgorithmContext, get_algorithm
+from ..algorithms import CHUNKS_IN_FLIGHT, WINDOW_BYTES
 from ..cli import configure_logging
 from ..identity import Admission, Identity
-from ..testing import StaticMembership
 from ..training import TaskContext, Trainer, resolve_task
 from ..transport import TransportConfig, open_transport
+from .exchange import CHUNK_NUMEL, adpsgd_runtime
 
-CHUNK_NUMEL = 2 * 2**20  # network.chunk_mb = 8, the default
 # On a device, what an exchange may add to host memory per node: the memory estimate's chunks
 # in flight and one pinned staging buffer (a host copy of the model would be one more copy)
-HOST_BOUND_BYTES = (CHUNKS_IN_FLIGHT * BUFFERS_PER_CHUNK + 1) * 4 * CHUNK_NUMEL
+IN_FLIGHT = max(CHUNKS_IN_FLIGHT, WINDOW_BYTES // (4 * CHUNK_NUMEL))
+HOST_BOUND_BYTES = (IN_FLIGHT * BUFFERS_PER_CHUNK + 1) * 4 * CHUNK_NUMEL
 
 
 def pick_device() -> tuple[torch.device, str]:
@@ -88,15 +84,6 @@ def step_time(device: torch.device, size: str, precision: str, steps: int) -> di
             "loss": loss, "parameters": numel}  # fmt: skip
 
 
-class _Addresses(StaticMembership):
-    def __init__(self, peers: dict[str, str]) -> None:
-        super().__init__(list(peers))
-        self._addresses = peers
-
-    def address_of(self, peer_id: str) -> str | None:
-        return self._addresses.get(peer_id)
-
-
 @dataclass
 class _Pair:
     trainers: list[Trainer]
@@ -127,19 +114,11 @@ async def _pair(trainers: list[Trainer], exchange_every: int = 4) -> AsyncIterat
         ]  # fmt: skip
         for i in range(2):
             other = 1 - i
-            peers = _Addresses({ids[other].peer_id: transports[other].address})
-            rng = random.Random(i)
-            shapes = [(name, tuple(t.shape)) for name, t in trainers[i].params().items()]
-            choice = PeerChoice(
-                gossip, peers, LinkTable(), PartnerSelector("uniform", ids[i].peer_id, rng=rng),
-                shapes, lambda: 1.0,
+            algos[i], _, _ = adpsgd_runtime(
+                trainers[i], gossip, ids[i].peer_id,
+                {ids[other].peer_id: transports[other].address}, transports[i], i,
+                nursery.start_soon,
             )  # fmt: skip
-            ctx = AlgorithmContext(
-                trainer=trainers[i], gossip=gossip, settings=None, peers=choice,
-                network=transports[i], rng=rng, start_soon=nursery.start_soon,
-                chunk_numel=CHUNK_NUMEL, max_chunk_numel=16 * 2**20,
-            )  # fmt: skip
-            algos[i] = get_algorithm("adpsgd").runtime(ctx)
         yield _Pair(trainers, algos, transports)
         nursery.cancel_scope.cancel()
 
