@@ -10,7 +10,7 @@ import torch
 import trio
 from _runtimes import model, poison, runtimes, same
 
-from geotrain.node.algorithms._stream import encode_chunk, model_chunk
+from geotrain.node.algorithms._stream import encode_chunk, model_chunk, slow_start_s
 from geotrain.node.algorithms.choco import ChocoExchange, ChocoReply, ChocoSettings
 from geotrain.node.transport import ErrorReply, PeerInfo
 
@@ -114,11 +114,14 @@ async def test_a_partner_that_never_answers_costs_one_deadline(autojump_clock):
         before = model(a)
         started = trio.current_time()
         nbytes = a.ctx.peers.payload_nbytes("topk:0.1")  # (the model is one chunk; ~its size)
-        # a chunk's deadline: the link's for a window of chunks (no tensor work measured on a
-        # virtual clock); the whole stream's: the link's for all of its bytes both ways, which
-        # for a model of one chunk comes first
+        # a chunk's deadline: the link's for a window of chunks and a fresh connection's slow
+        # start (no tensor work measured on a virtual clock); the whole stream's: the link's for
+        # all of its bytes both ways, which for a model of one chunk comes first
         chunk = a.chunk_timer.deadline(a.ctx.peers, "p1", nbytes, started)
-        assert chunk == pytest.approx(a.ctx.peers.exchange_deadline("p1", 8 * nbytes, started))
+        rtt = a.ctx.peers.links.estimate("p1", started).rtt_s
+        window = 2 * nbytes * a.chunk_timer.width(a.ctx.peers, "p1", nbytes, started)
+        link = a.ctx.peers.exchange_deadline("p1", window, started)
+        assert chunk == pytest.approx(link + slow_start_s(rtt, window))
         whole = a.ctx.peers.exchange_deadline("p1", 2 * nbytes, started)
         assert whole < chunk
         await a._exchange("p1")
