@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from ._config import ConfigError, NodeConfig
-from .algorithms import CHUNKS_IN_FLIGHT, WINDOW_BYTES, AlgorithmSpec
+from .algorithms import CHUNKS_IN_FLIGHT, AlgorithmSpec
 from .training import Trainer
 
 RUNTIME_GB = 0.5  # interpreter, torch, transport buffers: a small node's RSS on this kind of box
@@ -83,11 +83,8 @@ def estimate_memory(
         described = described or f"{optimizer}'s state ({copies:g})"
     extra = spec.memory(config.gossip, numel) if spec.memory is not None else None
     # a peer's chunks may be up to network.peer_chunk_mb (at least our own chunk_mb)
-    chunk_bytes = max(1, min(model_bytes, config.network.max_chunk_numel * 4))
-    # on a fat link a stream keeps up to WINDOW_BYTES of chunks in flight (chunks_in_flight)
-    in_flight = min(-(-model_bytes // chunk_bytes),
-                    max(CHUNKS_IN_FLIGHT, WINDOW_BYTES // chunk_bytes))  # fmt: skip
-    buffers = in_flight * BUFFERS_PER_CHUNK * chunk_bytes
+    chunk_bytes = min(model_bytes, config.network.max_chunk_numel * 4)
+    buffers = CHUNKS_IN_FLIGHT * BUFFERS_PER_CHUNK * chunk_bytes
     return MemoryEstimate(
         model_bytes / 1e9, 2.0 + copies, spec.name, extra,
         buffers / 1e9, numel=numel, frozen_gb=trainer.frozen_bytes / 1e9, optimizer=described,
