@@ -37,6 +37,8 @@ MAX_FORWARDS = 1024
 """Most indirect probes this node runs for others at once; further PingReqs are ignored."""
 MAX_FORWARDS_PER_PEER = 2
 """Most indirect probes run at once for one requester (an honest one has one probe open)."""
+JOIN_FIRST_RETRY_S = 0.25
+"""The first resend of an unanswered Join; each next one waits twice as long, up to join_retry_s."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,6 +116,7 @@ class Membership:
         inf = float("-inf")
         self._next_probe_at = self._next_exchange_at = self._next_reconnect_at = inf
         self._join_retry_at = self._next_verify_at = inf
+        self._join_backoff_s = JOIN_FIRST_RETRY_S
         self._verify_pinged: dict[str, float] = {}  # unverified member -> when we last pinged it
         self._dialable: tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]] = ((), (), ())
         # A client hears the swarm's news only in answers to what it sends (piggybacked updates
@@ -216,6 +219,7 @@ class Membership:
             raise LocalProtocolError("join() after leave()")
         self._bootstrap = tuple(a for a in bootstrap_addresses if a != self._table.self_address)
         self._joined = not self._bootstrap
+        self._join_backoff_s = JOIN_FIRST_RETRY_S
         out: list[Send] = []
         if not self._joined:
             self._send_joins(now, out)
@@ -446,7 +450,11 @@ class Membership:
         return self._exchange_interval_s
 
     def _send_joins(self, now: float, out: list[Send]) -> None:
-        self._join_retry_at = now + self._config.join_retry_s
+        # the first retries come soon (peers started together: the bootstrap may listen a moment
+        # after we first knocked), then back off to join_retry_s
+        backoff = min(self._join_backoff_s, self._config.join_retry_s)
+        self._join_retry_at = now + backoff
+        self._join_backoff_s = 2 * backoff
         msg = Join(self._table.self_address, self._table.incarnation)
         out.extend(Send(address, None, msg) for address in self._bootstrap)
 

@@ -41,7 +41,8 @@ class MembershipConfig:
             short interval: swaps are how it hears the news. Set it to peer_exchange_interval_s
             for a fixed interval.
         peer_exchange_size: members per peer-exchange message (bounded by the wire limit).
-        join_retry_s: resend Join to the bootstrap addresses this often until someone answers.
+        join_retry_s: resend Join to the bootstrap addresses this often until someone answers
+            (the first resends come sooner: 0.25 s, then twice as long each time up to this).
         reconnect_interval_s: how often a node contacts a dead member (or a bootstrap address when
             it knows nobody alive), so that a partitioned swarm re-merges after healing.
         dead_retention_s: dead and left members are remembered (and tried for re-merge) this long.

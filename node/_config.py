@@ -302,7 +302,8 @@ class TrainingConfig:
     partition / alpha: "iid" shards, or "dirichlet" label skew with concentration alpha.
     max_steps: stop after this many local steps (0: run until stopped).
     wait_for_peers / wait_for_peers_s: before the first step, wait until this many other peers
-        are known alive (at most wait_for_peers_s seconds), so a swarm starts training together.
+        showed up (alive, or came and left), at most wait_for_peers_s seconds, so a swarm starts
+        training together.
     eval_every: evaluate the held-out metric every this many steps.
     eval_every_s: also evaluate once this many seconds have passed since the last evaluation
         (or the first step), whichever comes first; for slow steps, where a step count is

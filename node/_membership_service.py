@@ -24,6 +24,7 @@ from geotrain.gossip import (
     Member,
     Membership,
     MembershipConfig,
+    MemberState,
     PartnerSelector,
     RemoteProtocolError,
     Send,
@@ -324,8 +325,16 @@ class MembershipService:
         if isinstance(reply, ProbeReply) and reply.received == PROBE_BYTES and now > started:
             self._links.record_transfer(peer, PROBE_BYTES, now - started, now)
 
+    def arrived_count(self) -> int:
+        """Peers that showed up: the live ones, and those that came and said they left (a peer
+        of a short run may finish before the last one joins; waiting for it again is waiting
+        for nothing)."""
+        left = sum(m.state == MemberState.LEFT for m in self.membership.members())
+        return self.live_count() + left
+
     async def wait_for_peers(self, want: int, limit_s: float, stop: trio.Event) -> None:
-        """Wait until `want` other peers are live (at most `limit_s`, or until `stop`).
+        """Wait until `want` other peers showed up (arrived_count(); at most `limit_s`, or until
+        `stop`).
 
         Raises:
             IdentityInUse: a node this one dialled runs with its identity, and no other peer
@@ -336,7 +345,7 @@ class MembershipService:
         log.info("waiting_for_peers", wanted=want, bootstrap=list(self._bootstrap),
                  limit_s=limit_s)  # fmt: skip
         with trio.move_on_after(limit_s):
-            while self.live_count() < want and not stop.is_set():
+            while self.arrived_count() < want and not stop.is_set():
                 # (only a twin we dialled: membership hearsay of one is said, never fatal)
                 if self._dialled_twins and not self.live_count():
                     twin = sorted(self._dialled_twins)[0]
@@ -346,9 +355,10 @@ class MembershipService:
                         "geotrain node init for a new node folder)")  # fmt: skip
                 await trio.sleep(0.05)
             if not stop.is_set():
-                log.info("peers_ready", live_peers=self.live_count())
+                log.info("peers_ready", live_peers=self.live_count(), arrived=self.arrived_count())
             return
-        log.warning("peers_not_ready", live_peers=self.live_count(), wanted=want)
+        log.warning("peers_not_ready", live_peers=self.live_count(), arrived=self.arrived_count(),
+                    wanted=want)
 
     async def leave(self, grace_s: float) -> None:
         """Tell the swarm we leave (best effort, at most `grace_s`)."""

@@ -386,8 +386,8 @@ class Node:
         cfg, membership = self.config, self.membership
         t = cfg.training
         boot = ", ".join(cfg.network.bootstrap) or "none"
-        self._starting = lambda: (f"waiting for peers: {membership.live_count()} of "
-                                  f"{t.wait_for_peers} live (training.wait_for_peers; "
+        self._starting = lambda: (f"waiting for peers: {membership.arrived_count()} of "
+                                  f"{t.wait_for_peers} showed up (training.wait_for_peers; "
                                   f"network.bootstrap: {boot})")  # fmt: skip
         await membership.wait_for_peers(t.wait_for_peers, t.wait_for_peers_s, self._stop)
         if self._will_fetch():

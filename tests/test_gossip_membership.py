@@ -607,3 +607,21 @@ def test_a_clients_twin_is_said_though_it_announces_the_same_address():
     reachable = MembershipTable("p8", "addr8", 100, CONFIG)
     reachable.apply(MemberUpdate("p8", "addr8", "alive", 200), 1.0, "p0")
     assert not [e for e in reachable.drain_events() if e.kind == "duplicate"]
+
+
+def test_an_unanswered_join_is_resent_soon_then_backs_off_to_join_retry_s():
+    """Peers started together: the bootstrap may listen a moment after the first Join. The next
+    Joins come within a second, then further apart, up to join_retry_s (5 s)."""
+    from geotrain.gossip._messages import Join
+
+    node = Membership("p1", "addr1", CONFIG, random.Random(0))
+    sent_at = [0.0] if any(isinstance(s.message, Join) for s in node.join(["addr0"], 0.0)) else []
+    now = 0.0
+    while now < 30.0:
+        now = round(now + 0.05, 2)
+        if any(isinstance(s.message, Join) for s in node.tick(now)):
+            sent_at.append(now)
+    gaps = [round(b - a, 2) for a, b in zip(sent_at, sent_at[1:], strict=False)]
+    assert len([t for t in sent_at if t <= 1.0]) >= 3
+    assert max(gaps) == CONFIG.join_retry_s  # (the reconnect timer sends Joins of its own too)
+    assert len(sent_at) <= 30.0 / 2.5 + 6  # backed off: not every tick

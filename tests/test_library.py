@@ -435,7 +435,7 @@ def test_evaluations_come_by_time_when_steps_are_slow(tmp_path, every_s, at_leas
 
 def test_a_join_that_times_out_stops_its_node_and_says_what_it_waited_for(tmp_path, capsys):
     before = {t for t in threading.enumerate() if t.name == "geotrain-node"}
-    waited = (r"not ready within 1.5 s \(stopped\): it was waiting for peers: 0 of 1 live "
+    waited = (r"not ready within 1.5 s \(stopped\): it was waiting for peers: 0 of 1 showed up "
               r"\(training.wait_for_peers; network.bootstrap: none\)")  # fmt: skip
     with pytest.raises(TimeoutError, match=waited):
         geotrain.join(config(tmp_path, "a", "training.wait_for_peers=1"), make_model(),
@@ -476,7 +476,7 @@ def test_a_node_whose_bootstrap_reaches_itself_is_not_taken_for_a_twin(tmp_path,
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    with pytest.raises(TimeoutError, match="waiting for peers: 0 of 1 live"):
+    with pytest.raises(TimeoutError, match="waiting for peers: 0 of 1 showed up"):
         geotrain.join(config(tmp_path, "seed", "training.wait_for_peers=1",
                              f'network.listen="tcp://127.0.0.1:{port}"',
                              f'network.advertise="tcp://127.0.0.1:{port}"',

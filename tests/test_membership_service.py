@@ -134,3 +134,28 @@ async def test_a_probe_answered_in_no_time_leaves_the_link_unmeasured_and_the_no
     )  # fmt: skip
     await svc._probe("gtreach1", "tcp://r1:1")  # took 0 s: no goodput sample, no error
     assert not links.estimate("gtreach1", 0.0).goodput_known
+
+
+async def test_waiting_for_peers_counts_one_that_came_and_left_before_the_last_arrived():
+    """Three peers of a short run: the first waits for two. The second joined, finished its steps
+    and left before the third joined; the first counts both and starts, where waiting for two
+    live at once waited out wait_for_peers_s (300 s) for a peer that had come and gone."""
+    import trio
+
+    from geotrain.gossip import Leave
+
+    svc = service(NoNetwork())
+    early = PeerInfo("gtearly1", b"", "tcp://r1:1", "inbound")
+    await svc.handle(early, wrap_gossip(Ping(1, "tcp://r1:1")), memoryview(b""))
+    assert svc.live_count() == 1
+    await svc.handle(early, wrap_gossip(Leave("tcp://r1:1", 0)), memoryview(b""))
+    assert svc.live_count() == 0 and svc.arrived_count() == 1
+    stop = trio.Event()
+    with trio.move_on_after(0.5) as waited:  # not yet: one of two showed up
+        await svc.wait_for_peers(2, 10.0, stop)
+    assert waited.cancelled_caught
+    late = PeerInfo("gtlate01", b"", "tcp://r2:1", "inbound")
+    await svc.handle(late, wrap_gossip(Ping(2, "tcp://r2:1")), memoryview(b""))
+    with trio.fail_after(1.0):
+        await svc.wait_for_peers(2, 10.0, stop)
+    assert svc.live_count() == 1 and svc.arrived_count() == 2
