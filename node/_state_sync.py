@@ -516,7 +516,8 @@ class StateSync:
         """Chunks of `plan` to have in flight from `peer`: from its link's bandwidth-delay
         product (see chunks_in_flight)."""
         est = self._links.estimate(peer, trio.current_time())
-        return chunks_in_flight(est.rtt_s, est.goodput_bytes_per_s, 4 * plan.chunk_numel)
+        return chunks_in_flight(est.rtt_s, est.goodput_bytes_per_s, 4 * plan.chunk_numel,
+                                len(plan))  # fmt: skip
 
     def _staging(self, staged: dict, plan: ChunkPlan, name: str) -> torch.Tensor:
         """The flat staging tensor of `name` (made on first use)."""

@@ -98,14 +98,16 @@ async def test_a_partner_that_never_answers_costs_one_deadline_and_is_backed_off
     async with runtimes(2, algorithm="adpsgd", codec="none") as (net, (a, b)):
         net.cut("p0", "p1")
         before = model(a)
-        size = len(a._mix(a.plan(a.ctx.chunk_numel), "none").send(0))
-        deadline = a.chunk_deadline("p1", size)  # (no tensor work measured on a virtual clock)
+        plan = a.plan(a.ctx.chunk_numel)
+        size = len(a._mix(plan, "none").send(0))
+        # (no tensor work measured on a virtual clock)
+        deadline = a.chunk_deadline("p1", size, len(plan))
         started = trio.current_time()
         assert not await a.exchange_once()
         assert trio.current_time() - started == pytest.approx(deadline)
         assert same(model(a), before) and a.counters.statistics().failed == 1
         # the next deadline to that peer is longer (backoff) and the peer rests a while
-        assert a.chunk_deadline("p1", size) > deadline
+        assert a.chunk_deadline("p1", size, len(plan)) > deadline
         assert not a.ctx.peers.selector._available("p1", trio.current_time())
 
 

@@ -35,6 +35,11 @@ def test_chunks_in_flight_grow_with_the_bandwidth_delay_product_and_stay_bounded
     assert chunks_in_flight(0.3, 100e9 / 8, 64 * MiB) == CHUNKS_IN_FLIGHT
     # an unknown link (the defaults: 0.3 s, 10 Mbit/s) gets the least window
     assert chunks_in_flight(0.3, 10e6 / 8, chunk) == CHUNKS_IN_FLIGHT
+    # never wider than the stream: 4 KiB chunks on a fat link would count 16,384 of them in
+    # flight, and each chunk's deadline would wait for 64 MiB of bytes a 3-chunk stream never sends
+    assert chunks_in_flight(0.3, 100e9 / 8, 4096) == WINDOW_BYTES // 4096
+    assert chunks_in_flight(0.3, 100e9 / 8, 4096, chunks=3) == 3
+    assert chunks_in_flight(0.3, 10e6 / 8, chunk, chunks=1) == 1
 
 
 def test_a_deadline_allows_for_slow_start_by_round_trips():

@@ -141,15 +141,19 @@ class ChunkPlan:
         return sum(s.numel for s in self.chunks[index])
 
 
-def chunks_in_flight(rtt_s: float, bytes_per_s: float, chunk_bytes: int) -> int:
+def chunks_in_flight(rtt_s: float, bytes_per_s: float, chunk_bytes: int,
+                     chunks: int | None = None) -> int:  # fmt: skip
     """Chunk requests of one stream to keep on the wire at once on a link of `rtt_s` round trip
     and `bytes_per_s` goodput: BDP_ROUND_TRIPS bandwidth-delay products of chunks and one more,
     at least CHUNKS_IN_FLIGHT, at most WINDOW_BYTES of them (or CHUNKS_IN_FLIGHT of bigger
-    chunks). 1 Gbit/s at 150 ms and 8 MiB chunks: 8; 100 Mbit/s at 80 ms: 4."""
+    chunks), and never more than the stream's `chunks` (a window wider than the stream would
+    stretch each chunk's deadline for bytes that never come). 1 Gbit/s at 150 ms and 8 MiB
+    chunks: 8; 100 Mbit/s at 80 ms: 4."""
     chunk_bytes = max(1, chunk_bytes)
     most = max(CHUNKS_IN_FLIGHT, WINDOW_BYTES // chunk_bytes)
     bdp = max(0.0, rtt_s) * max(0.0, bytes_per_s)
-    return max(CHUNKS_IN_FLIGHT, min(most, math.ceil(BDP_ROUND_TRIPS * bdp / chunk_bytes) + 1))
+    width = max(CHUNKS_IN_FLIGHT, min(most, math.ceil(BDP_ROUND_TRIPS * bdp / chunk_bytes) + 1))
+    return width if chunks is None else max(1, min(width, chunks))
 
 
 def slow_start_s(rtt_s: float, nbytes: int) -> float:
@@ -201,22 +205,25 @@ class ChunkTimer:
     def observe(self, seconds: float) -> None:
         self.seconds = seconds if not self.seconds else 0.8 * self.seconds + 0.2 * seconds
 
-    def deadline(self, peers: PeerChoice, peer: str, nbytes: int, now: float) -> float:
+    def deadline(self, peers: PeerChoice, peer: str, nbytes: int, now: float,
+                 chunks: int | None = None) -> float:  # fmt: skip
         """Seconds a chunk request of `nbytes` each way may take: the link's deadline for the
         bytes of a whole window (the chunk may queue behind the window's others) and the slow
         start of a fresh connection's window, plus the tensor work of a window on both ends
         (each as long as ours)."""
-        width = self.width(peers, peer, nbytes, now)
+        width = self.width(peers, peer, nbytes, now, chunks)
         window = width * 2 * nbytes
         compute = 2 * width * self.seconds
         rtt = peers.links.estimate(peer, now).rtt_s
         return peers.exchange_deadline(peer, window, now) + slow_start_s(rtt, window) + 2 * compute
 
     @staticmethod
-    def width(peers: PeerChoice, peer: str, nbytes: int, now: float) -> int:
-        """Chunks of about `nbytes` to keep in flight to `peer` (see chunks_in_flight)."""
+    def width(peers: PeerChoice, peer: str, nbytes: int, now: float,
+              chunks: int | None = None) -> int:  # fmt: skip
+        """Chunks of about `nbytes` to keep in flight to `peer`, of a stream of `chunks` (see
+        chunks_in_flight)."""
         est = peers.links.estimate(peer, now)
-        return chunks_in_flight(est.rtt_s, est.goodput_bytes_per_s, nbytes)
+        return chunks_in_flight(est.rtt_s, est.goodput_bytes_per_s, nbytes, chunks)
 
 
 PEER_CHUNK_HINT = "the asked node's network.peer_chunk_mb"

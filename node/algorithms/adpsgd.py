@@ -334,9 +334,10 @@ class Adpsgd(Algorithm):
                 address, ExchangeAbort(xid=xid), b"", deadline_s=2.0, expect_peer=partner
             )
 
-    def chunk_deadline(self, peer: str, nbytes: int) -> float:
-        """Seconds a chunk request of `nbytes` each way may take (see ChunkTimer)."""
-        return self.chunk_timer.deadline(self.ctx.peers, peer, nbytes, self.ctx.now())
+    def chunk_deadline(self, peer: str, nbytes: int, chunks: int | None = None) -> float:
+        """Seconds a chunk request of `nbytes` each way, of a stream of `chunks`, may take (see
+        ChunkTimer)."""
+        return self.chunk_timer.deadline(self.ctx.peers, peer, nbytes, self.ctx.now(), chunks)
 
     async def _stream(self, partner: str, address: str, mix: PairwiseMix, xid: int,
                       moved: list) -> None:  # fmt: skip
@@ -356,7 +357,8 @@ class Adpsgd(Algorithm):
             header = ExchangeChunk(xid=xid, index=index)
             await self._chunk(partner, address, mix, index, header, ExchangeChunkReply, moved)
 
-        width = self.chunk_timer.width(ctx.peers, partner, 4 * plan.chunk_numel, ctx.now())
+        width = self.chunk_timer.width(ctx.peers, partner, 4 * plan.chunk_numel, ctx.now(),
+                                       len(plan))  # fmt: skip
         await in_window(range(1, len(plan)), one, catch=_Abort, width=width)
 
     async def _chunk(self, partner, address, mix: PairwiseMix, index: int, header: Header,
@@ -371,7 +373,7 @@ class Adpsgd(Algorithm):
             raise _Abort("skipped", f"cannot encode: {exc}") from None
         if not self.chunk_timer.seconds:  # (the first chunks: our encoding is all we know yet)
             self.chunk_timer.observe(encoded - started)
-        deadline = self.chunk_deadline(partner, len(payload))
+        deadline = self.chunk_deadline(partner, len(payload), len(mix.plan))
         try:
             reply, data, _ = await ctx.network.request(
                 address, header, payload, deadline_s=deadline, expect_peer=partner
@@ -419,7 +421,8 @@ class Adpsgd(Algorithm):
             if refusal is not None:
                 return refusal
             plan = self.plan(header.chunk_numel)
-            idle = 2 * self.chunk_deadline(peer.peer_id, 4 * plan.chunk_numel + 2**16)
+            idle = 2 * self.chunk_deadline(peer.peer_id, 4 * plan.chunk_numel + 2**16,
+                                       len(plan))
             rounds = -(-len(plan) // CHUNKS_IN_FLIGHT)
             now = self.ctx.now()
             mix = self._mix(plan, header.codec)

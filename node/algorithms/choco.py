@@ -339,7 +339,7 @@ class Choco(Algorithm):
             header = ChocoExchange(codec=spec, seq=seq, base=self._start_of(link), xid=xid,
                                    plan=plan.digest, chunk_numel=plan.chunk_numel,
                                    chunks=len(plan), index=index)  # fmt: skip
-            deadline = timer.deadline(ctx.peers, partner, len(payload), ctx.now())
+            deadline = timer.deadline(ctx.peers, partner, len(payload), ctx.now(), len(plan))
             reply, data, _ = await ctx.network.request(
                 address, header, payload, deadline_s=deadline, expect_peer=partner)
             if not isinstance(reply, ChocoReply) or reply.seq != seq + 1:
