@@ -57,6 +57,8 @@ def main() -> None:
     p.add_argument("--lr", type=float, default=0.05)
     p.add_argument("--pace-ms", type=float, default=0.0, help="sleep this long per step")
     p.add_argument("--out", default=None, help="write rank 0's results here (JSON)")
+    p.add_argument("--eval-every", type=int, default=0, help="record the held-out loss every "
+                   "this many steps (0: only at the end)")  # fmt: skip
     args = p.parse_args()
     if "RANK" not in os.environ and args.ranks > 1:  # the launcher: torchrun, on this script
         from torch.distributed.run import main as torchrun
@@ -79,6 +81,7 @@ def main() -> None:
         wrapped = torch.nn.parallel.DistributedDataParallel(model)
     x_eval, y_eval = batch(-1, 512, seed=999)
     sgd = torch.optim.SGD(wrapped.parameters(), lr=args.lr, momentum=0.9)
+    trace: list[float] = []
     with geotrain.join(args.config, wrapped) as swarm:
         opt = swarm.wrap(sgd)
         while swarm.step < args.steps:
@@ -89,6 +92,9 @@ def main() -> None:
             opt.step(loss=loss)
             opt.zero_grad()
             time.sleep(args.pace_ms / 1000)
+            if args.eval_every and swarm.step % args.eval_every == 0:  # (every rank: FSDP)
+                with torch.no_grad():
+                    trace.append(round(F.mse_loss(wrapped(x_eval), y_eval).item(), 6))
         with torch.no_grad():  # (FSDP: every rank runs the forward pass)
             held_out = F.mse_loss(wrapped(x_eval), y_eval).item()
         status = swarm.status()
@@ -101,7 +107,8 @@ def main() -> None:
     if args.out:
         with open(f"{args.out}.rank{rank}", "w") as f:
             json.dump({"rank": rank, "world": world, "step": swarm.step, "held_out": held_out,
-                       "exchanges_ok": status.exchanges_ok, "digest": digest}, f)  # fmt: skip
+                       "exchanges_ok": status.exchanges_ok, "digest": digest,
+                       "held_out_trace": trace}, f)  # fmt: skip
     if world > 1:
         dist.destroy_process_group()
 

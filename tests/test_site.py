@@ -89,6 +89,8 @@ def test_a_setting_a_site_cannot_run_with_is_refused_by_name(tmp_path, change, f
 # -- real sites ------------------------------------------------------------------------------------
 
 STEPS = 150
+EVAL_EVERY, EVALS = 10, 3  # the quality tests' held-out loss: the mean of the last 3 of 15
+QUALITY_ARGS = ("--eval-every", str(EVAL_EVERY))
 
 
 def free_port_run(n: int) -> int:
@@ -113,8 +115,11 @@ class SiteRun:
     """One site: a torchrun of the example with `ranks` ranks (1: plain python)."""
 
     def __init__(self, root: Path, name: str, ranks: int, port: int, boot: int | None,
-                 *args: str) -> None:  # fmt: skip
+                 *args: str, starts: bool = True) -> None:  # fmt: skip
         self.dir = root / name
+        # a site that does not start exchanges (only answers them): after its first step, its
+        # pacer waits longer than any run here
+        every = 2 if starts else 10**6
         self.dir.mkdir(parents=True)
         Identity.generate().save(self.dir / "identity.key")
         doc = {
@@ -122,7 +127,8 @@ class SiteRun:
             "network": {"listen": f"tcp://127.0.0.1:{port}",
                         "bootstrap": [] if boot is None else [f"tcp://127.0.0.1:{boot}"]},
             "training": {"wait_for_peers": 1},
-            "gossip": {"probe_interval_s": 0.5, "exchange_every": 2},
+            "gossip": {"probe_interval_s": 0.5, "exchange_every": every,
+                       "max_exchange_every": max(every, 1000)},
             "state": {"dir": self.dir / "state", "status_every_s": 0.25},
         }  # fmt: skip
         (self.dir / "node.toml").write_text(config_to_toml(doc))
@@ -178,13 +184,14 @@ class SiteRun:
         return {}
 
 
-def two_sites(tmp_path: Path, ranks: int, *args: str, ranks_b: int | None = None
-              ) -> tuple[SiteRun, SiteRun]:  # fmt: skip
+def two_sites(tmp_path: Path, ranks: int, *args: str, ranks_b: int | None = None,
+              b_starts: bool = True) -> tuple[SiteRun, SiteRun]:  # fmt: skip
     ranks_b = ranks if ranks_b is None else ranks_b
     pa, pb = free_port_run(max(ranks, ranks_b)), free_port_run(max(ranks, ranks_b))
     common = ["--steps", str(STEPS), "--pace-ms", "10", "--batch", "32", *args]
     a = SiteRun(tmp_path, f"a{ranks}", ranks, pa, None, *common, "--data-seed", "1")
-    b = SiteRun(tmp_path, f"b{ranks_b}", ranks_b, pb, pa, *common, "--data-seed", "2")
+    b = SiteRun(tmp_path, f"b{ranks_b}", ranks_b, pb, pa, *common, "--data-seed", "2",
+                starts=b_starts)  # fmt: skip
     return a, b
 
 
@@ -198,25 +205,35 @@ def finish(sites: tuple[SiteRun, ...], timeout: float = 240) -> None:
 
 
 def held_out(site: SiteRun) -> float:
-    return site.results()[0]["held_out"]
+    """Rank 0's held-out loss at the end, as the mean of the last EVALS evaluations (one every
+    EVAL_EVERY steps): one evaluation right after a mix measures the mix's moment as much as
+    the training."""
+    trace = site.results()[0]["held_out_trace"]
+    assert len(trace) == STEPS // EVAL_EVERY, trace
+    return sum(trace[-EVALS:]) / EVALS
+
+
+# The quality comparison's pairs: only site a starts exchanges, site b answers them. Two sites
+# that both start exchanges every other step often run two at once, one each way, each mixing
+# the same pair of models: both sides move by the whole difference (a swap, not an average),
+# and with momentum 0.9 the held-out loss jolted (0.0018 -> 0.3-0.9 within 30 steps, in sites
+# of one process as of two ranks): a flaw of adpsgd's, not of sites, which made this test flaky.
+ONE_WAY = {"b_starts": False}
 
 
 @pytest.fixture(scope="module")
 def alone(tmp_path_factory) -> list[float]:
     """The held-out losses of two sites of one process each (the same global batches)."""
-    sites = two_sites(tmp_path_factory.mktemp("alone"), 1)
+    sites = two_sites(tmp_path_factory.mktemp("alone"), 1, *QUALITY_ARGS, **ONE_WAY)
     finish(sites)
     return [held_out(s) for s in sites]
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(reason="sites of two ranks sometimes end short of the quality bound (FSDP2: "
-                   "held-out 0.074 and 0.044 against 0.039 in one CI run; DDP failed once too); "
-                   "not yet understood", strict=False)  # fmt: skip
 @pytest.mark.parametrize("layout", ["ddp", "fsdp"])
 def test_two_sites_of_two_ranks_train_as_well_as_two_of_one_process(tmp_path, layout, alone):
     extra = ["--fsdp"] if layout == "fsdp" else []
-    sites = two_sites(tmp_path, 2, *extra)
+    sites = two_sites(tmp_path, 2, *QUALITY_ARGS, *extra, **ONE_WAY)
     finish(sites)
     for site in sites:
         results = site.results()
@@ -236,13 +253,13 @@ def test_two_sites_of_two_ranks_train_as_well_as_two_of_one_process(tmp_path, la
     start = _digest(_example_model())
     assert abs(a - b) < 0.2 * abs(a - start), (a, b, start)
     # the same quality as sites of one process with the same global batch: far below the
-    # start, and within the spread of the pairs' held-out losses (exchanges land at other
-    # steps each run: over four runs on a loaded 2-core box, sites of one process ended at
-    # 0.0012-0.040, sites of two DDP ranks at 0.0014-0.0078)
+    # start, and within the spread of the pairs' held-out losses (over the last evaluations,
+    # on a loaded 2-core box: 0.0016-0.0033 for sites of one process, 0.0019-0.0025 for
+    # sites of two ranks, DDP and FSDP2)
     first = _first_loss()
     ours, theirs = [held_out(s) for s in sites], alone
     assert max(ours) < 0.05 * first, (ours, first)
-    assert sum(ours) <= 1.5 * sum(theirs) + 0.004, (ours, theirs)
+    assert sum(ours) <= 1.5 * sum(theirs) + 0.002, (ours, theirs)
 
 
 def _example_model() -> torch.nn.Module:
