@@ -14,7 +14,7 @@ pytestmark = pytest.mark.slow  # (two real node processes)
 
 def test_the_run_reports_exchanges_checkpoints_and_memory_and_leaves_nothing():
     before = set(Path(tempfile.gettempdir()).glob("bench_checkpoints.*"))
-    result = run("adpsgd", "auto", millions=1.0, duration_s=8.0, checkpoint_every=5,
+    result = run("adpsgd", "auto", millions=1.0, duration_s=4.0, checkpoint_every=5,
                  exchange_every=2)  # fmt: skip
     assert result["exit_codes"] == [0, 0]
     for node in result["nodes"].values():
