@@ -56,7 +56,8 @@ def main() -> None:
     p.add_argument("--data-seed", type=int, default=1, help="which data this site sees")
     p.add_argument("--lr", type=float, default=0.05)
     p.add_argument("--pace-ms", type=float, default=0.0, help="sleep this long per step")
-    p.add_argument("--out", default=None, help="write rank 0's results here (JSON)")
+    p.add_argument("--out", default=None, help="write each rank's results to OUT.rank<r> (JSON) "
+                   "and the site's model to OUT.model.pt")  # fmt: skip
     p.add_argument("--eval-every", type=int, default=0, help="record the held-out loss every "
                    "this many steps (0: only at the end)")  # fmt: skip
     args = p.parse_args()
@@ -104,6 +105,10 @@ def main() -> None:
     if rank == 0:
         print(f"done: step {swarm.step}, held-out mse {held_out:.5f}, "
               f"{status.exchanges_ok} exchanges", flush=True)  # fmt: skip
+    if args.out and rank == 0:  # the site's whole model, by name
+        names = [n for n, _ in model.named_parameters()]
+        torch.save({n: t.detach().clone() for n, t in zip(names, whole, strict=True)},
+                   f"{args.out}.model.pt")  # fmt: skip
     if args.out:
         with open(f"{args.out}.rank{rank}", "w") as f:
             json.dump({"rank": rank, "world": world, "step": swarm.step, "held_out": held_out,
