@@ -27,7 +27,11 @@ from ._share import REPLICATED, SiteTrainer
 
 log = structlog.get_logger()
 
-FOLLOW_POLL_S = 0.02  # how often a follower asks the store whether rank 0 chose a partner
+# How often a follower asks the store whether rank 0 chose a partner: soon after the last one,
+# then backing off while none comes (a store's wait() would block, but logs a C++ warning each
+# time it times out)
+FOLLOW_POLL_S = 0.02
+FOLLOW_POLL_MAX_S = 0.16
 
 
 class SiteBroken(LoopClosed):
@@ -265,13 +269,15 @@ async def follow(algorithm: Any, peers: FollowingPeers, store: Any) -> None:
     """Exchange with each partner rank 0's lane chooses, as it chooses them; one told while an
     exchange still runs is skipped (the newest is taken next). Ends when the store is gone
     (the job ends) or the node stops (its nursery is cancelled)."""
-    done = 0
+    done, poll_s = 0, FOLLOW_POLL_S
     while True:
         try:
             told = await trio.to_thread.run_sync(store.check, [f"x{done + 1}"])
             if not told:
-                await trio.sleep(FOLLOW_POLL_S)
+                await trio.sleep(poll_s)
+                poll_s = min(2 * poll_s, FOLLOW_POLL_MAX_S)
                 continue
+            poll_s = FOLLOW_POLL_S
             done = int(await trio.to_thread.run_sync(store.add, "count", 0))
             partner = await trio.to_thread.run_sync(store.get, f"x{done}")
         except (RuntimeError, ValueError) as exc:  # (the store's server ended with its job)
