@@ -10,8 +10,8 @@ nodes' first step; then SIGTERM (each writes its final checkpoint). A checkpoint
 model holds the model for seconds: adpsgd, selsync and choco let the exchanges in flight end
 first and decline new ones meanwhile ("busy: writing a checkpoint"). Printed per node: steps,
 exchanges ok and failed (with the reasons the log gives), the declines that named the
-checkpoint, each checkpoint's seconds, and peak memory against the node's own estimate. Everything it wrote (1.6 GB of checkpoints a
-node at 10^8) is removed at the end.
+checkpoint, each checkpoint's seconds, and peak memory against the node's own estimate.
+Everything it wrote (1.6 GB of checkpoints a node at 10^8) is removed at the end.
 """
 
 from __future__ import annotations

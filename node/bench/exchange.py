@@ -30,6 +30,7 @@ import math
 import random
 import statistics
 import time
+from collections.abc import AsyncIterator
 
 import torch
 import trio
@@ -80,11 +81,23 @@ def adpsgd_runtime(trainer: Trainer, gossip: GossipConfig, peer_id: str,
     return get_algorithm("adpsgd").runtime(ctx), peers, rng
 
 
+@contextlib.asynccontextmanager
+async def secure_transports(ids: list[Identity], handler_for) -> AsyncIterator[list]:
+    """A secure transport on loopback for each identity, of one open swarm, with messages of up
+    to 64 MiB (parts of 4 MiB, as a node's); `handler_for(i)` answers node i's requests."""
+    admission = Admission.open_swarm("bench")
+    config = TransportConfig(max_message_bytes=64 * 2**20)
+    async with contextlib.AsyncExitStack() as stack:
+        yield [
+            await stack.enter_async_context(open_transport(
+                config, ids[i], admission, handler_for(i), codec=node_header_codec()))
+            for i in range(len(ids))
+        ]  # fmt: skip
+
+
 async def _exchanges(millions: float, codec: str, repeats: int, state_sync: bool = False,
                      donors: int = 1) -> dict:  # fmt: skip
-    admission = Admission.open_swarm("bench")
     gossip = GossipConfig(codec=codec)
-    config = TransportConfig(max_message_bytes=64 * 2**20)  # parts of 4 MiB, as a node's
     n = donors + 1  # (nodes 0..donors-1 serve; the last one exchanges with node 0, or joins)
     ids = [Identity.generate() for _ in range(n)]
     trainers = [
@@ -103,12 +116,7 @@ async def _exchanges(millions: float, codec: str, repeats: int, state_sync: bool
 
         return handler
 
-    async with trio.open_nursery() as nursery, contextlib.AsyncExitStack() as stack:
-        transports = [
-            await stack.enter_async_context(open_transport(
-                config, ids[i], admission, handler_for(i), codec=node_header_codec()))
-            for i in range(n)
-        ]  # fmt: skip
+    async with trio.open_nursery() as nursery, secure_transports(ids, handler_for) as transports:
         ta, tb = transports[0], transports[-1]
         for i in range(n):
             others = range(donors) if i == n - 1 else [n - 1]

@@ -37,13 +37,11 @@ import trio
 from .._allocator import tune_allocator
 from .._config import GossipConfig
 from .._memory import BUFFERS_PER_CHUNK, peak_rss_mb, reset_peak_rss, rss_mb
-from .._protocol import node_header_codec
 from ..algorithms import CHUNKS_IN_FLIGHT, WINDOW_BYTES
 from ..cli import configure_logging
-from ..identity import Admission, Identity
+from ..identity import Identity
 from ..training import TaskContext, Trainer, resolve_task
-from ..transport import TransportConfig, open_transport
-from .exchange import CHUNK_NUMEL, adpsgd_runtime
+from .exchange import CHUNK_NUMEL, adpsgd_runtime, secure_transports
 
 # On a device, what an exchange may add to host memory per node: the memory estimate's chunks
 # in flight and one pinned staging buffer (a host copy of the model would be one more copy)
@@ -94,9 +92,7 @@ class _Pair:
 @contextlib.asynccontextmanager
 async def _pair(trainers: list[Trainer], exchange_every: int = 4) -> AsyncIterator[_Pair]:
     """Two adpsgd nodes of `trainers` on secure transports over loopback (codec none)."""
-    admission = Admission.open_swarm("bench")
     gossip = GossipConfig(codec="none", exchange_every=exchange_every)
-    config = TransportConfig(max_message_bytes=64 * 2**20)
     ids = [Identity.generate() for _ in trainers]
     algos: list = [None, None]
 
@@ -106,12 +102,7 @@ async def _pair(trainers: list[Trainer], exchange_every: int = 4) -> AsyncIterat
 
         return handler
 
-    async with trio.open_nursery() as nursery, contextlib.AsyncExitStack() as stack:
-        transports = [
-            await stack.enter_async_context(open_transport(
-                config, ids[i], admission, handler_for(i), codec=node_header_codec()))
-            for i in range(2)
-        ]  # fmt: skip
+    async with trio.open_nursery() as nursery, secure_transports(ids, handler_for) as transports:
         for i in range(2):
             other = 1 - i
             algos[i], _, _ = adpsgd_runtime(
