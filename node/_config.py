@@ -202,6 +202,10 @@ class NetworkConfig:
         drops the oldest (counted as `too_many_pending`). Each may hold one frame of ~4.3 MB
         before its handshake ends, so 64 bound that to ~270 MB. A node dialled by hundreds of
         peers at once (a large swarm's restart) may need more; a small box, fewer.
+    connections_per_peer: the most TCP connections (each with its own session) this node dials
+        to one peer; a further one opens only while every open one is busy, so a model stream
+        on a long fat link spreads over several (one TCP connection may not fill it) and a ping
+        uses one. 1..64.
     reachable: false for a machine that nobody can dial (behind NAT or a firewall that drops
         inbound connections): the node runs in client mode. It dials the bootstrap peers and keeps
         those connections, starts every exchange and state sync itself, announces an address that
@@ -218,6 +222,7 @@ class NetworkConfig:
     peer_chunk_mb: float | None = None
     handshake_timeout_s: float = 10.0
     max_pending_handshakes: int = 64
+    connections_per_peer: int = 4
     reachable: bool = True
 
     @property
@@ -271,6 +276,8 @@ class NetworkConfig:
             self.max_pending_handshakes,
             "1..4096 (each may hold a ~4.3 MB frame before its handshake ends)",
         )
+        _check(1 <= self.connections_per_peer <= 64, "network.connections_per_peer",
+               self.connections_per_peer, "1..64")  # fmt: skip
         _check(isinstance(self.reachable, bool), "network.reachable", self.reachable,
                "true or false")  # fmt: skip
         if not self.reachable:

@@ -208,6 +208,7 @@ class Node:
             max_message_bytes=net.max_message_mb * 2**20,
             handshake_timeout_s=net.handshake_timeout_s,
             max_pending_handshakes=net.max_pending_handshakes,
+            connections_per_peer=net.connections_per_peer,
             # (parts stay the transport's 4 MiB: larger ones made exchanges on loopback faster
             # but left the allocator more free blocks, raising a large node's peak memory)
         )

@@ -76,6 +76,7 @@ def test_overrides_take_toml_values_and_bare_strings():
         ("gossip.probe_interval_s=inf", "gossip.probe_interval_s = inf: expected a finite"),
         ("network.handshake_timeout_s=inf", "network.handshake_timeout_s = inf: expected a fin"),
         ("network.max_pending_handshakes=0", "network.max_pending_handshakes = 0: expected 1..40"),
+        ("network.connections_per_peer=0", "network.connections_per_peer = 0: expected 1..64"),
         # (an empty host was refused, then accepted again when the every-interface hosts got
         # their own message)
         ('network.advertise="tcp://:5000"', "network.advertise = 'tcp://:5000': expected an addr"),

@@ -229,11 +229,13 @@ def test_status_prints_no_log_lines_of_its_own_transport_unless_asked(tmp_path, 
     assert "127.0.0.1:9" in err  # (the failure is said)
 
 
-def test_the_pending_handshake_cap_is_the_configs(tmp_path: Path):
+def test_the_pending_handshake_cap_and_the_connections_per_peer_are_the_configs(tmp_path: Path):
     config = config_from_toml(CONFIG, base=tmp_path, overrides=[
-        f'state.dir="{tmp_path}/state"', "network.max_pending_handshakes=300"])  # fmt: skip
+        f'state.dir="{tmp_path}/state"', "network.max_pending_handshakes=300",
+        "network.connections_per_peer=1"])  # fmt: skip
     node = Node(config, Identity.generate(), Admission.open_swarm("geotrain"))
     assert node._transport_config().max_pending_handshakes == 300
+    assert node._transport_config().connections_per_peer == 1
 
 
 async def test_a_node_fetching_the_swarms_model_answers_exchanges_busy_until_it_has_it():
