@@ -31,6 +31,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from .._config import NetworkConfig
+from ..algorithms import chunks_in_flight
 from ..testing import LocalSwarm, SwarmNode
 from .algorithms import stop
 
@@ -108,6 +110,8 @@ class RssSampler:
         self.high: dict[str, tuple[float, float]] = {}  # name -> (MB, when)
         # name -> [(when, MB, of which file-backed MB)]
         self.samples: dict[str, list[tuple[float, float, float]]] = {}
+        # name -> the links its status.json reported at its highest sample: [(rtt ms, Mbit/s)]
+        self.links_at_high: dict[str, list[tuple[float, float]]] = {}
 
     def sample(self) -> None:
         for node in self.nodes:
@@ -118,6 +122,7 @@ class RssSampler:
             self.samples.setdefault(node.name, []).append((now, mb, file_mb or 0.0))
             if mb > self.high.get(node.name, (0.0, 0.0))[0]:
                 self.high[node.name] = (mb, now)
+                self.links_at_high[node.name] = _links(node)
 
     def wait(self, seconds: float) -> None:
         end = time.monotonic() + seconds
@@ -136,6 +141,25 @@ def _rss_mb(pid: int | None, field: str = "VmRSS:") -> float | None:
     except (OSError, ValueError, IndexError):
         return None
     return None
+
+
+def _links(node: SwarmNode) -> list[tuple[float, float]]:
+    """The (round trip ms, goodput Mbit/s) of each peer link `node` measured, as its status
+    file says now (written every state.status_every_s)."""
+    peers = (node.status() or {}).get("peers", [])
+    return [(p["rtt_ms"], p["goodput_mbit"]) for p in peers
+            if p.get("rtt_ms") is not None and p.get("goodput_mbit") is not None]  # fmt: skip
+
+
+def widest_window(links: list[tuple[float, float]], model_bytes: float) -> int | None:
+    """The most chunk requests a stream of a model of `model_bytes` in chunks of the default
+    size (network.chunk_mb) keeps in flight on any of `links` ((round trip ms, goodput
+    Mbit/s)), as the node sizes its window (chunks_in_flight); None without a measured link."""
+    chunk_bytes = 4 * NetworkConfig().chunk_numel
+    chunks = max(1, math.ceil(model_bytes / chunk_bytes))
+    widths = [chunks_in_flight(rtt / 1000, mbit / 8e-6, chunk_bytes, chunks)
+              for rtt, mbit in links]  # fmt: skip
+    return max(widths, default=None)
 
 
 def _event_near(node: SwarmNode, when: float) -> str:
@@ -205,6 +229,7 @@ def _late_joiner_peaks(common: dict, algorithm: str, steps: int, timeout_s: floa
         "peak_rss_mb": [f.get("peak_rss_mb") for f in finals],
         "sampled_peak_mb": [sampler.high.get(n, (None, 0))[0] for n in "abc"],
         "peak_near_event": [where.get(n, "") for n in "abc"],
+        "links_at_peak": [sampler.links_at_high.get(n, []) for n in "abc"],
         "estimate_mb": finals[0].get("memory_estimate_mb"),
         "steps": [f.get("step") for f in finals],
         "exchanges_ok": [f.get("exchanges_ok") for f in finals],
@@ -253,6 +278,9 @@ def main(argv: list[str] | None = None) -> None:
             near = r["peak_near_event"]
             said = ", ".join(f"{n}: {e or '?'}" for n, e in zip("abc", near, strict=True))
             print(f"{'':<9} nodes a/b/c (c joined late); highest sample near: {said}")
+            windows = [widest_window(links, model_mb * 1e6) for links in r["links_at_peak"]]
+            print(f"{'':<9} chunks in flight a stream may keep then (8 MiB each, both ways): "
+                  + "/".join("?" if w is None else str(w) for w in windows))  # fmt: skip
 
 
 if __name__ == "__main__":
