@@ -538,3 +538,32 @@ async def test_a_checkpoint_waits_for_a_quiet_peer_only_until_its_deadline(autoj
         async with b.quiet(30.0):
             assert not b._sessions
         assert trio.current_time() - started < idle + 1.0 < 30.0
+
+
+@pytest.mark.parametrize("second_starts_after_s", [0.0, 0.03, 0.15])
+async def test_two_exchanges_one_pair_starts_at_once_average_once_and_never_swap(
+    autojump_clock, second_starts_after_s
+):
+    """Both nodes of a pair start an exchange with each other (at once, or the second while the
+    first streams): one runs and both models end at the mean. Two at once moved each model by
+    the whole difference (a swap, not an average): a two-site swarm's held-out loss jumped."""
+    async with runtimes(2, **CHUNKED) as (net, (a, b)):
+        net.set_delay("p0", "p1", 0.05)
+        a.ctx.trainer.train_step()  # the two models differ
+        before_a, before_b = model(a), model(b)
+        done: list[bool] = []
+
+        async def later(runtime) -> None:
+            await trio.sleep(second_starts_after_s)
+            done.append(await runtime.exchange_once())
+
+        async def first(runtime) -> None:
+            done.append(await runtime.exchange_once())
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(first, a)
+            nursery.start_soon(later, b)
+        await settle()
+        assert sorted(done) == [False, True]
+        mean = {k: (before_a[k] + before_b[k]) / 2 for k in before_a}
+        assert all(torch.allclose(model(x)[k], mean[k]) for x in (a, b) for k in mean)

@@ -169,6 +169,7 @@ class Adpsgd(Algorithm):
         # instead of declining: nodes that all start exchanges would otherwise mostly collide.
         self.max_exchanges = 3 if 3 * model_bytes <= SMALL_EXCHANGES_BYTES else 1
         self._running = False  # an exchange we started runs
+        self._running_with: str | None = None  # ... with this partner
         self._seed = 0
         self.on_answered_mix: OnMixed | None = None  # awaited after we mixed as the responder
         self.chunk_timer = ChunkTimer()  # our own tensor work per chunk: chunk deadlines
@@ -305,6 +306,16 @@ class Adpsgd(Algorithm):
         address = partner and peers.address_of(partner)
         if partner is None or address is None:
             return False
+        if partner in self._sessions:  # we answer its exchange: one at a time per pair
+            return False
+        self._running_with = partner
+        try:
+            return await self._exchange_with(partner, address, now)
+        finally:
+            self._running_with = None
+
+    async def _exchange_with(self, partner: str, address: str, now: float) -> bool:
+        peers = self.ctx.peers
         spec = peers.choose_codec(partner, now)
         mix = self._mix(self.plan(self.ctx.chunk_numel), spec)
         moved = [0]
@@ -480,6 +491,11 @@ class Adpsgd(Algorithm):
             return ErrorReply(code="busy", reason="writing a checkpoint"), b""
         if peer.peer_id in self._sessions:
             return ErrorReply(code="busy", reason="already in an exchange with you"), b""
+        # Two exchanges of one pair at once (each started its own) would each move both models
+        # by half the difference: a swap, not an average. The node of the smaller id keeps its
+        # own and declines; the other answers, and its own is declined.
+        if self._running_with == peer.peer_id and ctx.peers.selector.self_id < peer.peer_id:
+            return ErrorReply(code="busy", reason="our own exchange with you runs"), b""
         if not self._free():
             reason = (f"already in {self.max_exchanges} exchange(s), the most it runs at once "
                       "for a model of this size")  # fmt: skip
