@@ -126,3 +126,15 @@ def test_freed_chunk_buffers_go_back_to_the_system_after_a_round_end():
     base, held, after = (float(x) for x in out.stdout.split())
     assert held - base > 600, (base, held)  # (what it is for: freed, yet held)
     assert after - base < 100, (base, held, after)
+
+
+def test_the_memory_bench_says_how_many_chunks_a_stream_could_keep_in_flight_at_a_peak():
+    from geotrain.node.bench.memory import widest_window
+
+    model = 4e8  # 10^8 float32: 48 chunks of 8 MiB
+    assert widest_window([], model) is None  # no link measured yet
+    assert widest_window([(0.2, 5000.0)], model) == 4  # loopback: the least window
+    # a loaded box's loopback, measured at 30 ms: a BDP of 15 MB widens the window to 7
+    assert widest_window([(0.2, 5000.0), (30.0, 4000.0)], model) == 7
+    assert widest_window([(150.0, 1000.0)], model) == 8  # 1 Gbit/s at 150 ms: WINDOW_BYTES
+    assert widest_window([(150.0, 1000.0)], 2e7) == 3  # never more than the stream's chunks
