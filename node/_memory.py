@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from ._config import ConfigError, NodeConfig
-from .algorithms import CHUNKS_IN_FLIGHT, AlgorithmSpec
+from .algorithms import AlgorithmSpec, window_chunks
 from .training import Trainer
 
 RUNTIME_GB = 0.5  # interpreter, torch, transport buffers: a small node's RSS on this kind of box
@@ -84,7 +84,7 @@ def estimate_memory(
     extra = spec.memory(config.gossip, numel) if spec.memory is not None else None
     # a peer's chunks may be up to network.peer_chunk_mb (at least our own chunk_mb)
     chunk_bytes = min(model_bytes, config.network.max_chunk_numel * 4)
-    buffers = CHUNKS_IN_FLIGHT * BUFFERS_PER_CHUNK * chunk_bytes
+    buffers = window_chunks(chunk_bytes, model_bytes) * BUFFERS_PER_CHUNK * chunk_bytes
     return MemoryEstimate(
         model_bytes / 1e9, 2.0 + copies, spec.name, extra,
         buffers / 1e9, numel=numel, frozen_gb=trainer.frozen_bytes / 1e9, optimizer=described,

@@ -14,6 +14,7 @@ from geotrain.node.algorithms import (
     WINDOW_BYTES,
     chunks_in_flight,
     slow_start_s,
+    window_chunks,
 )
 from geotrain.node.transport import TransportConfig
 
@@ -40,6 +41,13 @@ def test_chunks_in_flight_grow_with_the_bandwidth_delay_product_and_stay_bounded
     assert chunks_in_flight(0.3, 100e9 / 8, 4096) == WINDOW_BYTES // 4096
     assert chunks_in_flight(0.3, 100e9 / 8, 4096, chunks=3) == 3
     assert chunks_in_flight(0.3, 10e6 / 8, chunk, chunks=1) == 1
+    # a stream's window grows beyond 32 MiB only within 1/32 of its bytes (memory: ~8 buffers a
+    # chunk in flight): a 10^8 model keeps 4 chunks of 8 MiB on the fattest link, a 10^9 one 8
+    assert chunks_in_flight(0.150, 1e9 / 8, chunk, chunks=48) == 4
+    assert chunks_in_flight(0.150, 1e9 / 8, chunk, chunks=477) == 8
+    assert window_chunks(chunk, 48 * chunk) == 4 and window_chunks(chunk, 477 * chunk) == 8
+    assert window_chunks(MiB, 32 * MiB) == 32  # a small model on small chunks: all of them
+    assert window_chunks(4096, 4096) == CHUNKS_IN_FLIGHT  # what the estimate counts at least
 
 
 def test_a_deadline_allows_for_slow_start_by_round_trips():

@@ -39,3 +39,4 @@ from ._stream import plan_refusal as plan_refusal
 from ._stream import read_chunk as read_chunk
 from ._stream import read_chunk_encoded as read_chunk_encoded
 from ._stream import slow_start_s as slow_start_s
+from ._stream import window_chunks as window_chunks

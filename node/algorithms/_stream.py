@@ -41,6 +41,11 @@ CHUNKS_IN_FLIGHT = 4  # requests of one stream on the wire at once, at least
 # ... and at most this many bytes of them one way (memory: each chunk in flight holds buffers of
 # its size on both ends): on a long fat link the window grows with its bandwidth-delay product
 WINDOW_BYTES = 64 * 2**20
+# ... and, above WINDOW_FLOOR_BYTES, at most this share of the stream's bytes: with ~8 buffers a
+# chunk in flight, the window's growth costs at most a quarter of a model copy (a 10^8 model
+# keeps 32 MiB in flight whatever the link; a 10^9 one may keep 64 MiB)
+WINDOW_SHARE = 1 / 32
+WINDOW_FLOOR_BYTES = 32 * 2**20
 # A chunk request spends about three round trips on the wire (its parts go, the reply's first part
 # comes back, the rest of the reply is pulled): a stream keeps this many BDPs of chunks in flight.
 BDP_ROUND_TRIPS = 3
@@ -145,15 +150,28 @@ def chunks_in_flight(rtt_s: float, bytes_per_s: float, chunk_bytes: int,
                      chunks: int | None = None) -> int:  # fmt: skip
     """Chunk requests of one stream to keep on the wire at once on a link of `rtt_s` round trip
     and `bytes_per_s` goodput: BDP_ROUND_TRIPS bandwidth-delay products of chunks and one more,
-    at least CHUNKS_IN_FLIGHT, at most WINDOW_BYTES of them (or CHUNKS_IN_FLIGHT of bigger
-    chunks), and never more than the stream's `chunks` (a window wider than the stream would
-    stretch each chunk's deadline for bytes that never come). 1 Gbit/s at 150 ms and 8 MiB
-    chunks: 8; 100 Mbit/s at 80 ms: 4."""
+    at least CHUNKS_IN_FLIGHT, at most window_chunks of a stream of `chunks` chunks, and never
+    more than its `chunks` (a window wider than the stream would stretch each chunk's deadline
+    for bytes that never come). 1 Gbit/s at 150 ms and 8 MiB chunks: 8 for a 10^9 model, 4 for
+    a 10^8 one (its window stays at 32 MiB); 100 Mbit/s at 80 ms: 4."""
     chunk_bytes = max(1, chunk_bytes)
-    most = max(CHUNKS_IN_FLIGHT, WINDOW_BYTES // chunk_bytes)
+    most = window_chunks(chunk_bytes, None if chunks is None else chunks * chunk_bytes)
     bdp = max(0.0, rtt_s) * max(0.0, bytes_per_s)
     width = max(CHUNKS_IN_FLIGHT, min(most, math.ceil(BDP_ROUND_TRIPS * bdp / chunk_bytes) + 1))
     return width if chunks is None else max(1, min(width, chunks))
+
+
+def window_chunks(chunk_bytes: int, stream_bytes: int | None = None) -> int:
+    """The most chunks of `chunk_bytes` a stream of `stream_bytes` (None: unknown) keeps in
+    flight on any link (what the memory estimate counts): CHUNKS_IN_FLIGHT, or more while they
+    stay within WINDOW_BYTES and, above WINDOW_FLOOR_BYTES, WINDOW_SHARE of the stream; never
+    more than the stream has."""
+    chunk_bytes = max(1, chunk_bytes)
+    if stream_bytes is None:
+        return max(CHUNKS_IN_FLIGHT, WINDOW_BYTES // chunk_bytes)
+    cap = min(WINDOW_BYTES, max(WINDOW_FLOOR_BYTES, int(stream_bytes * WINDOW_SHARE)))
+    chunks = -(-stream_bytes // chunk_bytes)
+    return max(CHUNKS_IN_FLIGHT, min(cap // chunk_bytes, chunks))
 
 
 def slow_start_s(rtt_s: float, nbytes: int) -> float:
