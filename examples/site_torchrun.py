@@ -67,27 +67,33 @@ def main() -> None:
         torchrun(["--standalone", f"--nproc-per-node={args.ranks}", sys.argv[0], *sys.argv[1:]])
         return
     rank, world = 0, 1
+    # a GPU per rank where there are enough (NCCL inside the site), else CPU and gloo
+    cuda = torch.cuda.device_count() >= int(os.environ.get("WORLD_SIZE", "1"))
+    device = torch.device(f"cuda:{os.environ.get('LOCAL_RANK', '0')}" if cuda else "cpu")
+    if cuda:
+        torch.cuda.set_device(device)
     if "RANK" in os.environ:
-        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+        dist.init_process_group("nccl" if cuda else "gloo")
         rank, world = dist.get_rank(), dist.get_world_size()
     if args.batch % world:
         sys.exit(f"--batch {args.batch}: must split evenly between {world} ranks")
-    model = make_model()
+    model = make_model().to(device)
     wrapped = model
     if world > 1 and args.fsdp:
         from torch.distributed.fsdp import fully_shard
 
         wrapped = fully_shard(model)
     elif world > 1:
-        wrapped = torch.nn.parallel.DistributedDataParallel(model)
-    x_eval, y_eval = batch(-1, 512, seed=999)
+        wrapped = torch.nn.parallel.DistributedDataParallel(
+            model, device_ids=[device.index] if cuda else None)
+    x_eval, y_eval = (t.to(device) for t in batch(-1, 512, seed=999))
     sgd = torch.optim.SGD(wrapped.parameters(), lr=args.lr, momentum=0.9)
     trace: list[float] = []
     with geotrain.join(args.config, wrapped) as swarm:
         opt = swarm.wrap(sgd)
         while swarm.step < args.steps:
             x, y = batch(swarm.step, args.batch, args.data_seed)
-            x, y = x[rank::world], y[rank::world]  # this rank's part of the global batch
+            x, y = x[rank::world].to(device), y[rank::world].to(device)  # this rank's part
             loss = F.mse_loss(wrapped(x), y)
             loss.backward()
             opt.step(loss=loss)
@@ -107,7 +113,7 @@ def main() -> None:
               f"{status.exchanges_ok} exchanges", flush=True)  # fmt: skip
     if args.out and rank == 0:  # the site's whole model, by name
         names = [n for n, _ in model.named_parameters()]
-        torch.save({n: t.detach().clone() for n, t in zip(names, whole, strict=True)},
+        torch.save({n: t.detach().cpu() for n, t in zip(names, whole, strict=True)},
                    f"{args.out}.model.pt")  # fmt: skip
     if args.out:
         with open(f"{args.out}.rank{rank}", "w") as f:

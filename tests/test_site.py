@@ -219,6 +219,8 @@ def alone(tmp_path_factory) -> list[float]:
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", ["ddp", "fsdp"])
 def test_two_sites_of_two_ranks_train_as_well_as_two_of_one_process(tmp_path, layout, alone):
+    # (on a machine of two GPUs or more the example puts each rank on its own GPU, and the
+    # ranks of a site talk NCCL; here, gloo on CPU)
     extra = ["--fsdp"] if layout == "fsdp" else []
     sites = two_sites(tmp_path, 2, *QUALITY_ARGS, *extra)
     finish(sites)
