@@ -10,7 +10,12 @@ import torch
 import trio
 from _runtimes import model, poison, runtimes, same
 
-from geotrain.node.algorithms._stream import encode_chunk, model_chunk, slow_start_s
+from geotrain.node.algorithms._stream import (
+    CHUNKS_IN_FLIGHT,
+    encode_chunk,
+    model_chunk,
+    slow_start_s,
+)
 from geotrain.node.algorithms.choco import ChocoExchange, ChocoReply, ChocoSettings
 from geotrain.node.transport import ErrorReply, PeerInfo
 
@@ -114,18 +119,20 @@ async def test_a_partner_that_never_answers_costs_one_deadline(autojump_clock):
         before = model(a)
         started = trio.current_time()
         nbytes = a.ctx.peers.payload_nbytes("topk:0.1")  # (the model is one chunk; ~its size)
-        # a chunk's deadline: the link's for a window of chunks (here the stream's one) and a
-        # fresh connection's slow start (no tensor work measured on a virtual clock); the whole
-        # stream's: the link's for all of its bytes both ways, which comes first
+        # a chunk's deadline: the link's for a window of chunks (the stream has one; the
+        # deadline allows for CHUNKS_IN_FLIGHT) and a fresh connection's slow start (no tensor
+        # work measured on a virtual clock); the whole stream's: the link's for all of its bytes
+        # both ways, which comes first
         chunk = a.chunk_timer.deadline(a.ctx.peers, "p1", nbytes, started, chunks=1)
+        assert a.chunk_timer.width(a.ctx.peers, "p1", nbytes, started, chunks=1) == 1
         rtt = a.ctx.peers.links.estimate("p1", started).rtt_s
-        window = 2 * nbytes * a.chunk_timer.width(a.ctx.peers, "p1", nbytes, started, chunks=1)
+        window = 2 * nbytes * CHUNKS_IN_FLIGHT
         link = a.ctx.peers.exchange_deadline("p1", window, started)
         assert chunk == pytest.approx(link + slow_start_s(rtt, window))
         whole = a.ctx.peers.exchange_deadline("p1", 2 * nbytes, started)
-        assert whole <= chunk
+        assert whole < chunk
         await a._exchange("p1")
-        assert trio.current_time() - started == pytest.approx(whole, rel=1e-3)  # one deadline
+        assert trio.current_time() - started == pytest.approx(whole)
         assert same(model(a), before) and a.counters.statistics().failed == 1
         assert a.links["p1"].seq == 0 and not a.links["p1"].busy
 

@@ -10,7 +10,8 @@ import sys
 
 def bench(*args: str) -> dict:
     out = subprocess.run([sys.executable, "-m", "geotrain.node.bench.exchange", "--json", *args],
-                         capture_output=True, text=True, check=True, timeout=300)  # fmt: skip
+                         capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 

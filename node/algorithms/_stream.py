@@ -229,7 +229,8 @@ class ChunkTimer:
         bytes of a whole window (the chunk may queue behind the window's others) and the slow
         start of a fresh connection's window, plus the tensor work of a window on both ends
         (each as long as ours)."""
-        width = self.width(peers, peer, nbytes, now, chunks)
+        # (at least CHUNKS_IN_FLIGHT: a stream of fewer chunks keeps that slack for a busy box)
+        width = max(CHUNKS_IN_FLIGHT, self.width(peers, peer, nbytes, now, chunks))
         window = width * 2 * nbytes
         compute = 2 * width * self.seconds
         rtt = peers.links.estimate(peer, now).rtt_s
