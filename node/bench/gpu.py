@@ -37,7 +37,7 @@ import trio
 from .._allocator import tune_allocator
 from .._config import GossipConfig
 from .._memory import BUFFERS_PER_CHUNK, peak_rss_mb, reset_peak_rss, rss_mb
-from ..algorithms import CHUNKS_IN_FLIGHT, WINDOW_BYTES
+from ..algorithms import window_chunks
 from ..cli import configure_logging
 from ..identity import Identity
 from ..training import TaskContext, Trainer, resolve_task
@@ -45,8 +45,7 @@ from .exchange import CHUNK_NUMEL, adpsgd_runtime, secure_transports
 
 # On a device, what an exchange may add to host memory per node: the memory estimate's chunks
 # in flight and one pinned staging buffer (a host copy of the model would be one more copy)
-IN_FLIGHT = max(CHUNKS_IN_FLIGHT, WINDOW_BYTES // (4 * CHUNK_NUMEL))
-HOST_BOUND_BYTES = (IN_FLIGHT * BUFFERS_PER_CHUNK + 1) * 4 * CHUNK_NUMEL
+HOST_BOUND_BYTES = (window_chunks(4 * CHUNK_NUMEL) * BUFFERS_PER_CHUNK + 1) * 4 * CHUNK_NUMEL
 
 
 def pick_device() -> tuple[torch.device, str]:
