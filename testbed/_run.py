@@ -53,8 +53,8 @@ from ._summary import at_or_past, build_summary, load_jsonl, render_table, train
 from ._userspace import UserspaceLinks
 
 STARTUP_TIMEOUT_S = 180.0  # launch -> first step, 2 cores shared by every peer's torch import
-LINK_CHECK_SECONDS = 0.5
-LINK_CHECK_MAX_BYTES = 32 << 20
+LINK_CHECK_SECONDS = 1.0
+LINK_CHECK_MAX_BYTES = 96 << 20
 
 Echo = Callable[[str], None]
 
