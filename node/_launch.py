@@ -15,8 +15,12 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from .state import StateDir
+
+if TYPE_CHECKING:
+    from .testing._forkserver import ForkedProcess
 
 
 def node_argv(
@@ -45,9 +49,19 @@ class ManagedProcess:
     log: Path
     env: dict[str, str] | None = None
     prefix: tuple[str, ...] = ()
-    proc: subprocess.Popen | None = field(default=None, repr=False)
+    proc: subprocess.Popen | ForkedProcess | None = field(default=None, repr=False)
+    fork_server: bool = False
 
     def start(self) -> None:
+        """Start it. With `fork_server` set, a `geotrain node run` without a prefix is forked
+        from a warm process (geotrain.node.testing's ForkServer) instead of a fresh Python."""
+        module = [sys.executable, "-m", "geotrain.node"]
+        if self.fork_server and not self.prefix and self.argv[:3] == module:
+            from .testing._forkserver import ForkServer
+
+            server = ForkServer.for_env(dict(os.environ) if self.env is None else self.env)
+            self.proc = server.spawn(self.argv[3:], str(self.log))
+            return
         with open(self.log, "ab") as log:
             self.proc = subprocess.Popen(
                 [*self.prefix, *self.argv],

@@ -11,4 +11,4 @@ TESTS = Path(__file__).resolve().parent
 
 
 def LocalSwarm(root: Path, common: dict | None = None) -> _LocalSwarm:  # noqa: N802
-    return _LocalSwarm(root, common=common or {}, python_path=(TESTS,))
+    return _LocalSwarm(root, common=common or {}, python_path=(TESTS,), fork_server=True)
