@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 from .state import StateDir
 
 if TYPE_CHECKING:
-    from .testing._forkserver import ForkedProcess
+    from .testing import ForkedProcess
 
 
 def node_argv(
@@ -57,7 +57,7 @@ class ManagedProcess:
         from a warm process (geotrain.node.testing's ForkServer) instead of a fresh Python."""
         module = [sys.executable, "-m", "geotrain.node"]
         if self.fork_server and not self.prefix and self.argv[:3] == module:
-            from .testing._forkserver import ForkServer
+            from .testing import ForkServer
 
             server = ForkServer.for_env(dict(os.environ) if self.env is None else self.env)
             self.proc = server.spawn(self.argv[3:], str(self.log))

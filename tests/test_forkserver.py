@@ -9,8 +9,7 @@ import time
 
 import pytest
 
-from geotrain.node.testing import LocalSwarm
-from geotrain.node.testing._forkserver import ForkedProcess, ForkServer
+from geotrain.node.testing import ForkedProcess, ForkServer, LocalSwarm
 
 pytestmark = pytest.mark.slow
 

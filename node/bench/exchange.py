@@ -133,20 +133,42 @@ async def _exchanges(millions: float, codec: str, repeats: int, state_sync: bool
         if state_sync:
             out = {**await _state_sync(trainers, syncs[-1], tb), "chunks": len(plan)}
         else:
-            out = await _timed_exchanges(algos[0], ta, len(plan), repeats)
+            out = await _timed_exchanges(algos[0], algos[-1], ta, len(plan), repeats)
         nursery.cancel_scope.cancel()
     return out
 
 
-async def _timed_exchanges(algo, transport, chunks: int, repeats: int) -> dict:
-    if not await algo.exchange_once():  # warm-up (first touch of every buffer)
-        raise RuntimeError("the warm-up exchange failed")
+async def _exchange(algo, what: str) -> None:
+    """One exchange of `algo` with its partner, started again while the partner declines it as
+    busy (it may still be applying the last one when the next opens, on a loaded box); an
+    exchange that fails or is rejected raises."""
+    before = algo.counters.statistics()
+    with trio.move_on_after(60):
+        while not await algo.exchange_once():
+            after = algo.counters.statistics()
+            if (after.failed, after.rejected) != (before.failed, before.rejected):
+                raise RuntimeError(f"{what} failed")
+            await trio.sleep(0.05)
+        return
+    raise RuntimeError(f"{what}: the partner declined it for 60 s")
+
+
+async def _applied(partner, exchanges: int) -> None:
+    """Until `partner` has applied `exchanges` exchanges it answered (it mixes after its last
+    reply: an exchange timed while it still applies the last one would wait on it)."""
+    with trio.fail_after(120):
+        while partner.counters.statistics().ok < exchanges:
+            await trio.sleep(0.01)
+
+
+async def _timed_exchanges(algo, partner, transport, chunks: int, repeats: int) -> dict:
+    await _exchange(algo, "the warm-up exchange")  # (first touch of every buffer)
     times, moved = [], []
-    for _ in range(repeats):
+    for done in range(1, repeats + 1):
+        await _applied(partner, done)
         before = transport.statistics()
         started = time.perf_counter()
-        if not await algo.exchange_once():
-            raise RuntimeError("an exchange failed")
+        await _exchange(algo, "an exchange")
         times.append(time.perf_counter() - started)
         after = transport.statistics()
         moved.append(after.bytes_out - before.bytes_out + after.bytes_in - before.bytes_in)

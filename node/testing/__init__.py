@@ -5,9 +5,12 @@
   puts an algorithm's runtime on it with its tensor work inline, so a test on
   `trio.testing.MockClock(autojump_threshold=0)` sees exact virtual times.
 - In processes: `LocalSwarm` writes configs and runs real `geotrain node run` processes on
-  loopback (the same launcher and config writer as the testbed).
+  loopback (the same launcher and config writer as the testbed); with `fork_server=True` they
+  fork from one warm process (`ForkServer`) instead of each importing torch afresh.
 """
 
+from ._forkserver import ForkedProcess as ForkedProcess
+from ._forkserver import ForkServer as ForkServer
 from ._memory import MemoryNetwork as MemoryNetwork
 from ._memory import MemoryTransport as MemoryTransport
 from ._memory import StaticMembership as StaticMembership
