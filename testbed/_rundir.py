@@ -139,7 +139,8 @@ def _metrics_problems(path: Path, run: dict[str, Any]) -> list[str]:
         if isinstance(info, dict) and info.get("stopped") in CUT_SHORT:
             continue  # (cut short, maybe before its peers wrote anything: what is there counts)
         files = metrics_paths(path, system, run["peers"])
-        absent = [(i, f) for i, f in enumerate(files) if not f.is_file()]
+        killed = _killed_peers(run, system)
+        absent = [(i, f) for i, f in enumerate(files) if not f.is_file() and i not in killed]
         if absent:
             peers = ", ".join(str(i) for i, _ in absent)
             names = ", ".join(str(f.relative_to(path)) for _, f in absent)
@@ -147,8 +148,20 @@ def _metrics_problems(path: Path, run: dict[str, Any]) -> list[str]:
     return problems
 
 
+def _killed_peers(run: dict[str, Any], system: str) -> set[int]:
+    """The peers of `system` a kill fault took down: one killed before its first metrics line,
+    and not back in time to write one, has no metrics file, and the run is still whole."""
+    return {f["peer"] for f in run["faults"] if isinstance(f, dict) and f.get("system") == system
+            and f.get("action") == "kill" and f.get("applied") and isinstance(f.get("peer"), int)}
+
+
 def _missing_parts(path: Path, run: dict[str, Any], scenario: dict | None) -> list[str]:
     missing = []
+    for system in run["systems"]:
+        files = metrics_paths(path, system, run["peers"])
+        missing += [f"{system} peer {i}'s metrics (killed before it wrote any, and not back in "
+                    "time to write some)" for i in sorted(_killed_peers(run, system))
+                    if not files[i].is_file()]  # fmt: skip
     if scenario is None:
         missing.append("scenario.json (regions, link specs, stragglers and the fault plan)")
     if not (path / "summary.json").exists():
