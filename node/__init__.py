@@ -26,6 +26,7 @@ from ._config import config_to_toml as config_to_toml
 from ._config import load_config as load_config
 from ._config import override_value as override_value
 from ._credentials import load_identity as load_identity
+from ._forkserver import ForkServer as ForkServer
 from ._launch import ManagedProcess as ManagedProcess
 from ._launch import NodeProcess as NodeProcess
 from ._launch import node_argv as node_argv

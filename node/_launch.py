@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 from .state import StateDir
 
 if TYPE_CHECKING:
-    from .testing import ForkedProcess
+    from ._forkserver import ForkedProcess, ForkServer
 
 
 def node_argv(
@@ -50,17 +50,22 @@ class ManagedProcess:
     env: dict[str, str] | None = None
     prefix: tuple[str, ...] = ()
     proc: subprocess.Popen | ForkedProcess | None = field(default=None, repr=False)
-    fork_server: bool = False
+    fork_server: bool | ForkServer = False
 
     def start(self) -> None:
-        """Start it. With `fork_server` set, a `geotrain node run` without a prefix is forked
-        from a warm process (geotrain.node.testing's ForkServer) instead of a fresh Python."""
+        """Start it. With `fork_server` (True: one per environment, or that server), a
+        `geotrain node run`, alone or after `ip netns exec NS`, is forked from a warm process
+        (geotrain.node.testing's ForkServer) instead of starting a fresh Python."""
         module = [sys.executable, "-m", "geotrain.node"]
-        if self.fork_server and not self.prefix and self.argv[:3] == module:
-            from .testing import ForkServer
+        netns = self.prefix[3] if self.prefix[:3] == ("ip", "netns", "exec") else None
+        plain = not self.prefix or (netns is not None and len(self.prefix) == 4)
+        if self.fork_server and plain and self.argv[:3] == module:
+            from ._forkserver import ForkServer
 
-            server = ForkServer.for_env(dict(os.environ) if self.env is None else self.env)
-            self.proc = server.spawn(self.argv[3:], str(self.log))
+            server = self.fork_server
+            if not isinstance(server, ForkServer):
+                server = ForkServer.for_env(dict(os.environ) if self.env is None else self.env)
+            self.proc = server.spawn(self.argv[3:], str(self.log), netns=netns)
             return
         with open(self.log, "ab") as log:
             self.proc = subprocess.Popen(
@@ -127,8 +132,10 @@ class NodeProcess(ManagedProcess):
     def create(
         cls, config: Path, state: Path, log: Path, *, overrides: Sequence[str] = (),
         env: dict[str, str] | None = None, prefix: tuple[str, ...] = (),
+        fork_server: bool | ForkServer = False,
     ) -> NodeProcess:  # fmt: skip
-        return cls(node_argv(config, overrides), log, env, prefix, config=config, state=state)
+        return cls(node_argv(config, overrides), log, env, prefix, fork_server=fork_server,
+                   config=config, state=state)  # fmt: skip
 
     def restart_with(self, *overrides: str) -> None:
         """Start again (after it exited) with extra `--set` overrides."""

@@ -15,10 +15,14 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from geotrain.node import Identity, ManagedProcess, NodeProcess, SwarmAuthority
 
 from ._namespaces import NamespaceSet
+
+if TYPE_CHECKING:
+    from geotrain.node import ForkServer
 
 NODE_PORT = 7000
 DDP_PORT = 29500
@@ -186,10 +190,13 @@ def last_json_line(path: Path) -> dict | None:
     return None
 
 
-def start_node(host: Host, config: Path, state: Path, overrides: Sequence[str]) -> NodeProcess:
-    """Start peer `host`'s node with `config` (its log beside its state directory)."""
+def start_node(host: Host, config: Path, state: Path, overrides: Sequence[str],
+               fork: ForkServer | None = None) -> NodeProcess:  # fmt: skip
+    """Start peer `host`'s node with `config` (its log beside its state directory), forked
+    from `fork` when given (a fresh Python otherwise)."""
     proc = NodeProcess.create(config, state, state.with_suffix(".log"), overrides=overrides,
-                              env=child_env(), prefix=host.prefix)  # fmt: skip
+                              env=child_env(), prefix=host.prefix,
+                              fork_server=fork or False)  # fmt: skip
     proc.start()
     return proc
 

@@ -9,8 +9,8 @@
   fork from one warm process (`ForkServer`) instead of each importing torch afresh.
 """
 
-from ._forkserver import ForkedProcess as ForkedProcess
-from ._forkserver import ForkServer as ForkServer
+from .._forkserver import ForkedProcess as ForkedProcess
+from .._forkserver import ForkServer as ForkServer
 from ._memory import MemoryNetwork as MemoryNetwork
 from ._memory import MemoryTransport as MemoryTransport
 from ._memory import StaticMembership as StaticMembership

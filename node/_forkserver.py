@@ -23,6 +23,7 @@ import traceback
 from typing import Any
 
 MODULE = "geotrain.node"
+ANSWER_TIMEOUT_S = 180.0
 
 
 def _warm() -> None:
@@ -39,6 +40,8 @@ def _child(request: dict[str, Any], base_path: list[str], ready: int) -> None:
     code: int = 1
     try:
         os.setsid()
+        if request.get("netns"):
+            _enter_netns(request["netns"])
         os.write(ready, b"1")
         signal.set_wakeup_fd(-1)
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
@@ -81,6 +84,20 @@ def _child(request: dict[str, Any], base_path: list[str], ready: int) -> None:
             with contextlib.suppress(BaseException):
                 stream.flush()
         os._exit(code)
+
+
+def _enter_netns(name: str) -> None:
+    """Join network namespace `name` (as `ip netns exec NAME` does for the network; root)."""
+    import ctypes
+
+    fd = os.open(f"/run/netns/{name}", os.O_RDONLY)
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.setns(fd, 0x40000000) != 0:  # CLONE_NEWNET
+            err = ctypes.get_errno()
+            raise OSError(err, f"setns into network namespace {name}: {os.strerror(err)}")
+    finally:
+        os.close(fd)
 
 
 def serve() -> None:
@@ -166,7 +183,7 @@ class ForkServer:
     def __init__(self, env: dict[str, str]) -> None:
         self.env = dict(env)
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "geotrain.node.testing._forkserver"],
+            [sys.executable, "-m", "geotrain.node._forkserver"],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
             env=self.env, start_new_session=True,
         )  # fmt: skip
@@ -207,20 +224,21 @@ class ForkServer:
         return message
 
     def spawn(
-        self, args: list[str], log: str, cwd: str | None = None, module: str = MODULE
+        self, args: list[str], log: str, cwd: str | None = None, module: str = MODULE,
+        netns: str | None = None,
     ) -> ForkedProcess:
         """Fork `python -m MODULE ARGS` (geotrain's CLI by default) in `cwd` (ours by default),
-        its stdout and stderr appended to `log`."""
+        its stdout and stderr appended to `log`; inside network namespace `netns` if given."""
         request = {"args": args, "log": log, "cwd": cwd or os.getcwd(), "env": self.env,
-                   "module": module}  # fmt: skip
+                   "module": module, "netns": netns}  # fmt: skip
         with self.lock:
             assert self.proc.stdin is not None
             self.proc.stdin.write(json.dumps(request).encode() + b"\n")
             self.proc.stdin.flush()
-            while True:
-                message = self._read(60.0)
+            while True:  # (the first answer waits for the server's imports: a busy box's 2 cores)
+                message = self._read(ANSWER_TIMEOUT_S)
                 if message is None:
-                    raise RuntimeError("the fork server did not answer within 60 s")
+                    raise RuntimeError(f"the fork server did not answer in {ANSWER_TIMEOUT_S} s")
                 reply = self._dispatch(message)
                 if reply is not None:
                     break
@@ -240,7 +258,14 @@ class ForkServer:
                 self._dispatch(message)
             return self.exits[pid]
 
+    def __enter__(self) -> ForkServer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
     def close(self) -> None:
+        """Stop the server; every process it forked that still runs is killed."""
         if self.proc.poll() is None:
             with contextlib.suppress(OSError):
                 self.proc.stdin.close()  # type: ignore[union-attr]
