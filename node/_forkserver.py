@@ -1,13 +1,14 @@
-# A fork server for `geotrain node run` processes: one warm process that has imported torch,
-# torch._dynamo (which torch.optim imports on an optimizer's first use) and geotrain, and forks
-# a node for each request. A node then starts in ~0.1 s of CPU instead of ~4 s, most of a short
-# test's cost. The child is a real process of its own session that runs the CLI's own entry
-# point, as `python -m geotrain.node ARGS` would: signals, sockets, exit codes and files are the
-# same. Invariants: the server forks only while it is single-threaded in Python (torch's and
-# numpy's own pools are fork-safe, as DataLoader workers rely on); it is started with the exact
-# environment its nodes get, so anything read at import time matches; a child's environment,
-# cwd, sys.path and argv are the request's; when its client goes away (pipe closed), the server
-# kills every node it forked and exits, so nothing outlives the test process.
+# A fork server for `geotrain node run` processes (LocalSwarm's with fork_server=True, and the
+# testbed's): one warm process that has imported torch, torch._dynamo (which torch.optim imports
+# on an optimizer's first use) and geotrain, and forks a node for each request. A node then
+# starts in ~0.1 s of CPU instead of ~4 s. The child is a real process of its own session, in the
+# network namespace asked for, that runs the CLI's own entry point as `python -m geotrain.node
+# ARGS` would: signals, sockets, exit codes and files are the same. Invariants: the server forks
+# only while it is single-threaded in Python (torch's and numpy's own pools are fork-safe, as
+# DataLoader workers rely on); it is started with the exact environment its nodes get, so
+# anything read at import time matches; a child's environment, cwd, sys.path, argv and global
+# random seeds are its own; when its client goes away (pipe closed), the server kills every
+# process it forked and exits, so nothing outlives the process that asked for them.
 from __future__ import annotations
 
 import atexit
