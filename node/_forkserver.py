@@ -226,12 +226,15 @@ class ForkServer:
 
     def spawn(
         self, args: list[str], log: str, cwd: str | None = None, module: str = MODULE,
-        netns: str | None = None,
+        netns: str | None = None, env: dict[str, str] | None = None,
     ) -> ForkedProcess:
         """Fork `python -m MODULE ARGS` (geotrain's CLI by default) in `cwd` (ours by default),
-        its stdout and stderr appended to `log`; inside network namespace `netns` if given."""
-        request = {"args": args, "log": log, "cwd": cwd or os.getcwd(), "env": self.env,
-                   "module": module, "netns": netns}  # fmt: skip
+        its stdout and stderr appended to `log`; inside network namespace `netns` if given;
+        with `env` (the server's by default: one that differs in what a module reads at import
+        time gets what the server read)."""
+        request = {"args": args, "log": log, "cwd": cwd or os.getcwd(),
+                   "env": self.env if env is None else env, "module": module,
+                   "netns": netns}  # fmt: skip
         with self.lock:
             assert self.proc.stdin is not None
             self.proc.stdin.write(json.dumps(request).encode() + b"\n")

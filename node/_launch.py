@@ -54,18 +54,20 @@ class ManagedProcess:
 
     def start(self) -> None:
         """Start it. With `fork_server` (True: one per environment, or that server), a
-        `geotrain node run`, alone or after `ip netns exec NS`, is forked from a warm process
-        (geotrain.node.testing's ForkServer) instead of starting a fresh Python."""
-        module = [sys.executable, "-m", "geotrain.node"]
+        `python -m geotrain.…` (a node, a testbed worker), alone or after `ip netns exec NS`,
+        is forked from a warm process (ForkServer) instead of starting a fresh Python."""
         netns = self.prefix[3] if self.prefix[:3] == ("ip", "netns", "exec") else None
         plain = not self.prefix or (netns is not None and len(self.prefix) == 4)
-        if self.fork_server and plain and self.argv[:3] == module:
+        ours = self.argv[:2] == [sys.executable, "-m"] and self.argv[2].startswith("geotrain.")
+        if self.fork_server and plain and ours:
             from ._forkserver import ForkServer
 
+            env = dict(os.environ) if self.env is None else self.env
             server = self.fork_server
             if not isinstance(server, ForkServer):
-                server = ForkServer.for_env(dict(os.environ) if self.env is None else self.env)
-            self.proc = server.spawn(self.argv[3:], str(self.log), netns=netns)
+                server = ForkServer.for_env(env)
+            self.proc = server.spawn(self.argv[3:], str(self.log), module=self.argv[2],
+                                     netns=netns, env=env)  # fmt: skip
             return
         with open(self.log, "ab") as log:
             self.proc = subprocess.Popen(

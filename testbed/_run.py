@@ -508,6 +508,7 @@ def _run_ddp(options, hosts, meter: BytesMeter, faults: FaultRunner, echo: Echo,
     how = f"local SGD, parameters averaged every {period} steps" if period else "all-reduce"
     echo(f"{name}: starting {sc.n_peers} gloo workers ({how}; same task, shards, slowdowns, links)")
     launch = time.time()
+    fork = ForkServer(child_env())  # (as the nodes: the ranks' start is not DDP's to pay)
     try:
         for host, metrics in zip(hosts, files, strict=True):
             argv = ddp_argv(
@@ -522,7 +523,8 @@ def _run_ddp(options, hosts, meter: BytesMeter, faults: FaultRunner, echo: Echo,
                 lr=settings["lr"],
             )  # fmt: skip
             env = child_env({"GLOO_SOCKET_IFNAME": host.ifname})
-            peers.add(ManagedProcess(argv, metrics.with_suffix(".log"), env, host.prefix)).start()
+            peers.add(ManagedProcess(argv, metrics.with_suffix(".log"), env, host.prefix,
+                                     fork_server=fork)).start()  # fmt: skip
 
         def progress() -> list[tuple[int, float | None] | None]:
             lines = [last_json_line(f) for f in files]
@@ -554,6 +556,7 @@ def _run_ddp(options, hosts, meter: BytesMeter, faults: FaultRunner, echo: Echo,
                  "to there)")  # fmt: skip
     finally:
         peers.stop()
+        fork.close()
     return {"launch_t": launch, "stopped": stopped, "metrics": f"{name}/peer-NN.jsonl",
             "algorithm": describe(name, settings), "settings": settings,
             "failed_peers": failed}  # fmt: skip

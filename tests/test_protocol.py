@@ -158,8 +158,9 @@ async def test_a_node_answers_bad_messages_with_errors_and_keeps_serving(tmp_pat
         n = frames["unexpected"]
         assert f"refused   frames {n} (unexpected {n})" in shown, shown
         assert "messages 2 (gossip 1, probe 1)" in shown, shown
-        assert node.status().rejected_by_reason["decode"] >= n  # what metrics label it
-        assert set(node.status().rejected_by_reason) == {"decode"}
+        # the garbage model above is the one update refused, as undecodable (the refused
+        # frames are the transport's, counted apart however often pynng resent them)
+        assert node.status().rejected_by_reason == {"decode": 1}
         node.request_stop()
 
 
