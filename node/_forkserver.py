@@ -183,28 +183,33 @@ class ForkServer:
 
     def __init__(self, env: dict[str, str]) -> None:
         self.env = dict(env)
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "geotrain.node._forkserver"],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-            env=self.env, start_new_session=True,
-        )  # fmt: skip
+        self.proc: subprocess.Popen | None = None  # (started by the first spawn)
         self.exits: dict[int, int] = {}
         self.lock = threading.Lock()
         self._buf = b""
+
+    def _started(self) -> subprocess.Popen:
+        if self.proc is None:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "geotrain.node._forkserver"],
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                env=self.env, start_new_session=True,
+            )  # fmt: skip
+        return self.proc
 
     @classmethod
     def for_env(cls, env: dict[str, str]) -> ForkServer:
         key = tuple(sorted(env.items()))
         with cls._lock:
             server = cls._by_env.get(key)
-            if server is None or server.proc.poll() is not None:
+            if server is None or (server.proc is not None and server.proc.poll() is not None):
                 server = cls._by_env[key] = cls(env)
                 atexit.register(server.close)
             return server
 
     def _read(self, timeout: float | None) -> dict | None:
         """One message (None when none came within `timeout`)."""
-        assert self.proc.stdout is not None
+        assert self.proc is not None and self.proc.stdout is not None
         fd = self.proc.stdout.fileno()
         while b"\n" not in self._buf:
             with selectors.DefaultSelector() as sel:
@@ -236,9 +241,10 @@ class ForkServer:
                    "env": self.env if env is None else env, "module": module,
                    "netns": netns}  # fmt: skip
         with self.lock:
-            assert self.proc.stdin is not None
-            self.proc.stdin.write(json.dumps(request).encode() + b"\n")
-            self.proc.stdin.flush()
+            proc = self._started()
+            assert proc.stdin is not None
+            proc.stdin.write(json.dumps(request).encode() + b"\n")
+            proc.stdin.flush()
             while True:  # (the first answer waits for the server's imports: a busy box's 2 cores)
                 message = self._read(ANSWER_TIMEOUT_S)
                 if message is None:
@@ -270,6 +276,8 @@ class ForkServer:
 
     def close(self) -> None:
         """Stop the server; every process it forked that still runs is killed."""
+        if self.proc is None:
+            return
         if self.proc.poll() is None:
             with contextlib.suppress(OSError):
                 self.proc.stdin.close()  # type: ignore[union-attr]

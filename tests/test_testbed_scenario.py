@@ -313,7 +313,7 @@ def test_partition_flags_reach_every_system_and_the_run_files(tmp_path: Path, mo
     class FakeProcess:
         running, proc = False, None
 
-        def __init__(self, argv, log, env, prefix) -> None:
+        def __init__(self, argv, log, env, prefix, fork_server=False) -> None:
             self.argv = argv
 
         def close(self) -> None:
@@ -546,7 +546,7 @@ def test_a_baselines_end_is_recorded_as_it_was(tmp_path: Path, monkeypatch, code
     class FakeProcess:
         running = False
 
-        def __init__(self, argv, log, env, prefix) -> None:
+        def __init__(self, argv, log, env, prefix, fork_server=False) -> None:
             self.proc = SimpleNamespace(returncode=codes[len(made)])
             metrics_path = Path(argv[argv.index("--metrics") + 1])
             line = {"step": 5, "metric": metrics[len(made)], "t": 1.0}
