@@ -161,7 +161,7 @@ def _missing_parts(path: Path, run: dict[str, Any], scenario: dict | None) -> li
         files = metrics_paths(path, system, run["peers"])
         missing += [f"{system} peer {i}'s metrics (killed before it wrote any, and not back in "
                     "time to write some)" for i in sorted(_killed_peers(run, system))
-                    if not files[i].is_file()]  # fmt: skip
+                    if i < len(files) and not files[i].is_file()]  # fmt: skip
     if scenario is None:
         missing.append("scenario.json (regions, link specs, stragglers and the fault plan)")
     if not (path / "summary.json").exists():
