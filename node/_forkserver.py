@@ -20,6 +20,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 import traceback
 from typing import Any
 
@@ -254,14 +255,15 @@ class ForkServer:
                     break
         if "error" in reply:
             raise RuntimeError(f"fork server: {reply['error']}")
+        self.exits.pop(reply["pid"], None)  # (an earlier child's, whose pid the kernel reused)
         return ForkedProcess(self, reply["pid"])
 
     def exit_code(self, pid: int, timeout: float | None) -> int | None:
         """`pid`'s exit code once the server reaped it; None if not within `timeout` (0: now)."""
         with self.lock:
-            deadline = None if timeout is None else _now() + timeout
+            deadline = None if timeout is None else time.monotonic() + timeout
             while pid not in self.exits:
-                left = None if deadline is None else max(0.0, deadline - _now())
+                left = None if deadline is None else max(0.0, deadline - time.monotonic())
                 message = self._read(left)
                 if message is None:
                     return None
@@ -288,12 +290,6 @@ class ForkServer:
                 self.proc.wait()
         if self.proc.stdout is not None:
             self.proc.stdout.close()
-
-
-def _now() -> float:
-    import time
-
-    return time.monotonic()
 
 
 class ForkedProcess:

@@ -58,7 +58,11 @@ class ManagedProcess:
         is forked from a warm process (ForkServer) instead of starting a fresh Python."""
         netns = self.prefix[3] if self.prefix[:3] == ("ip", "netns", "exec") else None
         plain = not self.prefix or (netns is not None and len(self.prefix) == 4)
-        ours = self.argv[:2] == [sys.executable, "-m"] and self.argv[2].startswith("geotrain.")
+        ours = (
+            self.argv[:2] == [sys.executable, "-m"]
+            and self.argv[2:3] != []
+            and self.argv[2].startswith("geotrain.")
+        )
         if self.fork_server and plain and ours:
             from ._forkserver import ForkServer
 

@@ -273,6 +273,10 @@ def _run_systems(options: RunOptions, run: dict[str, Any], choice: BackendChoice
             links = stack.enter_context(emulator(namespaces, sc.matrix()))
         nat = _enter_nat(stack, namespaces, sc, echo)
         hosts = hosts_for(namespaces, sc.n_peers, choice.backend)
+        # the nodes and DDP's ranks fork from one warm process: each starts in ~0.1 s of CPU
+        # instead of ~4 s of importing torch, which on a few shared cores delayed a system's
+        # start by peers x 4 s (the ranks' start is not DDP's to pay either)
+        fork = stack.enter_context(ForkServer(child_env()))
         if options.link_check and namespaces is not None:
             run["links"] = _check_links(namespaces, sc, echo)
         else:
@@ -282,7 +286,7 @@ def _run_systems(options: RunOptions, run: dict[str, Any], choice: BackendChoice
         faults = FaultRunner(sc, links, echo)
         run["faults"] = faults.applied_all  # (kept up to date: a run stopped early has them)
         run["in_progress"] = {"system": "geotrain", "launch_t": time.time()}
-        run["systems"]["geotrain"] = _run_geotrain(options, hosts, meter, faults, echo)
+        run["systems"]["geotrain"] = _run_geotrain(options, hosts, meter, faults, echo, fork)
         del run["in_progress"]
         faults.reset()
         run["nat"] = _leave_nat(nat, sc, echo)
@@ -293,7 +297,9 @@ def _run_systems(options: RunOptions, run: dict[str, Any], choice: BackendChoice
             run["faults"] = faults.applied_all
             run["in_progress"] = {"system": baseline, "launch_t": time.time()}
             if baseline in ("ddp", "localsgd"):
-                run["systems"][baseline] = _run_ddp(options, hosts, meter, faults, echo, baseline)
+                run["systems"][baseline] = _run_ddp(
+                    options, hosts, meter, faults, echo, baseline, fork
+                )
             else:
                 run["systems"][baseline] = _run_hivemind(
                     baseline, options, hosts, meter, faults, echo
@@ -435,7 +441,8 @@ def _node_config(options: RunOptions, host, files, state: Path, bootstrap: list[
     }  # fmt: skip
 
 
-def _run_geotrain(options, hosts, meter: BytesMeter, faults: FaultRunner, echo: Echo) -> dict:
+def _run_geotrain(options, hosts, meter: BytesMeter, faults: FaultRunner, echo: Echo,
+                  fork: ForkServer) -> dict:  # fmt: skip
     from ._attacker import start_attacker
 
     sc, root = options.scenario, options.out / "geotrain"
@@ -444,9 +451,6 @@ def _run_geotrain(options, hosts, meter: BytesMeter, faults: FaultRunner, echo: 
     peers, states = Peers(), [root / f"peer-{h.index:02d}" for h in hosts]
     echo(f"geotrain: starting {sc.n_peers} nodes ({sc.algorithm}, {sc.task})")
     launch = time.time()
-    # the nodes fork from one warm process: each starts in ~0.1 s of CPU instead of ~4 s of
-    # importing torch, which on a few shared cores delayed the swarm's start by peers x 4 s
-    fork = ForkServer(child_env())
     try:
         bootstrap: list[str] = []
         for host, state in zip(hosts, states, strict=True):
@@ -489,13 +493,13 @@ def _run_geotrain(options, hosts, meter: BytesMeter, faults: FaultRunner, echo: 
         )  # fmt: skip
     finally:
         peers.stop()
-        fork.close()
     return {"launch_t": launch, "stopped": stopped, "metrics": "geotrain/peer-NN/metrics.jsonl"}
 
 
 def _run_ddp(options, hosts, meter: BytesMeter, faults: FaultRunner, echo: Echo,
-             name: str = "ddp") -> dict:  # fmt: skip
-    """DDP (`name` ddp) or DDP's ranks doing local SGD (`name` localsgd)."""
+             name: str = "ddp", fork: ForkServer | None = None) -> dict:  # fmt: skip
+    """DDP (`name` ddp) or DDP's ranks doing local SGD (`name` localsgd); the ranks fork from
+    `fork` when given (fresh Pythons otherwise)."""
     sc, root = options.scenario, options.out / name
     root.mkdir()
     settings = dict(options.baseline_settings[name])
@@ -508,7 +512,6 @@ def _run_ddp(options, hosts, meter: BytesMeter, faults: FaultRunner, echo: Echo,
     how = f"local SGD, parameters averaged every {period} steps" if period else "all-reduce"
     echo(f"{name}: starting {sc.n_peers} gloo workers ({how}; same task, shards, slowdowns, links)")
     launch = time.time()
-    fork = ForkServer(child_env())  # (as the nodes: the ranks' start is not DDP's to pay)
     try:
         for host, metrics in zip(hosts, files, strict=True):
             argv = ddp_argv(
@@ -524,7 +527,7 @@ def _run_ddp(options, hosts, meter: BytesMeter, faults: FaultRunner, echo: Echo,
             )  # fmt: skip
             env = child_env({"GLOO_SOCKET_IFNAME": host.ifname})
             peers.add(ManagedProcess(argv, metrics.with_suffix(".log"), env, host.prefix,
-                                     fork_server=fork)).start()  # fmt: skip
+                                     fork_server=fork or False)).start()  # fmt: skip
 
         def progress() -> list[tuple[int, float | None] | None]:
             lines = [last_json_line(f) for f in files]
@@ -556,7 +559,6 @@ def _run_ddp(options, hosts, meter: BytesMeter, faults: FaultRunner, echo: Echo,
                  "to there)")  # fmt: skip
     finally:
         peers.stop()
-        fork.close()
     return {"launch_t": launch, "stopped": stopped, "metrics": f"{name}/peer-NN.jsonl",
             "algorithm": describe(name, settings), "settings": settings,
             "failed_peers": failed}  # fmt: skip
